@@ -1,0 +1,3 @@
+from nnxscale.cli import main
+
+raise SystemExit(main())

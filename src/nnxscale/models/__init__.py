@@ -1,0 +1,1 @@
+"""Models written for one device, annotated with logical axis names only."""
