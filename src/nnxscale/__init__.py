@@ -34,11 +34,12 @@ _EXPORTS = {
     "abstract_state": "nnxscale.sharding",
     "place": "nnxscale.sharding",
     "reshard": "nnxscale.sharding",
-    "merge": "nnxscale.sharding",
     "layout_bytes": "nnxscale.sharding",
     "lint": "nnxscale.sharding",
     "sharding_table": "nnxscale.sharding",
     "sharded_init": "nnxscale.sharding",
+    "compile_init": "nnxscale.sharding",
+    "layouts": "nnxscale.sharding",
     # shard_map
     "data_parallel_apply": "nnxscale.parallel",
     "ColumnParallelLinear": "nnxscale.parallel",

@@ -1,0 +1,359 @@
+"""State sharding: from an NNX model (or its state) and a rules table to a sharded layout.
+
+This module is the one seam between nnxscale and Flax/JAX sharding APIs: everything that
+turns logical axis names into PartitionSpecs, NamedShardings and placed arrays lives here.
+
+Trees returned here have the structure of ``nnx.state(model)`` with each Variable
+replaced by its PartitionSpec / NamedSharding (as ``jax.tree.map(pick_spec, state,
+is_leaf=...)`` would give). Such a tree is a valid prefix for ``jax.device_put`` and for
+``jax.jit(out_shardings=...)``.
+
+Where a Variable's logical axes come from (first that applies):
+
+1. ``logical_axes`` metadata, set by :func:`nnxscale.logical` (nnxscale's way);
+2. Flax's ``out_sharding`` metadata (``nnx.with_partitioning``), each name run through the
+   rules (a name that is itself a mesh axis maps to it);
+3. the *fallback* for unannotated parameters, the rank rule: a 2-D kernel gets
+   ``P(None, t)`` and a 1-D bias ``P(t)``, where ``t`` is the mesh's ``model`` or ``tensor``
+   axis; without such an axis, or when the size does not divide, the tensor is replicated.
+   Non-parameter Variables (RNG state, counters) are replicated. :func:`lint` reports
+   every Variable that used the fallback.
+
+Rule-derived specs are always valid: a mesh axis whose size does not divide the dimension,
+or that an earlier dimension already uses, is dropped (that dimension is replicated over
+it), and :func:`lint` reports the drop. Explicit PartitionSpecs given to
+:func:`nnxscale.shard_shape` are checked strictly instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from nnxscale.layout import LayoutError, format_bytes, full_bytes, shard_bytes, shard_shape
+from nnxscale.mesh import mesh_axis_sizes
+from nnxscale.rules import LOGICAL_KEY, Rules, get_rules, resolve_name
+
+_TENSOR_AXES = ("model", "tensor")
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _as_state(tree):
+    """A Module becomes its state; a State (or any tree of Variables) is returned as is."""
+    if isinstance(tree, nnx.Module):
+        return nnx.state(tree)
+    return tree
+
+
+def _path_str(path) -> str:
+    parts = []
+    for k in path:
+        key = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+        parts.append(str(key))
+    return ".".join(parts)
+
+
+def _shape_dtype(v: nnx.Variable):
+    value = v.get_value() if hasattr(v, "get_value") else v[...]
+    return tuple(getattr(value, "shape", ())), getattr(value, "dtype", np.dtype("float32"))
+
+
+def variable_logical_axes(v: nnx.Variable) -> Optional[tuple]:
+    """The logical axis names a Variable was annotated with, or ``None``."""
+    meta = v.get_metadata()
+    names = meta.get(LOGICAL_KEY)
+    if names is None:
+        names = meta.get("out_sharding")
+    if names is None:
+        return None
+    if isinstance(names, P):
+        names = tuple(names)
+    return tuple(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableLayout:
+    """How one Variable is laid out: what the rules decided and why."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    logical: Optional[tuple]  # None: unannotated
+    spec: P
+    fallback: bool  # the rank rule or plain replication decided, not the rules
+    dropped: tuple[str, ...]  # human notes on mesh axes dropped (indivisible, reused)
+    unmatched: tuple[str, ...]  # logical names with no rule and not a mesh axis
+    rules_used: tuple[int, ...]  # indices of the rules that decided a dimension
+    is_param: bool
+
+
+def _fallback_spec(shape, sizes: dict[str, int], is_param: bool) -> P:
+    if not is_param or len(shape) not in (1, 2):
+        return P()
+    axis = next((a for a in _TENSOR_AXES if a in sizes), None)
+    if axis is None or shape[-1] % sizes[axis]:
+        return P()
+    return P(None, axis) if len(shape) == 2 else P(axis)
+
+
+def _layout_variable(path: str, v: nnx.Variable, table: Rules, mesh) -> VariableLayout:
+    sizes = mesh_axis_sizes(mesh)
+    shape, dtype = _shape_dtype(v)
+    is_param = isinstance(v, nnx.Param)
+    names = variable_logical_axes(v)
+    if names is None:
+        return VariableLayout(path, shape, dtype, None, _fallback_spec(shape, sizes, is_param), True, (), (), (), is_param)
+    if len(names) != len(shape):
+        raise LayoutError(
+            f"{path} is annotated with logical axes {names} ({len(names)} names) "
+            f"but its value has shape {shape} (rank {len(shape)})"
+        )
+    used: set[str] = set()
+    entries, dropped, unmatched, rules_used = [], [], [], []
+    for dim, name in enumerate(names):
+        axes, rule_index = resolve_name(name, table, mesh)
+        if rule_index is not None:
+            rules_used.append(rule_index)
+        if name is not None and axes is None and rule_index is None:
+            unmatched.append(name)
+        kept = []
+        for a in axes or ():
+            if a in used:
+                dropped.append(f"dim {dim} ({name}): mesh axis {a!r} already shards another dimension")
+                continue
+            count = math.prod(sizes[k] for k in kept) * sizes[a]
+            if shape[dim] % count:
+                dropped.append(
+                    f"dim {dim} ({name}={shape[dim]}) is not divisible by {count} "
+                    f"(mesh axes {tuple(kept) + (a,)}): not sharded over {a!r}"
+                )
+                continue
+            kept.append(a)
+        used.update(kept)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return VariableLayout(
+        path, shape, dtype, names, P(*entries), False, tuple(dropped), tuple(unmatched), tuple(rules_used), is_param
+    )
+
+
+def layouts(tree, mesh, rules=None) -> list[VariableLayout]:
+    """One :class:`VariableLayout` per Variable of a model or state, in state order."""
+    table = get_rules(rules)
+    state = _as_state(tree)
+    out = []
+    for path, v in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)[0]:
+        if _is_var(v):
+            out.append(_layout_variable(_path_str(path), v, table, mesh))
+    return out
+
+
+def state_specs(tree, mesh, rules=None):
+    """Tree of PartitionSpecs, same structure as ``nnx.state(tree)``.
+
+    ``mesh`` may be a ``Mesh`` or a plain ``{axis: size}`` mapping (planning only).
+    """
+    table = get_rules(rules)
+    state = _as_state(tree)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)
+    specs = [
+        _layout_variable(_path_str(path), v, table, mesh).spec if _is_var(v) else P() for path, v in flat
+    ]
+    return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+def state_shardings(tree, mesh, rules=None):
+    """Tree of NamedShardings on ``mesh``, same structure as ``nnx.state(tree)``."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(tree, mesh, rules))
+
+
+def abstract_state(factory: Callable[[], nnx.Module], mesh, rules=None):
+    """``(graphdef, state)`` of the model ``factory()`` would build, without building it.
+
+    Each Variable of ``state`` holds a ``jax.ShapeDtypeStruct`` carrying its target
+    ``NamedSharding``: the restore target for checkpoints and the plan for sharded init.
+    """
+    graphdef, state = nnx.split(nnx.eval_shape(factory))
+    shardings = state_shardings(state, mesh, rules)
+
+    def with_sharding(v, sharding):
+        shape, dtype = _shape_dtype(v)
+        return v.replace(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+
+    return graphdef, jax.tree.map(with_sharding, state, shardings, is_leaf=_is_var)
+
+
+def _init_program(factory: Callable[[], nnx.Module], mesh, rules):
+    graphdef, abstract = abstract_state(factory, mesh, rules)
+    shardings = jax.tree.map(lambda v: v.get_value().sharding, abstract, is_leaf=_is_var)
+    return graphdef, jax.jit(lambda: nnx.split(factory())[1], out_shardings=shardings)
+
+
+def sharded_init(factory: Callable[[], nnx.Module], mesh, rules=None) -> nnx.Module:
+    """Create ``factory()`` directly in its sharded layout: no device ever holds a full tensor.
+
+    The shapes come from ``nnx.eval_shape`` (nothing allocated), the shardings from the
+    rules, and creation runs under ``jax.jit`` with those ``out_shardings``, so XLA
+    partitions the random number generation itself. ``factory`` must be a function of no
+    arguments that builds the model, e.g. ``lambda: GPT2(cfg, rngs=nnx.Rngs(0))``; with
+    JAX's partitionable threefry (the default) the values do not depend on the mesh.
+    """
+    graphdef, create = _init_program(factory, mesh, rules)
+    with jax.set_mesh(mesh):
+        state = create()
+    return nnx.merge(graphdef, state)
+
+
+def compile_init(factory: Callable[[], nnx.Module], mesh, rules=None):
+    """The compiled sharded-init program (``.memory_analysis()`` before anything runs)."""
+    _, create = _init_program(factory, mesh, rules)
+    with jax.set_mesh(mesh):
+        return create.lower().compile()
+
+
+def place(tree, mesh, rules=None):
+    """Put a model's arrays onto ``mesh`` in the layout the rules give.
+
+    A Module gives back a new, working Module (graph merged with the placed state); a
+    State gives back a State. Arrays already placed on another mesh or under another
+    preset are moved device to device: this is also how to *reshard*.
+    """
+    if isinstance(tree, nnx.Module):
+        graphdef, state = nnx.split(tree)
+        return nnx.merge(graphdef, place(state, mesh, rules))
+    return jax.device_put(tree, state_shardings(tree, mesh, rules))
+
+
+#: Resharding is placement onto the new mesh/rules; one code path serves both.
+reshard = place
+
+
+def layout_bytes(tree, mesh, rules=None) -> tuple[int, int]:
+    """``(bytes per device, bytes unsharded)`` of a model's state under the rules."""
+    per_device = full = 0
+    for lay in layouts(tree, mesh, rules):
+        per_device += shard_bytes(lay.shape, lay.dtype, lay.spec, mesh)
+        full += full_bytes(lay.shape, lay.dtype)
+    return per_device, full
+
+
+# --------------------------------------------------------------------------------------
+# Lint and the sharding table
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One lint finding. ``kind`` is a short stable code, ``message`` says what to do."""
+
+    kind: str
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.path}: " if self.path else ""
+        return f"[{self.kind}] {where}{self.message}"
+
+
+#: Logical names of activations: a rule for them matches no Variable and is still in use.
+ACTIVATION_NAMES = ("batch", "length")
+
+
+def lint(tree, mesh, rules=None, *, replicated_threshold_bytes: int = 1 << 20) -> list[Finding]:
+    """Check a (model, rules, mesh) combination before training on it.
+
+    Reports: rules that match no Variable (``unused-rule``), logical names with no rule
+    (``no-rule``), a mesh axis asked for twice in one spec (``axis-reused``), dimensions
+    that do not divide by their shard count (``indivisible``), Variables that used the
+    fallback (``unannotated``), and replicated tensors larger than
+    ``replicated_threshold_bytes`` on a mesh of more than one device (``replicated``).
+    """
+    table = get_rules(rules)
+    sizes = mesh_axis_sizes(mesh)
+    findings: list[Finding] = []
+    used_rules: set[int] = set()
+    n_devices = math.prod(sizes.values())
+    for lay in layouts(tree, mesh, table):
+        used_rules.update(lay.rules_used)
+        if lay.fallback and lay.is_param:
+            findings.append(
+                Finding("unannotated", lay.path, f"no logical axes; fallback spec {lay.spec} by rank (use nnxscale.logical)")
+            )
+        for name in lay.unmatched:
+            findings.append(Finding("no-rule", lay.path, f"logical axis {name!r} has no rule and is replicated"))
+        for note in lay.dropped:
+            kind = "axis-reused" if "already shards" in note else "indivisible"
+            findings.append(Finding(kind, lay.path, note))
+        nbytes = full_bytes(lay.shape, lay.dtype)
+        if n_devices > 1 and all(e is None for e in lay.spec) and nbytes > replicated_threshold_bytes:
+            findings.append(
+                Finding(
+                    "replicated",
+                    lay.path,
+                    f"{format_bytes(nbytes)} {lay.shape} is replicated on all {n_devices} devices",
+                )
+            )
+    for i, (name, axes) in enumerate(table):
+        if i in used_rules or name in ACTIVATION_NAMES:
+            continue
+        findings.append(Finding("unused-rule", "", f"rule {name!r} -> {axes!r} decides no Variable on this mesh"))
+    return findings
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingTable:
+    """Per-Variable layout rows plus totals; ``str()`` renders an aligned text table."""
+
+    rows: tuple[VariableLayout, ...]
+    mesh_sizes: dict
+    per_device_bytes: int
+    total_bytes: int
+    num_params: int
+
+    def __str__(self) -> str:
+        header = ("path", "shape", "dtype", "logical", "spec", "shard", "per device")
+        lines = [header]
+        for r in self.rows:
+            logical = "-" if r.logical is None else "(" + ", ".join(str(n) for n in r.logical) + ")"
+            spec = "P(" + ", ".join(repr(e) if e is not None else "None" for e in r.spec) + ")"
+            lines.append(
+                (
+                    r.path,
+                    str(r.shape),
+                    np.dtype(r.dtype).name,
+                    logical,
+                    spec,
+                    str(shard_shape(r.shape, r.spec, self.mesh_sizes)),
+                    format_bytes(shard_bytes(r.shape, r.dtype, r.spec, self.mesh_sizes)),
+                )
+            )
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+        out.insert(1, "  ".join("-" * w for w in widths))
+        mesh = ",".join(f"{k}={v}" for k, v in self.mesh_sizes.items())
+        ratio = self.total_bytes / max(self.per_device_bytes, 1)
+        out.append(
+            f"total: {self.num_params:,} parameters, {format_bytes(self.total_bytes)} unsharded, "
+            f"{format_bytes(self.per_device_bytes)} per device on mesh {mesh} ({ratio:.1f}x less)"
+        )
+        return "\n".join(out)
+
+
+def sharding_table(tree, mesh, rules=None) -> ShardingTable:
+    """The human-readable layout of every Variable of a model (abstract models work too)."""
+    sizes = mesh_axis_sizes(mesh)
+    rows = tuple(layouts(tree, mesh, rules))
+    per_device = sum(shard_bytes(r.shape, r.dtype, r.spec, sizes) for r in rows)
+    total = sum(full_bytes(r.shape, r.dtype) for r in rows)
+    params = sum(math.prod(r.shape) for r in rows if r.is_param)
+    return ShardingTable(rows, sizes, per_device, total, params)
+
