@@ -40,6 +40,15 @@ _EXPORTS = {
     "sharded_init": "nnxscale.sharding",
     "compile_init": "nnxscale.sharding",
     "layouts": "nnxscale.sharding",
+    # data
+    "load_tokens": "nnxscale.data",
+    "train_batches": "nnxscale.data",
+    "eval_batches": "nnxscale.data",
+    "to_global": "nnxscale.data",
+    "DataError": "nnxscale.data",
+    # training
+    "TrainConfig": "nnxscale.config",
+    "train": "nnxscale.train",
     # shard_map
     "data_parallel_apply": "nnxscale.parallel",
     "ColumnParallelLinear": "nnxscale.parallel",

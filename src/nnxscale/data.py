@@ -1,0 +1,531 @@
+"""Token data for GPT-2 training: a source -> one token stream -> each process's batches.
+
+Sources (:func:`load_tokens`):
+
+- ``None`` or ``"stdlib"``: the default corpus, the running Python's own standard library
+  source (every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` except ``site-packages``
+  and ``__pycache__``), about 30 MB of real text on every machine, nothing downloaded.
+- a text file, or a directory (every regular file recursively; files containing a NUL byte
+  are taken for binary and skipped): the bytes are the tokens, vocabulary 256.
+- ``.bin`` (uint16, nanoGPT's layout) or ``.npy`` (1-D integer array) token files, memory
+  mapped; vocabulary = largest token + 1 unless given.
+
+Documents (files) are joined by one separator token, byte 0 (:data:`SEPARATOR`). NUL never
+occurs in text, so the separator is unambiguous and the model can learn a document boundary.
+
+Batches (:func:`train_batches`): the train stream is cut into non-overlapping windows of
+``seq_len + 1`` tokens (``inputs = w[:-1]``, ``targets = w[1:]``), the window order is a
+grain shuffle that changes every epoch and repeats forever, and the window sequence is cut
+into global batches of ``global_batch_size`` windows. Process ``p`` of ``P`` yields rows
+``[p * B/P, (p + 1) * B/P)`` of every global batch, so the rows assembled in process order
+(:func:`to_global`) are the same global batch on any number of processes, and a state saved
+after step ``k`` resumes at step ``k + 1`` whatever the process count. Tokens are gathered
+per local batch, only the rows this process needs: a memory-mapped ``.bin`` is never read in
+full by the batches (:func:`load_tokens` scans it once for its token range and hashes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import grain
+import jax
+import numpy as np
+
+#: Token placed between two documents (files): byte 0, which never occurs in text.
+SEPARATOR = 0
+
+#: Vocabulary of byte-level tokens.
+BYTE_VOCAB = 256
+
+#: Source name of the default corpus (also used when the source is ``None``).
+STDLIB = "stdlib"
+
+TokenSource = Union[str, os.PathLike, None]
+
+_KEPT_DTYPES = (np.uint8, np.uint16, np.int32)  # token dtypes used as stored (memory mapped)
+_FULL_HASH_BYTES = 256 << 20  # streams up to this size are hashed in full, larger ones sampled
+_SAMPLE_CHUNKS = 256
+_SAMPLE_BYTES = 1 << 20
+
+# Prefetch for the training iterator. Gathering one local batch is a few dozen numpy slices,
+# so a deep buffer only adds work after a resume; measured on 2 CPU cores (seq_len 256,
+# batch 32) two threads and a buffer of 8 keep up with the default of 16 threads and 500.
+_READ_OPTIONS = dict(num_threads=2, prefetch_buffer_size=8)
+
+
+class DataError(ValueError):
+    """A data source, split or batch layout that cannot be used."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenData:
+    """A token stream and what it is.
+
+    Attributes:
+      tokens: 1-D read-only array of token ids, ``uint8`` (bytes), ``uint16`` (``.bin``) or
+        ``int32``; may be a memory map.
+      vocab_size: number of token ids (256 for bytes).
+      description: what was read, e.g. ``"stdlib corpus /usr/lib/python3.11: 1790 .py files,
+        31,525,224 bytes -> 31,527,013 tokens (vocab 256)"``.
+      fingerprint: 16 hex digits of BLAKE2b over dtype, length and tokens, so a resumed run
+        can tell that its data changed. Streams over 256 MiB are hashed from 256 evenly
+        spaced 1 MiB samples plus the tail, so loading a huge file stays fast.
+    """
+
+    tokens: np.ndarray
+    vocab_size: int
+    description: str
+    fingerprint: str
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+# ---------------------------------------------------------------------------------------
+# sources
+
+
+def load_tokens(
+    source: TokenSource = None, *, max_tokens: Optional[int] = None, vocab_size: Optional[int] = None
+) -> TokenData:
+    """Read a source into one 1-D token stream.
+
+    Args:
+      source: ``None`` or ``"stdlib"`` (default corpus), a text file, a directory of text
+        files, a ``.bin`` (uint16) or a ``.npy`` (integer) token file. See the module
+        docstring.
+      max_tokens: keep only the first ``max_tokens`` tokens (text sources stop reading
+        files once they have enough).
+      vocab_size: the vocabulary of a token file when it is known (e.g. 50257 for GPT-2
+        BPE); default: largest token + 1. Byte sources are always 256.
+
+    Raises:
+      DataError: missing path, a directory with no usable text file, an empty file, a
+        binary file given as text, or a token file of an unsupported dtype or shape.
+    """
+    if max_tokens is not None and max_tokens < 1:
+        raise DataError(f"max_tokens={max_tokens}: give a positive number of tokens, or None for all")
+    if source is None or (isinstance(source, str) and source == STDLIB):
+        return _load_stdlib(max_tokens)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise DataError(f"data source {str(path)!r} does not exist: give an existing file or directory, or 'stdlib'")
+    if path.is_dir():
+        return _load_directory(path, max_tokens)
+    suffix = path.suffix.lower()
+    if suffix in (".bin", ".npy"):
+        return _load_token_file(path, max_tokens, vocab_size)
+    return _load_text_file(path, max_tokens)
+
+
+def stdlib_root() -> Path:
+    """Directory of the running Python's standard library (the default corpus)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files() -> list[Path]:
+    """The default corpus: the stdlib's ``*.py`` files, sorted by relative path."""
+    root = stdlib_root()
+    files = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if "site-packages" in rel.parts or "__pycache__" in rel.parts or not path.is_file():
+            continue
+        files.append(rel)
+    return [root / rel for rel in sorted(files, key=lambda p: p.as_posix())]
+
+
+def _load_stdlib(max_tokens: Optional[int]) -> TokenData:
+    root = stdlib_root()
+    files = stdlib_files()
+    tokens, used, skipped, nbytes = _join_documents(files, max_tokens)
+    if not used:
+        raise DataError(
+            f"no Python source files under {str(root)!r}: this Python ships no stdlib sources; "
+            "pass a text file or a directory instead"
+        )
+    return _byte_data(tokens, f"stdlib corpus {root}: {used} .py files{_skipped(skipped)}", nbytes)
+
+
+def _load_directory(path: Path, max_tokens: Optional[int]) -> TokenData:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for name in filenames:
+            full = Path(dirpath) / name
+            if full.is_file():
+                files.append(full)
+    files.sort(key=lambda p: p.relative_to(path).as_posix())
+    tokens, used, skipped, nbytes = _join_documents(files, max_tokens)
+    if not used:
+        raise DataError(
+            f"directory {str(path)!r} has no usable text file ({len(files)} files, all empty or binary): "
+            "put text files in it, or pass a .bin/.npy token file"
+        )
+    return _byte_data(tokens, f"directory {path}: {used} text files{_skipped(skipped)}", nbytes)
+
+
+def _load_text_file(path: Path, max_tokens: Optional[int]) -> TokenData:
+    data = path.read_bytes()
+    if not data:
+        raise DataError(f"text file {str(path)!r} is empty: give a file with text in it")
+    if b"\0" in data:
+        raise DataError(
+            f"file {str(path)!r} contains NUL bytes, so it is not text: "
+            "save tokens as .bin (uint16) or .npy, or pass a text file"
+        )
+    tokens = np.frombuffer(data, dtype=np.uint8)
+    if max_tokens is not None:
+        tokens = tokens[:max_tokens]
+    return _byte_data(tokens, f"text file {path}", len(data))
+
+
+def _join_documents(files: list[Path], max_tokens: Optional[int]) -> tuple[np.ndarray, int, int, int]:
+    """Join the files' bytes with separators -> (tokens, files used, files skipped, bytes read).
+
+    Empty files and files with a NUL byte (binary) are skipped.
+    """
+    buf = bytearray()
+    used = skipped = nbytes = 0
+    for path in files:
+        if max_tokens is not None and len(buf) >= max_tokens:
+            break
+        data = path.read_bytes()
+        if not data or b"\0" in data:
+            skipped += 1
+            continue
+        if used:
+            buf.append(SEPARATOR)
+        buf += data
+        used += 1
+        nbytes += len(data)
+    tokens = np.frombuffer(buf, dtype=np.uint8)
+    if max_tokens is not None:
+        tokens = tokens[:max_tokens]
+    return tokens, used, skipped, nbytes
+
+
+def _skipped(count: int) -> str:
+    return f" ({count} empty or binary skipped)" if count else ""
+
+
+def _byte_data(tokens: np.ndarray, what: str, nbytes: int) -> TokenData:
+    tokens.flags.writeable = False
+    description = f"{what}, {nbytes:,} bytes -> {len(tokens):,} tokens (vocab {BYTE_VOCAB})"
+    return TokenData(tokens, BYTE_VOCAB, description, fingerprint(tokens))
+
+
+def _load_token_file(path: Path, max_tokens: Optional[int], vocab_size: Optional[int]) -> TokenData:
+    size = path.stat().st_size
+    if size == 0:
+        raise DataError(f"token file {str(path)!r} is empty: write tokens into it, or pick another file")
+    if path.suffix.lower() == ".bin":
+        if size % 2:
+            raise DataError(
+                f"token file {str(path)!r} has {size} bytes, an odd number, so it is not uint16 tokens: "
+                "write .bin files as np.uint16 (nanoGPT layout), or use .npy"
+            )
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    else:
+        try:
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as e:  # object arrays, corrupt headers
+            raise DataError(f"cannot read token file {str(path)!r} ({e}): save a 1-D integer array with np.save") from None
+        if not isinstance(tokens, np.ndarray):
+            raise DataError(f"token file {str(path)!r} is not a single array: save a 1-D integer array with np.save")
+        if tokens.ndim != 1:
+            raise DataError(
+                f"token file {str(path)!r} holds an array of shape {tokens.shape}: "
+                "save the tokens as one 1-D stream (arr.reshape(-1))"
+            )
+        if tokens.dtype.kind not in "iu":
+            raise DataError(
+                f"token file {str(path)!r} has dtype {tokens.dtype}, not an integer type: "
+                "save token ids as uint16 or int32"
+            )
+    if len(tokens) == 0:
+        raise DataError(f"token file {str(path)!r} holds no tokens: write tokens into it, or pick another file")
+    if max_tokens is not None:
+        tokens = tokens[:max_tokens]
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0:
+        raise DataError(f"token file {str(path)!r} holds a negative token id ({low}): token ids start at 0")
+    if tokens.dtype.type not in _KEPT_DTYPES:
+        if high >= 2**31:
+            raise DataError(f"token file {str(path)!r} holds token id {high}, too large for int32")
+        tokens = tokens.astype(np.int32)  # other integer dtypes: converted in memory
+        tokens.flags.writeable = False
+    if vocab_size is None:
+        vocab_size = high + 1
+    elif high >= vocab_size:
+        raise DataError(f"token file {str(path)!r} holds token id {high}, outside vocab_size={vocab_size}")
+    description = f"token file {path}: {size:,} bytes, {tokens.dtype} -> {len(tokens):,} tokens (vocab {vocab_size})"
+    return TokenData(tokens, int(vocab_size), description, fingerprint(tokens))
+
+
+def fingerprint(tokens: np.ndarray) -> str:
+    """16 hex digits identifying a token stream (dtype, length, content; see TokenData)."""
+    tokens = np.ascontiguousarray(tokens)
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{tokens.dtype.str}:{len(tokens)}:".encode())
+    raw = tokens.view(np.uint8)
+    if raw.nbytes <= _FULL_HASH_BYTES:
+        h.update(raw)
+    else:
+        step = raw.nbytes // _SAMPLE_CHUNKS
+        for start in range(0, step * _SAMPLE_CHUNKS, step):
+            h.update(raw[start : start + _SAMPLE_BYTES])
+        h.update(raw[-_SAMPLE_BYTES:])
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------
+# split
+
+
+def split(
+    tokens: Union[TokenData, np.ndarray], val_fraction: float, *, seq_len: Optional[int] = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split a stream into ``(train, val)``: val is the last ``val_fraction`` of the stream.
+
+    The validation tokens are the contiguous tail, ``floor(len * val_fraction)`` tokens,
+    disjoint from train (both are views, nothing is copied). ``val_fraction=0`` gives an
+    empty val. With ``seq_len``, checks that train (and val, unless it is empty by choice)
+    holds at least one window of ``seq_len + 1`` tokens.
+    """
+    name = tokens.description if isinstance(tokens, TokenData) else "token stream"
+    stream = _stream(tokens)
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction={val_fraction}: give a fraction in [0, 1), e.g. 0.05, or 0 for no validation")
+    n_val = int(len(stream) * val_fraction)
+    train, val = stream[: len(stream) - n_val], stream[len(stream) - n_val :]
+    if seq_len is not None:
+        window = seq_len + 1
+        if len(train) < window or (val_fraction > 0 and len(val) < window):
+            raise DataError(
+                f"{name}: {len(stream):,} tokens split into {len(train):,} train and {len(val):,} validation "
+                f"(val_fraction={val_fraction}), too few for one sequence of seq_len+1={window} tokens in each: "
+                "use more data, a shorter seq_len or a different val_fraction"
+            )
+    return train, val
+
+
+# ---------------------------------------------------------------------------------------
+# batches
+
+
+class BatchIterator:
+    """This process's local training batches, forever; resumable.
+
+    ``next(it)`` -> ``{"inputs": int32 (B/P, T), "targets": int32 (B/P, T)}``.
+    ``get_state()`` is a JSON-serializable dict; ``set_state(state)`` on an iterator built
+    with the same tokens, ``seq_len``, ``global_batch_size`` and ``seed`` (any process count)
+    continues with the batch after the one the state was taken at.
+    """
+
+    def __init__(self, dataset: grain.IterDataset, config: dict[str, int]):
+        self._iter = iter(dataset)
+        self._config = config
+
+    @property
+    def step(self) -> int:
+        """Number of batches yielded so far (the index of the next one)."""
+        return int(self._iter.get_state()["next_index"])
+
+    @property
+    def num_windows(self) -> int:
+        """Windows of ``seq_len + 1`` tokens in one epoch."""
+        return self._config["num_windows"]
+
+    @property
+    def steps_per_epoch(self) -> float:
+        """Global batches per pass over the train stream (a batch may straddle two epochs)."""
+        return self._config["num_windows"] / self._config["global_batch_size"]
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self._iter)
+
+    def get_state(self) -> dict[str, Any]:
+        return {**self._config, "grain": self._iter.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        for key, value in self._config.items():
+            if state.get(key) != value:
+                raise DataError(
+                    f"data state was saved with {key}={state.get(key)}, this run has {key}={value}: "
+                    "resume with the same data, seq_len, global batch size and seed"
+                )
+        self._iter.set_state(state["grain"])
+
+    def close(self) -> None:
+        """Stop the prefetch threads."""
+        self._iter.close()
+
+
+def train_batches(
+    tokens: np.ndarray,
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    seed: int,
+    process_index: Optional[int] = None,
+    process_count: Optional[int] = None,
+) -> BatchIterator:
+    """Shuffled, endlessly repeating training batches: this process's share of each step.
+
+    Args:
+      tokens: the train stream (1-D; a memory map is read only where batches need it).
+      seq_len: tokens per sequence ``T``; windows are ``T + 1`` tokens, non-overlapping.
+      global_batch_size: sequences per step over all processes ``B``.
+      seed: shuffle seed (non-negative); each epoch is shuffled differently.
+      process_index, process_count: default ``jax.process_index()``, ``jax.process_count()``.
+
+    Returns:
+      A :class:`BatchIterator` of ``{"inputs", "targets"}``, each int32 ``(B/P, T)``.
+    """
+    p, count = _process(process_index, process_count)
+    stream = _stream(tokens)
+    local = _local_batch_size(global_batch_size, count)
+    _check_seq_len(seq_len)
+    if not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise DataError(f"seed={seed!r}: give a non-negative integer")
+    window = seq_len + 1
+    num_windows = len(stream) // window
+    if num_windows < global_batch_size:
+        raise DataError(
+            f"the train stream has {len(stream):,} tokens = {num_windows} windows of seq_len+1={window}, "
+            f"fewer than one global batch of {global_batch_size}: use more data, a shorter seq_len "
+            "or a smaller global batch"
+        )
+    # grain seeds epoch e with seed + e, so seed 1 would replay seed 0's second epoch; a
+    # seed derived through SeedSequence makes different seeds give unrelated orders.
+    shuffle_seed = int(np.random.SeedSequence(int(seed)).generate_state(1)[0])
+    ds = (
+        grain.MapDataset.range(num_windows)
+        .shuffle(seed=shuffle_seed)
+        .repeat()  # infinite; the shuffle reseeds every epoch
+        .batch(local, drop_remainder=True)  # local batch j is window positions [j*L, (j+1)*L)
+        .slice(slice(p, None, count))  # step s is local batch s*P + p: rows [p*L, (p+1)*L) of B
+        .map(_Gather(stream, seq_len))
+        .to_iter_dataset(grain.ReadOptions(**_READ_OPTIONS))
+    )
+    config = {"seq_len": seq_len, "global_batch_size": global_batch_size, "seed": int(seed), "num_windows": num_windows}
+    return BatchIterator(ds, config)
+
+
+def eval_batches(
+    tokens: np.ndarray,
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    max_batches: Optional[int],
+    process_index: Optional[int] = None,
+    process_count: Optional[int] = None,
+) -> list[dict[str, np.ndarray]]:
+    """Validation batches in stream order (no shuffle): this process's share of each.
+
+    The first ``min(max_batches, windows // B)`` global batches of consecutive
+    ``seq_len + 1`` windows (``max_batches=None``: all of them); same layout as
+    :func:`train_batches`. An empty stream (``val_fraction=0``) gives ``[]``.
+    """
+    p, count = _process(process_index, process_count)
+    stream = _stream(tokens)
+    local = _local_batch_size(global_batch_size, count)
+    _check_seq_len(seq_len)
+    if max_batches is not None and max_batches < 0:
+        raise DataError(f"max_batches={max_batches}: give a non-negative number, or None for all")
+    if len(stream) == 0:
+        return []
+    window = seq_len + 1
+    available = (len(stream) // window) // global_batch_size
+    if available == 0:
+        raise DataError(
+            f"the validation stream has {len(stream):,} tokens, fewer than one global batch of "
+            f"{global_batch_size} x seq_len+1={window}: raise val_fraction or lower the eval batch"
+        )
+    n = available if max_batches is None else min(max_batches, available)
+    ds = (
+        grain.MapDataset.range(n * global_batch_size)
+        .batch(local, drop_remainder=True)
+        .slice(slice(p, None, count))
+        .map(_Gather(stream, seq_len))
+    )
+    return [ds[i] for i in range(len(ds))]
+
+
+class _Gather:
+    """Window indices ``(L,)`` -> ``{"inputs", "targets"}`` int32 ``(L, T)``, reading only those windows."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __call__(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        window = self.seq_len + 1
+        positions = np.asarray(idx, dtype=np.int64)[:, None] * window + np.arange(window)  # (L, T+1)
+        rows = np.asarray(self.tokens[positions], dtype=np.int32)  # touches only these windows' pages
+        return {"inputs": rows[:, :-1].copy(), "targets": rows[:, 1:].copy()}
+
+
+def _stream(tokens) -> np.ndarray:
+    stream = tokens.tokens if isinstance(tokens, TokenData) else np.asanyarray(tokens)  # keeps a memmap a memmap
+    if stream.ndim != 1:
+        raise DataError(f"tokens have shape {stream.shape}: pass a 1-D token stream (see load_tokens, split)")
+    return stream
+
+
+def _process(index: Optional[int], count: Optional[int]) -> tuple[int, int]:
+    index = jax.process_index() if index is None else index
+    count = jax.process_count() if count is None else count
+    if count < 1 or not 0 <= index < count:
+        raise DataError(f"process_index={index}, process_count={count}: need 0 <= index < count")
+    return index, count
+
+
+def _check_seq_len(seq_len: int) -> None:
+    if seq_len < 1:
+        raise DataError(f"seq_len={seq_len}: give a positive sequence length")
+
+
+def _local_batch_size(global_batch_size: int, process_count: int) -> int:
+    if global_batch_size < 1 or global_batch_size % process_count:
+        raise DataError(
+            f"global batch {global_batch_size} does not split evenly over {process_count} processes: "
+            f"use a positive multiple of {process_count}"
+        )
+    return global_batch_size // process_count
+
+
+# ---------------------------------------------------------------------------------------
+# global arrays
+
+
+def to_global(local_batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding) -> dict[str, jax.Array]:
+    """Assemble global ``(B, T)`` arrays from every process's local ``(B/P, T)`` rows.
+
+    Process ``p``'s rows become rows ``[p * B/P, (p + 1) * B/P)`` when the mesh puts
+    process ``p``'s devices there (the usual layout, data axis first).
+    """
+    count = jax.process_count()
+    out = {}
+    for key, local in local_batch.items():
+        global_shape = (local.shape[0] * count,) + tuple(local.shape[1:])
+        try:
+            sharding.shard_shape(global_shape)
+        except ValueError as e:
+            raise DataError(
+                f"batch {key!r} of global shape {global_shape} does not split over {sharding.spec} "
+                f"on mesh {dict(sharding.mesh.shape)}: make the global batch a multiple of the "
+                f"batch-sharded mesh axes ({e})"
+            ) from None
+        out[key] = jax.make_array_from_process_local_data(sharding, local, global_shape)
+    return out

@@ -1,0 +1,68 @@
+"""Sample text from a trained run (byte-level models: tokens are bytes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nnxscale.checkpoint import Checkpointer, checkpoint_dir
+from nnxscale.config import ConfigError, TrainConfig, with_overrides
+from nnxscale.mesh import make_mesh
+from nnxscale.train import setup
+
+
+def load_model(run_dir) -> nnx.Module:
+    """The model of a run's latest checkpoint, on one device."""
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.json"
+    if not config_path.exists():
+        raise ConfigError(f"{run_dir} is not an nnxscale run directory (no config.json)")
+    cfg = TrainConfig.from_dict(json.loads(config_path.read_text())["train"])
+    s = setup(with_overrides(cfg, {"mesh": "data=1"}), mesh=make_mesh("data=1", devices=jax.devices()[:1]))
+    ckpt = Checkpointer(checkpoint_dir(run_dir), async_save=False)
+    try:
+        state, _ = ckpt.restore(s.abstract)
+    finally:
+        ckpt.close()
+    return nnx.merge(s.graphdef, state["params"])
+
+
+def sample(run_dir, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> str:
+    """Continue ``prompt`` with ``max_new_tokens`` sampled bytes; returns prompt + continuation."""
+    if max_new_tokens < 1 or temperature < 0 or top_k < 0:
+        raise ValueError("--max-new-tokens must be positive, --temperature and --top-k non-negative")
+    model = load_model(run_dir)
+    cfg = model.config
+    if cfg.vocab_size > 256:
+        raise ValueError(f"sample decodes byte-level models (vocab 256); this model has vocab {cfg.vocab_size}")
+    context = cfg.n_positions
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def next_logits(params, window, length):
+        logits = nnx.merge(graphdef, params)(window[None, :])[0]  # (T, V)
+        return logits[length - 1]
+
+    tokens = list(prompt.encode("utf-8")) or [10]
+    key = jax.random.key(seed)
+    for _ in range(max_new_tokens):
+        ctx = tokens[-context:]
+        window = np.zeros(context, np.int32)
+        window[: len(ctx)] = ctx
+        logits = next_logits(params, jnp.asarray(window), jnp.int32(len(ctx)))
+        if temperature == 0:
+            nxt = int(jnp.argmax(logits))
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = jnp.sort(logits)[-min(top_k, logits.shape[-1])]
+                logits = jnp.where(logits < kth, -jnp.inf, logits)
+            key, sub = jax.random.split(key)
+            nxt = int(jax.random.categorical(sub, logits))
+        tokens.append(nxt)
+    return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")

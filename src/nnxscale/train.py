@@ -1,0 +1,607 @@
+"""Train GPT-2 in its sharded layout on any mesh, checkpoint, resume exactly.
+
+The loop reads top to bottom: setup (mesh, rules, model, optimizer, shardings), state
+(fresh sharded init, ``--init-from``, or resume from the run directory), then the loop
+(batch -> jitted step -> log / eval / save), then the end (final save, loss curve).
+
+The train state is one pytree of plain dicts, every leaf a sharded ``jax.Array``::
+
+    {"params": {...}, "opt_state": optax state, "step": int32[], "key": uint32[2]}
+
+Parameters take the layout of the rules; the optimizer state takes the layout of the
+parameter it belongs to (``optax.tree_map_params``); step and key are replicated. The
+step is a ``jax.jit`` over that pytree with buffer donation, so the host does no NNX
+graph walk per step. Dropout keys are ``fold_in(key, step)``: a resumed run draws exactly
+the keys an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from nnxscale import data as datalib
+from nnxscale.checkpoint import Checkpointer, checkpoint_dir
+from nnxscale.config import ConfigError, TrainConfig, config_conflicts
+from nnxscale.mesh import format_mesh, make_mesh
+from nnxscale.models import gpt2
+from nnxscale.rules import batch_shard_count, batch_spec, get_rules, resolve_name
+from nnxscale.sharding import abstract_state, layout_bytes, sharded_init
+
+#: Dense bf16 peak FLOP/s per device, by substring of ``device.device_kind``.
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L4": 121e12,
+    "TPU v6": 918e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 197e12,  # v5e ("TPU v5 lite")
+    "TPU v4": 275e12,
+}
+
+
+def peak_flops(device) -> Optional[float]:
+    """Peak dense bf16 FLOP/s of one device, or ``None`` where unknown (CPU)."""
+    kind = getattr(device, "device_kind", "")
+    for name, flops in PEAK_FLOPS.items():
+        if name in kind:
+            return flops
+    return None
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def decay_mask(params):
+    """Weight decay on kernels and embeddings; never on biases or LayerNorm parameters."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: str(path[-1].key) not in ("bias", "scale"), params)
+
+
+def make_optimizer(cfg: TrainConfig):
+    """``(optax transform, lr schedule)``: AdamW, warmup + cosine, global-norm clipping."""
+    o = cfg.optim
+    warmup = min(o.warmup_steps, max(cfg.steps - 1, 0))
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=o.lr,
+        warmup_steps=warmup,
+        decay_steps=max(cfg.steps, warmup + 1),
+        end_value=o.lr * o.min_lr_ratio,
+    )
+    parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
+    parts.append(optax.adamw(schedule, b1=o.beta1, b2=o.beta2, weight_decay=o.weight_decay, mask=decay_mask))
+    return optax.chain(*parts), schedule
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything derived from a config before any array exists."""
+
+    cfg: TrainConfig
+    mesh: Any
+    rules: tuple
+    model_cfg: gpt2.GPT2Config
+    graphdef: Any
+    tx: Any
+    schedule: Callable
+    state_shardings: dict
+    abstract: dict  # ShapeDtypeStructs with shardings: the restore target
+    batch_sharding: NamedSharding
+    init_fn: Callable  # () -> state, or (params) -> state
+
+    @property
+    def param_shardings(self):
+        return self.state_shardings["params"]
+
+
+def _pure(tree):
+    """nnx State (Variables at the leaves) -> plain nested dict of the Variables' values."""
+    return nnx.to_pure_dict(tree)
+
+
+def model_config(cfg: TrainConfig) -> gpt2.GPT2Config:
+    try:
+        return gpt2.preset(cfg.model, dropout=cfg.dropout, dtype=cfg.dtype, remat=cfg.remat)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def setup(cfg: TrainConfig, mesh=None) -> Setup:
+    """Validate ``cfg`` against the devices and build the sharded plan (no arrays yet)."""
+    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    rules = get_rules(cfg.rules)
+    mcfg = model_config(cfg)
+    d = cfg.data
+    if d.seq_len > mcfg.n_positions:
+        raise ConfigError(f"--seq-len {d.seq_len} is longer than {cfg.model}'s context of {mcfg.n_positions} tokens")
+    if d.seq_len < 1 or d.batch_size < 1 or cfg.steps < 1:
+        raise ConfigError("--seq-len, --batch-size and --steps must be positive")
+    shards = batch_shard_count(rules, mesh)
+    accum = cfg.optim.grad_accum
+    if accum < 1 or d.batch_size % (shards * accum):
+        axes, _ = resolve_name("batch", rules, mesh)
+        split = ",".join(f"{a}={mesh.shape[a]}" for a in axes or ()) or "none"
+        raise ConfigError(
+            f"--batch-size {d.batch_size} must be a multiple of {shards * accum}: the batch is split "
+            f"{shards} ways (mesh axes {split}) and into {accum} accumulation micro-batches"
+        )
+
+    factory = lambda: gpt2.GPT2(mcfg, rngs=nnx.Rngs(cfg.seed))  # noqa: E731
+    graphdef, abs_model_state = abstract_state(factory, mesh, rules)
+    param_sh = _pure(jax.tree.map(lambda v: v.replace(v.get_value().sharding), abs_model_state, is_leaf=_is_var))
+    tx, schedule = make_optimizer(cfg)
+    replicated = NamedSharding(mesh, P())
+
+    def fresh_params():
+        return _pure(nnx.split(factory())[1])
+
+    def state_from(params):
+        return {
+            "params": params,
+            "opt_state": tx.init(params),
+            "step": jnp.zeros((), jnp.int32),
+            "key": jax.random.key_data(jax.random.key(cfg.seed)),
+        }
+
+    abs_params = jax.eval_shape(fresh_params)
+    abs_state = jax.eval_shape(state_from, abs_params)
+    opt_sh = optax.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        abs_state["opt_state"],
+        param_sh,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    state_sh = {"params": param_sh, "opt_state": opt_sh, "step": replicated, "key": replicated}
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, state_sh
+    )
+
+    def init_fn(params=None):
+        return state_from(fresh_params() if params is None else params)
+
+    return Setup(
+        cfg=cfg,
+        mesh=mesh,
+        rules=rules,
+        model_cfg=mcfg,
+        graphdef=graphdef,
+        tx=tx,
+        schedule=schedule,
+        state_shardings=state_sh,
+        abstract=abstract,
+        batch_sharding=NamedSharding(mesh, batch_spec(rules, mesh)),
+        init_fn=init_fn,
+    )
+
+
+def init_state(s: Setup, params=None):
+    """Create the train state directly in its sharded layout (or around given params)."""
+    with jax.set_mesh(s.mesh):
+        if params is None:
+            return jax.jit(s.init_fn, out_shardings=s.state_shardings)()
+        return jax.jit(s.init_fn, out_shardings=s.state_shardings)(params)
+
+
+def loss_fn(graphdef, params, inputs, targets, key, dropout: bool):
+    """Mean next-token cross-entropy of one (micro-)batch."""
+    model = nnx.merge(graphdef, params)
+    logits = model(inputs, rngs=nnx.Rngs(dropout=key) if dropout else None)  # (B, T, V) float32
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def make_train_step(s: Setup):
+    """The jitted step: ``(state, batch) -> (state, metrics)``; donates the old state."""
+    graphdef, tx, schedule = s.graphdef, s.tx, s.schedule
+    accum = s.cfg.optim.grad_accum
+    dropout = s.model_cfg.dropout > 0
+    grad_fn = jax.value_and_grad(lambda p, x, y, k: loss_fn(graphdef, p, x, y, k, dropout))
+
+    def step(state, batch):
+        params = state["params"]
+        key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), state["step"])
+        x, y = batch["inputs"], batch["targets"]  # (B, T) int32
+        if accum == 1:
+            loss, grads = grad_fn(params, x, y, key)
+        else:
+            # Strided micro-batches keep every micro-batch spread over all batch shards.
+            micro = lambda a: a.reshape(a.shape[0] // accum, accum, a.shape[1]).swapaxes(0, 1)  # noqa: E731
+
+            def body(carry, xs):
+                loss_sum, grad_sum = carry
+                i, xm, ym = xs
+                loss_i, grads_i = grad_fn(params, xm, ym, jax.random.fold_in(key, i))
+                return (loss_sum + loss_i, jax.tree.map(jnp.add, grad_sum, grads_i)), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            (loss, grads), _ = jax.lax.scan(body, (0.0, zeros), (jnp.arange(accum), micro(x), micro(y)))
+            loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+        grads = jax.lax.with_sharding_constraint(grads, s.param_shardings)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_state = {
+            "params": optax.apply_updates(params, updates),
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+            "key": state["key"],
+        }
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
+        return new_state, metrics
+
+    return jax.jit(
+        step,
+        in_shardings=(s.state_shardings, s.batch_sharding),
+        out_shardings=(s.state_shardings, None),
+        donate_argnums=0,
+    )
+
+
+def make_eval_step(s: Setup):
+    graphdef = s.graphdef
+    return jax.jit(
+        lambda params, batch: loss_fn(graphdef, params, batch["inputs"], batch["targets"], None, False),
+        in_shardings=(s.param_shardings, s.batch_sharding),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Run directory: config, metrics, plot
+# --------------------------------------------------------------------------------------
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def check_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
+    """Refuse a run directory whose saved config makes this a different experiment."""
+    saved_path = run_dir / "config.json"
+    if not saved_path.exists():
+        return
+    try:
+        saved = json.loads(saved_path.read_text())
+    except json.JSONDecodeError:
+        raise ConfigError(f"{saved_path} is not valid JSON; fix or remove it") from None
+    conflicts = config_conflicts(saved.get("train", saved), cfg.to_dict())
+    if conflicts:
+        raise ConfigError(
+            f"run directory {run_dir} holds a different run ("
+            + "; ".join(conflicts)
+            + "): use another --run-dir, or repeat the original settings to resume"
+        )
+
+
+def plot_metrics(run_dir: Path) -> Optional[Path]:
+    """Draw ``loss.png`` (train and validation loss against step) from ``metrics.jsonl``."""
+    rows = read_metrics(run_dir)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    if not train:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(*zip(*train), label="train loss")
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(f"nnxscale: {run_dir.name}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = run_dir / "loss.png"
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop records past the checkpoint being resumed from: they are logged again."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+# --------------------------------------------------------------------------------------
+# Initial state: fresh, --init-from, or resume
+# --------------------------------------------------------------------------------------
+
+
+def load_init_params(s: Setup, source: str):
+    """Parameters from a seed checkpoint (``nnxscale init``) or a Hugging Face GPT-2 dir."""
+    path = Path(source)
+    if (path / "config.json").exists() and (path / "model.safetensors").exists() and not (path / "checkpoints").exists():
+        model = gpt2.from_pretrained(path, mesh=s.mesh, rules=s.rules)
+        if model.config.to_dict() | {"dropout": 0, "dtype": "", "remat": False} != s.model_cfg.to_dict() | {
+            "dropout": 0,
+            "dtype": "",
+            "remat": False,
+        }:
+            raise ConfigError(f"--init-from {path} holds a different architecture than --model {s.cfg.model}")
+        return _pure(nnx.state(model))
+    ckpt_root = checkpoint_dir(path)
+    if not ckpt_root.exists():
+        raise ConfigError(
+            f"--init-from {path}: neither a Hugging Face GPT-2 directory (config.json + model.safetensors) "
+            "nor an nnxscale run directory with checkpoints"
+        )
+    ckpt = Checkpointer(ckpt_root, async_save=False)
+    try:
+        restored, _ = ckpt.restore({"params": s.abstract["params"]})
+    finally:
+        ckpt.close()
+    return restored["params"]
+
+
+def _install_stop_handlers(flag: dict):
+    def handler(signum, _frame):
+        flag["signal"] = signum
+
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread: the caller handles interruption
+            pass
+    return previous
+
+
+# --------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TrainResult:
+    run_dir: Path
+    start_step: int
+    final_step: int
+    final_loss: Optional[float]
+    val_loss: Optional[float]
+    tokens_per_s: Optional[float]
+    wall_s: float
+    interrupted_by: Optional[int] = None  # signal number when stopped by SIGTERM/SIGINT
+
+
+def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[str], None] = print) -> TrainResult:
+    """Train (or resume) the run in ``cfg.run_dir``. Everything ``nnxscale train`` does."""
+    t_start = time.perf_counter()
+    run_dir = Path(cfg.run_dir)
+    check_run_dir(cfg, run_dir)
+    s = setup(cfg, mesh)
+    is_main = jax.process_index() == 0
+
+    # Data: tokens, validation split, per-process iterators.
+    tokens = datalib.load_tokens(cfg.data.data)
+    if int(np.max(tokens.tokens[: 1 << 20])) >= s.model_cfg.vocab_size or tokens.vocab_size > s.model_cfg.vocab_size:
+        raise ConfigError(
+            f"data {tokens.description} has token ids up to {tokens.vocab_size - 1}, "
+            f"but {cfg.model} has a vocabulary of {s.model_cfg.vocab_size}"
+        )
+    train_tokens, val_tokens = datalib.split(tokens.tokens, cfg.data.val_fraction)
+    train_it = datalib.train_batches(
+        train_tokens, seq_len=cfg.data.seq_len, global_batch_size=cfg.data.batch_size, seed=cfg.seed
+    )
+    val_batches = []
+    if cfg.eval_every:
+        if len(val_tokens) >= cfg.data.batch_size * (cfg.data.seq_len + 1):
+            val_batches = datalib.eval_batches(
+                val_tokens,
+                seq_len=cfg.data.seq_len,
+                global_batch_size=cfg.data.batch_size,
+                max_batches=cfg.data.eval_batches,
+            )
+        else:
+            log(
+                f"note: the validation split ({len(val_tokens)} tokens) is smaller than one batch "
+                f"({cfg.data.batch_size} x {cfg.data.seq_len + 1}): no validation loss (raise --val-fraction)"
+            )
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = Checkpointer(checkpoint_dir(run_dir), keep=cfg.keep)
+    metrics_path = run_dir / "metrics.jsonl"
+    start = ckpt.latest_step()
+    if start is not None:
+        state, extras = ckpt.restore(s.abstract)
+        train_it.set_state(extras["data"])
+        if extras.get("data_fingerprint") not in (None, tokens.fingerprint):
+            raise ConfigError(f"the data in {tokens.description} changed since this run was saved")
+        if is_main:
+            _truncate_metrics(metrics_path, start)
+        log(f"resumed {run_dir} from step {start} on mesh {format_mesh(s.mesh.shape)}")
+    else:
+        start = 0
+        params = load_init_params(s, cfg.init_from) if cfg.init_from else None
+        state = init_state(s, params)
+        if is_main:
+            metrics_path.unlink(missing_ok=True)
+    if is_main:
+        _write_json_atomic(
+            run_dir / "config.json",
+            {"train": cfg.to_dict(), "model": s.model_cfg.to_dict(), "data": tokens.description},
+        )
+
+    step_fn = make_train_step(s)
+    eval_fn = make_eval_step(s)
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    flops_per_token = s.model_cfg.flops_per_token(cfg.data.seq_len)
+    peak = peak_flops(jax.devices()[0])
+    peak_total = peak * jax.device_count() if peak else None
+
+    def evaluate(params) -> Optional[float]:
+        if not val_batches:
+            return None
+        losses = [eval_fn(params, datalib.to_global(b, s.batch_sharding)) for b in val_batches]
+        return float(np.mean(jax.device_get(losses)))
+
+    def save(step: int) -> None:
+        extras = {"data": train_it.get_state(), "data_fingerprint": tokens.fingerprint, "config": cfg.to_dict()}
+        ckpt.save(step, state, extras, force=True)
+
+    stop = {}
+    previous_handlers = _install_stop_handlers(stop)
+    bar = _progress(progress and is_main, start, cfg.steps)
+    last_loss = last_val = tokens_per_s = None
+    t_last, s_last = time.perf_counter(), start
+    step = start
+    try:
+        while step < cfg.steps:
+            batch = datalib.to_global(next(train_it), s.batch_sharding)
+            with jax.set_mesh(s.mesh):
+                state, metrics = step_fn(state, batch)
+            step += 1
+            if step == start + 1:  # first step includes compilation; time from here on
+                jax.block_until_ready(metrics)
+                t_last, s_last = time.perf_counter(), step
+            do_eval = bool(val_batches) and (step % cfg.eval_every == 0 or step == cfg.steps)
+            if step % cfg.log_every == 0 or step == cfg.steps or do_eval or stop:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                record = {"step": step, **m}
+                if step > s_last:
+                    dt = (now - t_last) / (step - s_last)
+                    tokens_per_s = tokens_per_step / dt
+                    record |= {"step_time_s": dt, "tokens_per_s": tokens_per_s,
+                               "tflops_per_s": tokens_per_s * flops_per_token / 1e12}
+                    if peak_total:
+                        record["mfu"] = tokens_per_s * flops_per_token / peak_total
+                    t_last, s_last = now, step
+                if do_eval:
+                    last_val = record["val_loss"] = evaluate(state["params"])
+                    t_last = time.perf_counter()  # evaluation is not step time
+                last_loss = m["loss"]
+                if is_main:
+                    with metrics_path.open("a") as f:
+                        f.write(json.dumps(record) + "\n")
+                bar.update(step, record)
+            else:
+                bar.update(step)
+            if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                save(step)
+                t_last = time.perf_counter()  # the host-side part of a save is not step time
+            if stop:
+                break
+    finally:
+        bar.close()
+        ckpt.wait()
+        ckpt.close()
+        for sig, h in previous_handlers.items():
+            signal.signal(sig, h)
+    if is_main:
+        plot_metrics(run_dir)
+    return TrainResult(
+        run_dir=run_dir,
+        start_step=start,
+        final_step=step,
+        final_loss=last_loss,
+        val_loss=last_val,
+        tokens_per_s=tokens_per_s,
+        wall_s=time.perf_counter() - t_start,
+        interrupted_by=stop.get("signal"),
+    )
+
+
+class _progress:
+    """A rich progress bar showing the latest loss, or nothing when disabled."""
+
+    def __init__(self, enabled: bool, start: int, total: int):
+        self.bar = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+        )
+        self.task = self.bar.add_task("train", total=total, completed=start, info="")
+        self.bar.start()
+
+    def update(self, step: int, record: Optional[dict] = None) -> None:
+        if self.bar is None:
+            return
+        if record is None:
+            self.bar.update(self.task, completed=step)
+            return
+        info = f"loss {record['loss']:.3f}"
+        if "val_loss" in record:
+            info += f"  val {record['val_loss']:.3f}"
+        if "tokens_per_s" in record:
+            info += f"  {record['tokens_per_s']:,.0f} tok/s"
+        self.bar.update(self.task, completed=step, info=info)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+
+# --------------------------------------------------------------------------------------
+# Seed checkpoints: nnxscale init
+# --------------------------------------------------------------------------------------
+
+
+def init_run(model: str, mesh_spec, run_dir, *, rules="auto", seed: int = 0) -> dict:
+    """Create ``model`` directly in its sharded layout and save it as a seed checkpoint.
+
+    Returns ``{"num_params", "total_bytes", "per_device_bytes", "mesh", "path"}``. Refuses a
+    run directory that already holds checkpoints (nothing saved is overwritten).
+    """
+    run_dir = Path(run_dir)
+    root = checkpoint_dir(run_dir)
+    if root.exists() and any(root.iterdir()):
+        raise ConfigError(f"{run_dir} already holds checkpoints; choose a new --run-dir")
+    mesh = make_mesh(mesh_spec)
+    table = get_rules(rules)
+    try:
+        mcfg = gpt2.preset(model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    created = sharded_init(lambda: gpt2.GPT2(mcfg, rngs=nnx.Rngs(seed)), mesh, table)
+    per_device, total = layout_bytes(created, mesh, table)
+    params = _pure(nnx.state(created))
+    del created
+    ckpt = Checkpointer(root, async_save=False)
+    try:
+        ckpt.save(0, {"params": params}, {"kind": "seed", "model": model, "seed": seed}, force=True)
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    return {
+        "num_params": mcfg.num_params(),
+        "total_bytes": total,
+        "per_device_bytes": per_device,
+        "mesh": format_mesh(mesh.shape),
+        "path": str(root),
+    }
