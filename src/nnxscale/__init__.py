@@ -46,6 +46,10 @@ _EXPORTS = {
     "eval_batches": "nnxscale.data",
     "to_global": "nnxscale.data",
     "DataError": "nnxscale.data",
+    # checkpoints
+    "Checkpointer": "nnxscale.checkpoint",
+    "CheckpointError": "nnxscale.checkpoint",
+    "checkpoint_dir": "nnxscale.checkpoint",
     # training
     "TrainConfig": "nnxscale.config",
     "train": "nnxscale.train",

@@ -78,14 +78,22 @@ def shard_shape(global_shape: Sequence[int], spec, mesh) -> tuple[int, ...]:
     return tuple(out)
 
 
+def itemsize(dtype) -> int:
+    """Bytes per element; works for numpy dtypes, names like "bfloat16", and JAX key dtypes."""
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:  # extended dtypes (PRNG keys) are not numpy dtypes but know their size
+        return int(dtype.itemsize)
+
+
 def shard_bytes(global_shape: Sequence[int], dtype, spec, mesh) -> int:
     """Bytes one device holds for a tensor laid out by ``spec`` on ``mesh``."""
-    return math.prod(shard_shape(global_shape, spec, mesh)) * np.dtype(dtype).itemsize
+    return math.prod(shard_shape(global_shape, spec, mesh)) * itemsize(dtype)
 
 
 def full_bytes(global_shape: Sequence[int], dtype) -> int:
     """Bytes of the whole, unsharded tensor."""
-    return math.prod(int(d) for d in global_shape) * np.dtype(dtype).itemsize
+    return math.prod(int(d) for d in global_shape) * itemsize(dtype)
 
 
 def state_bytes(shapes_and_specs, mesh) -> tuple[int, int]:

@@ -113,6 +113,8 @@ def _layout_variable(path: str, v: nnx.Variable, table: Rules, mesh) -> Variable
     names = variable_logical_axes(v)
     if names is None:
         return VariableLayout(path, shape, dtype, None, _fallback_spec(shape, sizes, is_param), True, (), (), (), is_param)
+    if names == () and shape:  # Flax's out_sharding=() means "replicated"
+        names = (None,) * len(shape)
     if len(names) != len(shape):
         raise LayoutError(
             f"{path} is annotated with logical axes {names} ({len(names)} names) "
@@ -121,11 +123,16 @@ def _layout_variable(path: str, v: nnx.Variable, table: Rules, mesh) -> Variable
     used: set[str] = set()
     entries, dropped, unmatched, rules_used = [], [], [], []
     for dim, name in enumerate(names):
-        axes, rule_index = resolve_name(name, table, mesh)
-        if rule_index is not None:
-            rules_used.append(rule_index)
-        if name is not None and axes is None and rule_index is None:
-            unmatched.append(name)
+        # A tuple entry (Flax style, e.g. ("data", "model")) shards one dimension over several names.
+        parts = tuple(name) if isinstance(name, (tuple, list)) else (name,)
+        axes = []
+        for part in parts:
+            part_axes, rule_index = resolve_name(part, table, mesh)
+            if rule_index is not None:
+                rules_used.append(rule_index)
+            if part is not None and part_axes is None and rule_index is None:
+                unmatched.append(part)
+            axes.extend(part_axes or ())
         kept = []
         for a in axes or ():
             if a in used:
@@ -182,7 +189,8 @@ def abstract_state(factory: Callable[[], nnx.Module], mesh, rules=None):
     Each Variable of ``state`` holds a ``jax.ShapeDtypeStruct`` carrying its target
     ``NamedSharding``: the restore target for checkpoints and the plan for sharded init.
     """
-    graphdef, state = nnx.split(nnx.eval_shape(factory))
+    with jax.set_mesh(mesh):  # Flax's eager sharding needs a mesh for out_sharding-annotated models
+        graphdef, state = nnx.split(nnx.eval_shape(factory))
     shardings = state_shardings(state, mesh, rules)
 
     def with_sharding(v, sharding):
@@ -329,7 +337,7 @@ class ShardingTable:
                 (
                     r.path,
                     str(r.shape),
-                    np.dtype(r.dtype).name,
+                    str(r.dtype),
                     logical,
                     spec,
                     str(shard_shape(r.shape, r.spec, self.mesh_sizes)),

@@ -1,0 +1,364 @@
+"""Sharded checkpoints with Orbax: asynchronous saves, exact resume, restore onto any mesh.
+
+A checkpoint is two items, written by one ``orbax.checkpoint.CheckpointManager``::
+
+    run_dir/checkpoints/
+      300/                        a finalized step
+        state/                    the array state: each process writes its own shards
+        extras/metadata           the JSON extras: data iterator state, run config
+      400.orbax-checkpoint-tmp/   a save in progress, or one killed mid-way: never listed
+
+Orbax writes each step into ``<step>.orbax-checkpoint-tmp`` and renames it to ``<step>``
+once every process has written its shards (on GCS a ``commit_success.txt`` file marks
+completion instead of the rename). ``CheckpointManager.latest_step()`` in orbax 0.12.8
+reports a step as soon as ``save()`` returns, before that rename, so :meth:`steps` here
+lists only steps that are finalized on disk.
+
+Restore reads into the layout of the *target*: each device reads just the slices of the
+saved chunks that its shard of the target needs, so moving from ``data=8`` to
+``data=2,model=4`` never gathers a whole array anywhere. Every process must call
+:meth:`Checkpointer.save`, :meth:`~Checkpointer.restore`, :meth:`~Checkpointer.wait` and
+:meth:`~Checkpointer.close` (orbax synchronizes the processes inside them).
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
+
+_STATE = "state"
+_EXTRAS = "extras"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or restored as asked; the message says what to do."""
+
+
+def checkpoint_dir(run_dir) -> Path:
+    """Where a run keeps its checkpoints: ``run_dir/checkpoints``."""
+    return Path(run_dir) / "checkpoints"
+
+
+class Checkpointer:
+    """Save and restore ``(state, extras)`` by step, keeping the newest ``keep`` steps.
+
+    ``state`` is a pytree of (sharded) ``jax.Array``: parameters, optimizer state, the step
+    counter, RNG key data. ``extras`` is a JSON-able dict, returned as JSON gives it back
+    (tuples become lists, dict keys strings). Usable as a context manager, which closes.
+
+    Args:
+      directory: the checkpoint root, usually :func:`checkpoint_dir` of the run; created
+        if missing.
+      keep: how many of the newest checkpoints to keep; older ones are deleted once a newer
+        save has finished.
+      async_save: write in background threads (``save`` returns once the arrays are copied
+        to host memory); ``False`` makes ``save`` return only when the step is on disk.
+    """
+
+    def __init__(self, directory, *, keep: int = 3, async_save: bool = True):
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint")
+        text = os.fspath(directory)
+        self.directory = epath.Path(text if "://" in text else os.path.abspath(os.path.expanduser(text)))
+
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        state_handler = ocp.StandardCheckpointHandler()
+        extras_handler = ocp.JsonCheckpointHandler()
+        registry.add(_STATE, ocp.args.StandardSave, state_handler)
+        registry.add(_STATE, ocp.args.StandardRestore, state_handler)
+        registry.add(_EXTRAS, ocp.args.JsonSave, extras_handler)
+        registry.add(_EXTRAS, ocp.args.JsonRestore, extras_handler)
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=ocp.checkpoint_managers.LatestN(keep),
+            enable_async_checkpointing=async_save,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        # The manager's own step naming (no prefix, no padding), used to list finalized steps.
+        self._names = ocp.step.standard_name_format()
+        self._pending: Optional[int] = None
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(self, step: int, state, extras: dict, *, force: bool = False) -> bool:
+        """Start saving ``state`` and ``extras`` as ``step``; returns whether a save started.
+
+        Returns ``False`` (and writes nothing) when ``step`` is not newer than the latest
+        checkpoint, unless ``force``. The arrays are copied to host memory before this
+        returns, so the caller may donate or overwrite them at once; the write continues in
+        the background until :meth:`wait` (or the next ``save``, which waits first). The
+        step is listed by :meth:`steps` only once it is complete on disk.
+
+        Raises :class:`CheckpointError` if ``step`` already has a checkpoint (it is never
+        overwritten) or if the previous asynchronous save failed.
+        """
+        try:
+            step = operator.index(step)  # also numpy and concrete jax integer scalars
+        except TypeError:
+            step = None
+        if step is None or isinstance(step, bool) or step < 0:
+            raise ValueError(f"checkpoint step must be a non-negative integer, got {step!r}")
+        if not isinstance(extras, Mapping):
+            raise TypeError(f"extras must be a dict of JSON-able values, got {type(extras).__name__}")
+        try:
+            json.dumps(extras)
+        except (TypeError, ValueError) as e:
+            # Checked here: in the background thread the same error would surface a save later.
+            raise TypeError(f"extras for step {step} are not JSON-serializable: {e}") from None
+
+        self.wait()
+        args = ocp.args.Composite(
+            **{_STATE: ocp.args.StandardSave(state), _EXTRAS: ocp.args.JsonSave(dict(extras))}
+        )
+        try:
+            started = self._manager.save(step, args=args, force=force)
+        except StepAlreadyExistsError:
+            raise CheckpointError(
+                f"step {step} already has a checkpoint at {self._step_dir(step)}, which is never "
+                "overwritten: save under a new step, or move that directory aside if it is damaged"
+            ) from None
+        except Exception as e:  # with async_save=False the whole write happens in here
+            raise self._save_failed(step, e) from e
+        if started:
+            self._pending = step
+        return started
+
+    def wait(self) -> None:
+        """Block until the pending save, if any, is complete on disk.
+
+        Raises :class:`CheckpointError` naming the step if that save failed; its unfinished
+        directory is left in place and ignored by :meth:`steps` and :meth:`restore`.
+        """
+        pending, self._pending = self._pending, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise self._save_failed(pending, e) from e
+
+    def close(self) -> None:
+        """Wait for the pending save, then release orbax's threads and files."""
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- listing --------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Steps with a complete checkpoint, oldest first.
+
+        Excludes a save still in progress and old steps already due for deletion. While a
+        save is in progress processes may briefly disagree; :meth:`wait` first where every
+        process must see the same list.
+        """
+        finalized = {m.step for m in self._names.find_all(self.directory)}
+        return sorted(s for s in self._manager.all_steps() if s in finalized)
+
+    def latest_step(self) -> Optional[int]:
+        """The newest complete checkpoint's step, or ``None`` if there is none."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- restoring ------------------------------------------------------------------------
+
+    def restore(self, target, *, step: Optional[int] = None) -> tuple[Any, dict]:
+        """Read checkpoint ``step`` (default: the latest) into the layout of ``target``.
+
+        Args:
+          target: the state's pytree with a ``jax.ShapeDtypeStruct(shape, dtype,
+            sharding=NamedSharding(mesh, spec))`` per array, for this run's mesh and rules
+            (e.g. built from ``nnx.eval_shape``). A ``jax.Array`` leaf stands for its own
+            shape, dtype and sharding. The restored arrays take the target's sharding,
+            whatever mesh the checkpoint was saved from.
+          step: which checkpoint; ``None`` for the latest complete one.
+
+        Returns:
+          ``(state, extras)``: ``state`` with the structure of ``target``.
+
+        Raises:
+          CheckpointError: no complete checkpoint (or none for ``step``); the target's
+            structure, shapes or dtypes differ from the saved state (naming the path and
+            both shapes); or the checkpoint's files cannot be read (naming its directory
+            and the older steps that can be passed as ``step``). Nothing is deleted.
+        """
+        self.wait()
+        available = self.steps()
+        if step is None:
+            if not available:
+                raise CheckpointError(
+                    f"no complete checkpoint in {self.directory} to restore from "
+                    "(unfinished saves, named <step>.orbax-checkpoint-tmp, do not count)"
+                )
+            step = available[-1]
+        elif step not in available:
+            raise CheckpointError(
+                f"no complete checkpoint for step {step} in {self.directory}: "
+                f"complete checkpoints: {_steps_text(available)}"
+            )
+        target = jax.tree_util.tree_map_with_path(_abstract_leaf, target)
+
+        try:
+            saved = self._manager.metadata(step).item_metadata[_STATE]
+        except Exception as e:
+            raise self._unreadable(step, available, e) from e
+        # Orbax restores without its _METADATA file; then its own check reports mismatches.
+        if saved is not None:
+            self._check_matches(step, saved.tree, target)
+
+        args = ocp.args.Composite(
+            **{_STATE: ocp.args.StandardRestore(target), _EXTRAS: ocp.args.JsonRestore()}
+        )
+        try:
+            restored = self._manager.restore(step, args=args)
+        except Exception as e:
+            raise self._unreadable(step, available, e) from e
+        return restored[_STATE], restored[_EXTRAS]
+
+    def _check_matches(self, step: int, saved_tree, target) -> None:
+        saved = _leaf_layouts(saved_tree)
+        wanted = _leaf_layouts(target)
+        where = f"checkpoint step {step} in {self._step_dir(step)}"
+        hint = "is --model (and the optimizer) the same as when it was saved?"
+        missing = [p for p in wanted if p not in saved]
+        extra = [p for p in saved if p not in wanted]
+        if missing or extra:
+            if missing:
+                p = missing[0]
+                diff = f"this run expects {_shown(p)} {wanted[p][0]}, which the saved state lacks"
+            else:
+                p = extra[0]
+                diff = f"the saved state has {_shown(p)} {saved[p][0]}, which this run does not expect"
+            more = len(missing) + len(extra) - 1
+            raise CheckpointError(f"{where} has a different structure: {diff}{_more(more)}: {hint}")
+        bad_shape = [p for p in wanted if saved[p][0] != wanted[p][0]]
+        if bad_shape:
+            p = bad_shape[0]
+            raise CheckpointError(
+                f"{where} does not fit: saved model has {_shown(p)} {saved[p][0]}, this run expects "
+                f"{wanted[p][0]}{_more(len(bad_shape) - 1)}: {hint}"
+            )
+        bad_dtype = [p for p in wanted if saved[p][1] != wanted[p][1]]
+        if bad_dtype:
+            p = bad_dtype[0]
+            raise CheckpointError(
+                f"{where} does not fit: saved {_shown(p)} is {saved[p][1]}, this run expects "
+                f"{wanted[p][1]}{_more(len(bad_dtype) - 1)}: restore with the saved dtypes and "
+                "cast afterwards, or check the dtype settings"
+            )
+
+    def _save_failed(self, step: Optional[int], error: BaseException) -> CheckpointError:
+        # Orbax drops the failed step (and the old steps it meant to delete) from its list;
+        # re-read the directory so that the list matches the disk again.
+        self._manager.reload()
+        return CheckpointError(
+            f"saving checkpoint step {step} in {self.directory} failed ({_cause(error)}); "
+            f"complete checkpoints: {_steps_text(self.steps())}"
+        )
+
+    def _unreadable(self, step: int, available: Sequence[int], error: BaseException) -> CheckpointError:
+        older = [s for s in available if s < step]
+        if older:
+            advice = (
+                f"older checkpoints exist for steps {_steps_text(older)}: pass "
+                f"step={older[-1]} to restore() to resume from one"
+            )
+        else:
+            advice = f"there is no older checkpoint in {self.directory}"
+        return CheckpointError(
+            f"checkpoint step {step} at {self._step_dir(step)} cannot be read, it may be damaged or "
+            f"incomplete ({_cause(error)}); nothing was deleted, and {advice}"
+        )
+
+    def _step_dir(self, step: int) -> epath.Path:
+        return ocp.step.build_step_path(self.directory, self._names, step)
+
+
+def _abstract_leaf(path, leaf) -> jax.ShapeDtypeStruct:
+    if isinstance(leaf, jax.Array):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:
+        return leaf
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        what = "a jax.ShapeDtypeStruct without a sharding"
+    else:
+        what = type(leaf).__name__
+    # Without a sharding orbax would fall back to the saved layout, which may name devices
+    # or a mesh this run does not have.
+    raise ValueError(
+        f"restore target {_shown(_key_text(path))} is {what}: give jax.ShapeDtypeStruct(shape, dtype, "
+        "sharding=NamedSharding(mesh, spec)) for this run's mesh"
+    )
+
+
+def _leaf_layouts(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{dotted path: (shape, dtype name)}`` for a target or orbax's saved metadata tree.
+
+    Orbax stores every pytree key as a string (list index 0 as ``"0"``, an nnx Variable's
+    ``value`` attribute as a dict key), so paths are compared as dotted strings.
+    """
+    layouts = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            # Orbax stores a typed PRNG key array as its key data, e.g. (n,) key<fry> as (n, 2) uint32.
+            leaf = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, dtype))
+            dtype = leaf.dtype
+        layouts[_key_text(path)] = (tuple(int(d) for d in getattr(leaf, "shape", ())), str(dtype or ""))
+    return layouts
+
+
+def _key_text(path) -> str:
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(k.name)
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def _shown(path_text: str) -> str:
+    # An nnx Variable flattens to its ``value``; the Variable's own path reads better.
+    return path_text.removesuffix(".value") or "(the whole state)"
+
+
+def _more(n: int) -> str:
+    return f" (and {n} more)" if n > 0 else ""
+
+
+def _steps_text(steps: Sequence[int]) -> str:
+    return ", ".join(str(s) for s in steps) if steps else "none"
+
+
+def _cause(error: BaseException) -> str:
+    # Orbax wraps TensorStore's error (which names the file and byte range) in one whose
+    # text is a dump of the whole TensorStore spec: report the innermost error.
+    seen = {id(error)}
+    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        error = inner
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    if len(text) > 300:
+        text = text[:300] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
