@@ -273,8 +273,8 @@ class Checkpointer:
         older = [s for s in available if s < step]
         if older:
             advice = (
-                f"older checkpoints exist for steps {_steps_text(older)}: pass "
-                f"step={older[-1]} to restore() to resume from one"
+                f"older checkpoints exist for steps {_steps_text(older)}: to resume from step {older[-1]}, "
+                f"move {self._step_dir(step)} aside and re-run (in Python: restore(..., step={older[-1]}))"
             )
         else:
             advice = f"there is no older checkpoint in {self.directory}"

@@ -217,9 +217,24 @@ def _plan(args) -> int:
     print(table)
     findings = lint(model, axes, rules)
     print(f"lint: {len(findings)} finding(s)")
-    for f in findings:
-        print(f"  {f}")
+    for line in group_findings(findings):
+        print(f"  {line}")
     return 0
+
+
+def group_findings(findings) -> list[str]:
+    """One line per distinct finding; the same finding on every layer (h.0 ... h.47) once."""
+    import re
+
+    groups: dict[tuple, list] = {}
+    for f in findings:
+        key = (f.kind, re.sub(r"\.\d+\.", ".N.", f.path), f.message)
+        groups.setdefault(key, []).append(f)
+    lines = []
+    for (kind, path, message), members in groups.items():
+        where = members[0].path if len(members) == 1 else f"{path} ({len(members)} layers)"
+        lines.append(f"[{kind}] {where + ': ' if where else ''}{message}")
+    return lines
 
 
 def main(argv=None) -> int:

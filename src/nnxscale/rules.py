@@ -60,15 +60,22 @@ _TP: Rules = (
 )
 _FSDP_TP: Rules = _TP + (("embed", "fsdp"),)
 
+def _complete(rules: Rules) -> Rules:
+    """Append an explicit "replicate" rule for each logical name a preset does not shard."""
+    named = {name for name, _ in rules}
+    return rules + tuple((name, None) for name in LOGICAL_NAMES if name not in named)
+
+
 #: Named rule presets. ``auto`` is the default: every rule, so the mesh's own axis names
 #: decide (``data``/``batch`` split the batch, ``fsdp`` splits parameters and the batch,
-#: ``model``/``tensor`` split heads, MLP and vocabulary).
+#: ``model``/``tensor`` split heads, MLP and vocabulary). Each preset names every logical
+#: axis in :data:`LOGICAL_NAMES`; those it does not shard are replicated explicitly.
 PRESETS: dict[str, Rules] = {
-    "auto": _FSDP_TP,
-    "dp": _DP,
-    "fsdp": _FSDP,
-    "tp": _TP,
-    "fsdp_tp": _FSDP_TP,
+    "auto": _complete(_FSDP_TP),
+    "dp": _complete(_DP),
+    "fsdp": _complete(_FSDP),
+    "tp": _complete(_TP),
+    "fsdp_tp": _complete(_FSDP_TP),
 }
 
 PRESET_HELP = {

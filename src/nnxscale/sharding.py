@@ -92,8 +92,7 @@ class VariableLayout:
     spec: P
     fallback: bool  # the rank rule or plain replication decided, not the rules
     dropped: tuple[str, ...]  # human notes on mesh axes dropped (indivisible, reused)
-    unmatched: tuple[str, ...]  # logical names with no rule and not a mesh axis
-    rules_used: tuple[int, ...]  # indices of the rules that decided a dimension
+    unmatched: tuple[str, ...]  # logical names no rule mentions and that are not mesh axes
     is_param: bool
 
 
@@ -112,7 +111,7 @@ def _layout_variable(path: str, v: nnx.Variable, table: Rules, mesh) -> Variable
     is_param = isinstance(v, nnx.Param)
     names = variable_logical_axes(v)
     if names is None:
-        return VariableLayout(path, shape, dtype, None, _fallback_spec(shape, sizes, is_param), True, (), (), (), is_param)
+        return VariableLayout(path, shape, dtype, None, _fallback_spec(shape, sizes, is_param), True, (), (), is_param)
     if names == () and shape:  # Flax's out_sharding=() means "replicated"
         names = (None,) * len(shape)
     if len(names) != len(shape):
@@ -121,16 +120,15 @@ def _layout_variable(path: str, v: nnx.Variable, table: Rules, mesh) -> Variable
             f"but its value has shape {shape} (rank {len(shape)})"
         )
     used: set[str] = set()
-    entries, dropped, unmatched, rules_used = [], [], [], []
+    entries, dropped, unmatched = [], [], []
+    ruled = {name for name, _ in table}
     for dim, name in enumerate(names):
         # A tuple entry (Flax style, e.g. ("data", "model")) shards one dimension over several names.
         parts = tuple(name) if isinstance(name, (tuple, list)) else (name,)
         axes = []
         for part in parts:
-            part_axes, rule_index = resolve_name(part, table, mesh)
-            if rule_index is not None:
-                rules_used.append(rule_index)
-            if part is not None and part_axes is None and rule_index is None:
+            part_axes, _ = resolve_name(part, table, mesh)
+            if part is not None and part not in ruled and part not in sizes:
                 unmatched.append(part)
             axes.extend(part_axes or ())
         kept = []
@@ -149,7 +147,7 @@ def _layout_variable(path: str, v: nnx.Variable, table: Rules, mesh) -> Variable
         used.update(kept)
         entries.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
     return VariableLayout(
-        path, shape, dtype, names, P(*entries), False, tuple(dropped), tuple(unmatched), tuple(rules_used), is_param
+        path, shape, dtype, names, P(*entries), False, tuple(dropped), tuple(unmatched), is_param
     )
 
 
@@ -279,7 +277,8 @@ ACTIVATION_NAMES = ("batch", "length")
 def lint(tree, mesh, rules=None, *, replicated_threshold_bytes: int = 1 << 20) -> list[Finding]:
     """Check a (model, rules, mesh) combination before training on it.
 
-    Reports: rules that match no Variable (``unused-rule``), logical names with no rule
+    Reports: sharding rules whose logical name is on no Variable, typically a typo
+    (``unused-rule``), logical names with no rule
     (``no-rule``), a mesh axis asked for twice in one spec (``axis-reused``), dimensions
     that do not divide by their shard count (``indivisible``), Variables that used the
     fallback (``unannotated``), and replicated tensors larger than
@@ -288,10 +287,11 @@ def lint(tree, mesh, rules=None, *, replicated_threshold_bytes: int = 1 << 20) -
     table = get_rules(rules)
     sizes = mesh_axis_sizes(mesh)
     findings: list[Finding] = []
-    used_rules: set[int] = set()
+    names_in_model: set[str] = set()
     n_devices = math.prod(sizes.values())
     for lay in layouts(tree, mesh, table):
-        used_rules.update(lay.rules_used)
+        for name in lay.logical or ():
+            names_in_model.update(name if isinstance(name, (tuple, list)) else (name,))
         if lay.fallback and lay.is_param:
             findings.append(
                 Finding("unannotated", lay.path, f"no logical axes; fallback spec {lay.spec} by rank (use nnxscale.logical)")
@@ -310,10 +310,10 @@ def lint(tree, mesh, rules=None, *, replicated_threshold_bytes: int = 1 << 20) -
                     f"{format_bytes(nbytes)} {lay.shape} is replicated on all {n_devices} devices",
                 )
             )
-    for i, (name, axes) in enumerate(table):
-        if i in used_rules or name in ACTIVATION_NAMES:
-            continue
-        findings.append(Finding("unused-rule", "", f"rule {name!r} -> {axes!r} decides no Variable on this mesh"))
+    for name, axes in table:
+        if axes is None or name in names_in_model or name in ACTIVATION_NAMES:
+            continue  # an explicit "replicate" rule that matches nothing is harmless
+        findings.append(Finding("unused-rule", "", f"rule {name!r} -> {axes!r} matches no Variable of this model"))
     return findings
 
 
