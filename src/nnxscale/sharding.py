@@ -198,32 +198,103 @@ def abstract_state(factory: Callable[[], nnx.Module], mesh, rules=None):
     return graphdef, jax.tree.map(with_sharding, state, shardings, is_leaf=_is_var)
 
 
-def _init_program(factory: Callable[[], nnx.Module], mesh, rules):
+#: Per-device bytes of parameters created by one compiled init program. Each program's
+#: temporary memory is about 1.3x the bytes it creates, so peak init memory per device is
+#: the sharded model plus about 1.3x this (or 3x the largest single shard).
+INIT_GROUP_BYTES = 64 << 20
+
+
+@dataclasses.dataclass
+class InitProgram:
+    """Sharded creation of a model, compiled as one or more programs (groups of Variables).
+
+    The factory is traced once; each group is a jitted evaluation of that one trace that
+    keeps only the group's outputs (XLA removes the rest), so a device never holds more than
+    the model's shards plus one group's temporaries.
+    """
+
+    graphdef: Any
+    treedef: Any
+    groups: list  # list of lists of leaf indices into the state's leaves
+    compiled: list  # one compiled program per group
+    mesh: Any
+
+    def memory(self) -> dict[str, int]:
+        """Per-device bytes from the compiler's own analysis.
+
+        ``peak``: the most any point of the init holds (earlier groups' outputs, then one
+        group's temporaries and outputs); ``output``: the sharded model; ``temp``: the
+        largest temporary allocation of any group.
+        """
+        done = peak = temp = 0
+        for c in self.compiled:
+            ma = c.memory_analysis()
+            peak = max(peak, done + ma.temp_size_in_bytes + ma.output_size_in_bytes)
+            temp = max(temp, ma.temp_size_in_bytes)
+            done += ma.output_size_in_bytes
+        return {"peak": peak, "output": done, "temp": temp, "programs": len(self.compiled)}
+
+    def run(self):
+        """Create the state (leaves placed per the rules) and return it as an nnx State."""
+        leaves = [None] * sum(len(g) for g in self.groups)
+        with jax.set_mesh(self.mesh):
+            for group, program in zip(self.groups, self.compiled):
+                for i, value in zip(group, program()):
+                    leaves[i] = value
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def compile_init(factory: Callable[[], nnx.Module], mesh, rules=None, *, group_bytes: int = INIT_GROUP_BYTES) -> InitProgram:
+    """Plan and compile the sharded creation of ``factory()`` without running it.
+
+    ``InitProgram.memory()`` gives the per-device peak before anything is allocated.
+    """
     graphdef, abstract = abstract_state(factory, mesh, rules)
-    shardings = jax.tree.map(lambda v: v.get_value().sharding, abstract, is_leaf=_is_var)
-    return graphdef, jax.jit(lambda: nnx.split(factory())[1], out_shardings=shardings)
+    variables, treedef = jax.tree_util.tree_flatten(abstract, is_leaf=_is_var)
+    shardings = [v.get_value().sharding for v in variables]
+    with jax.set_mesh(mesh):
+        closed = jax.make_jaxpr(lambda: jax.tree_util.tree_leaves(nnx.split(factory())[1]))()
+    # Variables flatten to one leaf each, in the same order as the state's leaves.
+    assert len(closed.jaxpr.outvars) == len(variables), "every Variable must hold one array"
+
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, v in enumerate(variables):
+        value = v.get_value()
+        nbytes = math.prod(shard_shape(value.shape, shardings[i].spec, mesh)) * value.dtype.itemsize
+        if groups[-1] and size + nbytes > group_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+
+    def program(group):
+        def create():
+            outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts)
+            return [outs[i] for i in group]
+
+        return jax.jit(create, out_shardings=[shardings[i] for i in group])
+
+    with jax.set_mesh(mesh):
+        compiled = [program(g).lower().compile() for g in groups]
+    return InitProgram(graphdef, treedef, groups, compiled, mesh)
 
 
-def sharded_init(factory: Callable[[], nnx.Module], mesh, rules=None) -> nnx.Module:
+def sharded_init(
+    factory: Callable[[], nnx.Module], mesh, rules=None, *, group_bytes: int = INIT_GROUP_BYTES
+) -> nnx.Module:
     """Create ``factory()`` directly in its sharded layout: no device ever holds a full tensor.
 
     The shapes come from ``nnx.eval_shape`` (nothing allocated), the shardings from the
     rules, and creation runs under ``jax.jit`` with those ``out_shardings``, so XLA
-    partitions the random number generation itself. ``factory`` must be a function of no
-    arguments that builds the model, e.g. ``lambda: GPT2(cfg, rngs=nnx.Rngs(0))``; with
-    JAX's partitionable threefry (the default) the values do not depend on the mesh.
+    partitions the random number generation itself. Large models are created in groups of
+    about ``group_bytes`` per device (see :class:`InitProgram`), which keeps per-device peak
+    memory close to the model's shards. ``factory`` is a function of no arguments, e.g.
+    ``lambda: GPT2(cfg, rngs=nnx.Rngs(0))``; with JAX's partitionable threefry (the
+    default) the values do not depend on the mesh or the grouping.
     """
-    graphdef, create = _init_program(factory, mesh, rules)
-    with jax.set_mesh(mesh):
-        state = create()
-    return nnx.merge(graphdef, state)
-
-
-def compile_init(factory: Callable[[], nnx.Module], mesh, rules=None):
-    """The compiled sharded-init program (``.memory_analysis()`` before anything runs)."""
-    _, create = _init_program(factory, mesh, rules)
-    with jax.set_mesh(mesh):
-        return create.lower().compile()
+    program = compile_init(factory, mesh, rules, group_bytes=group_bytes)
+    return nnx.merge(program.graphdef, program.run())
 
 
 def place(tree, mesh, rules=None):
