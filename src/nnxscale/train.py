@@ -395,7 +395,6 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
     """Train (or resume) the run in ``cfg.run_dir``. Everything ``nnxscale train`` does."""
     t_start = time.perf_counter()
     run_dir = Path(cfg.run_dir)
-    check_run_dir(cfg, run_dir)
     s = setup(cfg, mesh)
     is_main = jax.process_index() == 0
 
@@ -425,6 +424,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
                 f"({cfg.data.batch_size} x {cfg.data.seq_len + 1}): no validation loss (raise --val-fraction)"
             )
 
+    check_run_dir(cfg, run_dir)  # after validating the command itself, before writing anything
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(checkpoint_dir(run_dir), keep=cfg.keep)
     metrics_path = run_dir / "metrics.jsonl"
