@@ -1,3 +1,3 @@
-from nnxscale.cli import main
+from nnxscale.cli import run
 
-raise SystemExit(main())
+run()

@@ -23,9 +23,13 @@ saved chunks that its shard of the target needs, so moving from ``data=8`` to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import operator
 import os
+import sys
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -222,10 +226,12 @@ class Checkpointer:
         args = ocp.args.Composite(
             **{_STATE: ocp.args.StandardRestore(target), _EXTRAS: ocp.args.JsonRestore()}
         )
-        try:
-            restored = self._manager.restore(step, args=args)
-        except Exception as e:
-            raise self._unreadable(step, available, e) from e
+        with _stderr_kept_on_success() as succeeded:
+            try:
+                restored = self._manager.restore(step, args=args)
+            except Exception as e:
+                raise self._unreadable(step, available, e) from e
+            succeeded()
         return restored[_STATE], restored[_EXTRAS]
 
     def _check_matches(self, step: int, saved_tree, target) -> None:
@@ -285,6 +291,40 @@ class Checkpointer:
 
     def _step_dir(self, step: int) -> epath.Path:
         return ocp.step.build_step_path(self.directory, self._names, step)
+
+
+@contextlib.contextmanager
+def _stderr_kept_on_success():
+    """Hold back what is written to file descriptor 2 while a restore runs.
+
+    When one array of a damaged checkpoint fails, orbax abandons its other reads, whose
+    background threads then print tracebacks of their own. Those are consequences of the
+    one error that :class:`CheckpointError` reports, so they are dropped on failure; on
+    success whatever was written (warnings) is passed on.
+    """
+    ok = []
+    sys.stderr.flush()
+    saved_fd = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield lambda: ok.append(True)
+        except BaseException:
+            # Let the abandoned reads finish printing: until nothing new for 0.3 s (3 s at most).
+            size, deadline = -1, time.monotonic() + 3.0
+            while time.monotonic() < deadline and os.fstat(held.fileno()).st_size != size:
+                size = os.fstat(held.fileno()).st_size
+                time.sleep(0.3)
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            if ok:
+                held.seek(0)
+                text = held.read()
+                if text:
+                    os.write(2, text)
 
 
 def _abstract_leaf(path, leaf) -> jax.ShapeDtypeStruct:

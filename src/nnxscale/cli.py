@@ -53,6 +53,7 @@ _TRAIN_FLAGS = [
     ("optim.weight_decay", "--weight-decay", float, "AdamW weight decay (kernels and embeddings only)"),
     ("optim.grad_clip", "--grad-clip", float, "global gradient-norm clip (0: off)"),
     ("optim.grad_accum", "--grad-accum", int, "gradient accumulation micro-batches per step"),
+    ("optim.decay_steps", "--decay-steps", int, "length of the warmup+cosine schedule (default: --steps of the run's first command)"),
     ("dropout", "--dropout", float, "dropout rate"),
     ("dtype", "--dtype", str, "compute dtype: float32 or bfloat16 (parameters stay float32)"),
     ("init_from", "--init-from", str, "start from a seed checkpoint (nnxscale init) or a Hugging Face GPT-2 directory"),
@@ -153,6 +154,12 @@ def _train(args) -> int:
             "Re-run the same command to resume."
         )
         return 128 + result.interrupted_by
+    if result.final_step == result.start_step:
+        print(
+            f"{result.run_dir} is already at step {result.final_step} of --steps {result.final_step}: "
+            "nothing to do (give a larger --steps to continue training)"
+        )
+        return 0
     val = f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""
     tps = f", {result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s else ""
     print(
@@ -260,5 +267,21 @@ def main(argv=None) -> int:
         return 2 if bad_input else 1
 
 
+def run() -> None:
+    """Console-script entry point: ``main()``, then exit with its code.
+
+    After a failure has been reported in its one line, libraries' background threads
+    (Orbax/TensorStore reads cancelled by the error) may still print tracebacks while the
+    interpreter shuts down; those go to /dev/null so the user sees only the error.
+    """
+    code = main()
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

@@ -31,6 +31,7 @@ class OptimConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
     grad_accum: int = 1  # micro-batches per step; the batch size is per step
+    decay_steps: Optional[int] = None  # schedule length; None: --steps of the run's first command
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,26 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def validate(self) -> None:
+        """Check the fields that need no devices, data or model; raise ConfigError."""
+        checks = [
+            (self.steps >= 1, f"--steps must be at least 1, got {self.steps}"),
+            (self.log_every >= 1, f"--log-every must be at least 1, got {self.log_every}"),
+            (self.eval_every >= 0, f"--eval-every must be 0 (never) or positive, got {self.eval_every}"),
+            (self.save_every >= 0, f"--save-every must be 0 (only at the end) or positive, got {self.save_every}"),
+            (self.keep >= 1, f"--keep must be at least 1, got {self.keep}"),
+            (self.optim.grad_accum >= 1, f"--grad-accum must be at least 1, got {self.optim.grad_accum}"),
+            (self.data.batch_size >= 1, f"--batch-size must be at least 1, got {self.data.batch_size}"),
+            (self.data.seq_len >= 1, f"--seq-len must be at least 1, got {self.data.seq_len}"),
+            (0 <= self.data.val_fraction < 1, f"--val-fraction must be in [0, 1), got {self.data.val_fraction}"),
+            (0 <= self.dropout < 1, f"--dropout must be in [0, 1), got {self.dropout}"),
+            (self.optim.lr > 0, f"--lr must be positive, got {self.optim.lr}"),
+            (self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, got {self.dtype!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
         d = dict(d)
@@ -92,7 +113,9 @@ def _sub(cls, d, name):
 
 #: Fields that may differ between a run directory's config and a resuming command:
 #: how long to run, where (mesh, rules), and how often to log/save. Anything else would
-#: silently turn the resumed run into a different experiment.
+#: silently turn the resumed run into a different experiment. ``optim.decay_steps`` (the
+#: LR schedule's length) is fixed by a run's first command; a command that leaves it unset
+#: takes the run's own, so growing ``--steps`` does not restart warmup.
 RESUMABLE_FIELDS = frozenset(
     {"steps", "mesh", "rules", "run_dir", "log_every", "eval_every", "save_every", "keep", "remat", "init_from",
      "data.eval_batches"}

@@ -17,6 +17,7 @@ the keys an uninterrupted one would.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -53,6 +54,10 @@ PEAK_FLOPS = {
 }
 
 
+#: Training steps dispatched ahead of the host (see the loop).
+MAX_IN_FLIGHT = 2
+
+
 def peak_flops(device) -> Optional[float]:
     """Peak dense bf16 FLOP/s of one device, or ``None`` where unknown (CPU)."""
     kind = getattr(device, "device_kind", "")
@@ -68,18 +73,23 @@ def _is_var(x) -> bool:
 
 def decay_mask(params):
     """Weight decay on kernels and embeddings; never on biases or LayerNorm parameters."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: str(path[-1].key) not in ("bias", "scale"), params)
+
+    def name(key) -> str:
+        return str(getattr(key, "key", getattr(key, "name", key)))
+
+    return jax.tree_util.tree_map_with_path(lambda path, _: name(path[-1]) not in ("bias", "scale"), params)
 
 
 def make_optimizer(cfg: TrainConfig):
     """``(optax transform, lr schedule)``: AdamW, warmup + cosine, global-norm clipping."""
     o = cfg.optim
-    warmup = min(o.warmup_steps, max(cfg.steps - 1, 0))
+    length = o.decay_steps or cfg.steps
+    warmup = min(o.warmup_steps, max(length - 1, 0))
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=o.lr,
         warmup_steps=warmup,
-        decay_steps=max(cfg.steps, warmup + 1),
+        decay_steps=max(length, warmup + 1),
         end_value=o.lr * o.min_lr_ratio,
     )
     parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
@@ -122,17 +132,16 @@ def model_config(cfg: TrainConfig) -> gpt2.GPT2Config:
 
 def setup(cfg: TrainConfig, mesh=None) -> Setup:
     """Validate ``cfg`` against the devices and build the sharded plan (no arrays yet)."""
+    cfg.validate()
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     rules = get_rules(cfg.rules)
     mcfg = model_config(cfg)
     d = cfg.data
     if d.seq_len > mcfg.n_positions:
         raise ConfigError(f"--seq-len {d.seq_len} is longer than {cfg.model}'s context of {mcfg.n_positions} tokens")
-    if d.seq_len < 1 or d.batch_size < 1 or cfg.steps < 1:
-        raise ConfigError("--seq-len, --batch-size and --steps must be positive")
     shards = batch_shard_count(rules, mesh)
     accum = cfg.optim.grad_accum
-    if accum < 1 or d.batch_size % (shards * accum):
+    if d.batch_size % (shards * accum):
         axes, _ = resolve_name("batch", rules, mesh)
         split = ",".join(f"{a}={mesh.shape[a]}" for a in axes or ()) or "none"
         raise ConfigError(
@@ -269,16 +278,36 @@ def _write_json_atomic(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def _saved_config(run_dir: Path) -> Optional[dict]:
+    path = run_dir / "config.json"
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise ConfigError(f"{path} is not valid JSON; fix or remove it") from None
+    return saved.get("train", saved)
+
+
+def _fix_schedule_length(cfg: TrainConfig, run_dir: Path) -> TrainConfig:
+    """The LR schedule's length is set by a run's first command and kept on resume.
+
+    So ``--steps`` can grow when resuming without restarting warmup or stretching the decay:
+    past the schedule's end the learning rate stays at its final value.
+    """
+    if cfg.optim.decay_steps is not None:
+        return cfg
+    saved = _saved_config(run_dir)
+    length = (saved or {}).get("optim", {}).get("decay_steps") or cfg.steps
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=length))
+
+
 def check_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
     """Refuse a run directory whose saved config makes this a different experiment."""
-    saved_path = run_dir / "config.json"
-    if not saved_path.exists():
+    saved = _saved_config(run_dir)
+    if saved is None:
         return
-    try:
-        saved = json.loads(saved_path.read_text())
-    except json.JSONDecodeError:
-        raise ConfigError(f"{saved_path} is not valid JSON; fix or remove it") from None
-    conflicts = config_conflicts(saved.get("train", saved), cfg.to_dict())
+    conflicts = config_conflicts(saved, cfg.to_dict())
     if conflicts:
         raise ConfigError(
             f"run directory {run_dir} holds a different run ("
@@ -395,6 +424,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
     """Train (or resume) the run in ``cfg.run_dir``. Everything ``nnxscale train`` does."""
     t_start = time.perf_counter()
     run_dir = Path(cfg.run_dir)
+    cfg = _fix_schedule_length(cfg, run_dir)
     s = setup(cfg, mesh)
     is_main = jax.process_index() == 0
 
@@ -427,94 +457,102 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
     check_run_dir(cfg, run_dir)  # after validating the command itself, before writing anything
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(checkpoint_dir(run_dir), keep=cfg.keep)
-    metrics_path = run_dir / "metrics.jsonl"
-    start = ckpt.latest_step()
-    if start is not None:
-        state, extras = ckpt.restore(s.abstract)
-        train_it.set_state(extras["data"])
-        if extras.get("data_fingerprint") not in (None, tokens.fingerprint):
-            raise ConfigError(f"the data in {tokens.description} changed since this run was saved")
+    try:  # the checkpointer's background threads must be closed on every path
+        metrics_path = run_dir / "metrics.jsonl"
+        start = ckpt.latest_step()
+        if start is not None:
+            state, extras = ckpt.restore(s.abstract)
+            train_it.set_state(extras["data"])
+            if extras.get("data_fingerprint") not in (None, tokens.fingerprint):
+                raise ConfigError(f"the data in {tokens.description} changed since this run was saved")
+            if is_main:
+                _truncate_metrics(metrics_path, start)
+            log(f"resumed {run_dir} from step {start} on mesh {format_mesh(s.mesh.shape)}")
+        else:
+            start = 0
+            params = load_init_params(s, cfg.init_from) if cfg.init_from else None
+            state = init_state(s, params)
+            if is_main:
+                metrics_path.unlink(missing_ok=True)
         if is_main:
-            _truncate_metrics(metrics_path, start)
-        log(f"resumed {run_dir} from step {start} on mesh {format_mesh(s.mesh.shape)}")
-    else:
-        start = 0
-        params = load_init_params(s, cfg.init_from) if cfg.init_from else None
-        state = init_state(s, params)
-        if is_main:
-            metrics_path.unlink(missing_ok=True)
-    if is_main:
-        _write_json_atomic(
-            run_dir / "config.json",
-            {"train": cfg.to_dict(), "model": s.model_cfg.to_dict(), "data": tokens.description},
-        )
+            _write_json_atomic(
+                run_dir / "config.json",
+                {"train": cfg.to_dict(), "model": s.model_cfg.to_dict(), "data": tokens.description},
+            )
 
-    step_fn = make_train_step(s)
-    eval_fn = make_eval_step(s)
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    flops_per_token = s.model_cfg.flops_per_token(cfg.data.seq_len)
-    peak = peak_flops(jax.devices()[0])
-    peak_total = peak * jax.device_count() if peak else None
+        step_fn = make_train_step(s)
+        eval_fn = make_eval_step(s)
+        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        flops_per_token = s.model_cfg.flops_per_token(cfg.data.seq_len)
+        peak = peak_flops(jax.devices()[0])
+        peak_total = peak * jax.device_count() if peak else None
 
-    def evaluate(params) -> Optional[float]:
-        if not val_batches:
-            return None
-        losses = [eval_fn(params, datalib.to_global(b, s.batch_sharding)) for b in val_batches]
-        return float(np.mean(jax.device_get(losses)))
+        def evaluate(params) -> Optional[float]:
+            if not val_batches:
+                return None
+            losses = [eval_fn(params, datalib.to_global(b, s.batch_sharding)) for b in val_batches]
+            return float(np.mean(jax.device_get(losses)))
 
-    def save(step: int) -> None:
-        extras = {"data": train_it.get_state(), "data_fingerprint": tokens.fingerprint, "config": cfg.to_dict()}
-        ckpt.save(step, state, extras, force=True)
+        def save(step: int) -> None:
+            extras = {"data": train_it.get_state(), "data_fingerprint": tokens.fingerprint, "config": cfg.to_dict()}
+            ckpt.save(step, state, extras, force=True)
 
-    stop = {}
-    previous_handlers = _install_stop_handlers(stop)
-    bar = _progress(progress and is_main, start, cfg.steps)
-    last_loss = last_val = tokens_per_s = None
-    t_last, s_last = time.perf_counter(), start
-    step = start
-    try:
-        while step < cfg.steps:
-            batch = datalib.to_global(next(train_it), s.batch_sharding)
-            with jax.set_mesh(s.mesh):
-                state, metrics = step_fn(state, batch)
-            step += 1
-            if step == start + 1:  # first step includes compilation; time from here on
-                jax.block_until_ready(metrics)
-                t_last, s_last = time.perf_counter(), step
-            do_eval = bool(val_batches) and (step % cfg.eval_every == 0 or step == cfg.steps)
-            if step % cfg.log_every == 0 or step == cfg.steps or do_eval or stop:
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                now = time.perf_counter()
-                record = {"step": step, **m}
-                if step > s_last:
-                    dt = (now - t_last) / (step - s_last)
-                    tokens_per_s = tokens_per_step / dt
-                    record |= {"step_time_s": dt, "tokens_per_s": tokens_per_s,
-                               "tflops_per_s": tokens_per_s * flops_per_token / 1e12}
-                    if peak_total:
-                        record["mfu"] = tokens_per_s * flops_per_token / peak_total
-                    t_last, s_last = now, step
-                if do_eval:
-                    last_val = record["val_loss"] = evaluate(state["params"])
-                    t_last = time.perf_counter()  # evaluation is not step time
-                last_loss = m["loss"]
-                if is_main:
-                    with metrics_path.open("a") as f:
-                        f.write(json.dumps(record) + "\n")
-                bar.update(step, record)
-            else:
-                bar.update(step)
-            if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-                save(step)
-                t_last = time.perf_counter()  # the host-side part of a save is not step time
-            if stop:
-                break
+        stop = {}
+        previous_handlers = _install_stop_handlers(stop)
+        bar = _progress(progress and is_main, start, cfg.steps)
+        last_loss = last_val = tokens_per_s = None
+        t_last, s_last = time.perf_counter(), start
+        step = start
+        # At most MAX_IN_FLIGHT steps are queued on the devices: enough to overlap host and
+        # device, and XLA:CPU's in-process collectives deadlock with ~100 queued steps.
+        in_flight: collections.deque = collections.deque()
+        try:
+            while step < cfg.steps:
+                batch = datalib.to_global(next(train_it), s.batch_sharding)
+                with jax.set_mesh(s.mesh):
+                    state, metrics = step_fn(state, batch)
+                in_flight.append(metrics["loss"])
+                if len(in_flight) > MAX_IN_FLIGHT:
+                    jax.block_until_ready(in_flight.popleft())
+                step += 1
+                if step == start + 1:  # first step includes compilation; time from here on
+                    jax.block_until_ready(metrics)
+                    t_last, s_last = time.perf_counter(), step
+                do_eval = bool(val_batches) and (step % cfg.eval_every == 0 or step == cfg.steps)
+                if step % cfg.log_every == 0 or step == cfg.steps or do_eval or stop:
+                    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    now = time.perf_counter()
+                    record = {"step": step, **m}
+                    if step > s_last:
+                        dt = (now - t_last) / (step - s_last)
+                        tokens_per_s = tokens_per_step / dt
+                        record |= {"step_time_s": dt, "tokens_per_s": tokens_per_s,
+                                   "tflops_per_s": tokens_per_s * flops_per_token / 1e12}
+                        if peak_total:
+                            record["mfu"] = tokens_per_s * flops_per_token / peak_total
+                        t_last, s_last = now, step
+                    if do_eval:
+                        last_val = record["val_loss"] = evaluate(state["params"])
+                        t_last = time.perf_counter()  # evaluation is not step time
+                    last_loss = m["loss"]
+                    if is_main:
+                        with metrics_path.open("a") as f:
+                            f.write(json.dumps(record) + "\n")
+                    bar.update(step, record)
+                else:
+                    bar.update(step)
+                if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                    save(step)
+                    t_last = time.perf_counter()  # the host-side part of a save is not step time
+                if stop:
+                    break
+        finally:
+            bar.close()
+            ckpt.wait()
+            for sig, h in previous_handlers.items():
+                signal.signal(sig, h)
     finally:
-        bar.close()
-        ckpt.wait()
         ckpt.close()
-        for sig, h in previous_handlers.items():
-            signal.signal(sig, h)
     if is_main:
         plot_metrics(run_dir)
     return TrainResult(

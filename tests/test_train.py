@@ -1,0 +1,452 @@
+"""Training: what a user relies on. Exact resume after SIGTERM, resume onto another mesh,
+the same numbers on every mesh, optimizer state laid out like the parameters, gradient
+accumulation, the run directory's records, --init-from, and sampling.
+
+Every run is the byte-level ``gpt2-tiny`` on a ~280 KB text file, batch 16 x 32 tokens,
+a few steps: compilation dominates, so tests share runs where they can.
+"""
+
+import argparse
+import dataclasses
+import inspect
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import typing
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import nnxscale.train as train_mod
+from nnxscale import cli
+from nnxscale import data as datalib
+from nnxscale.checkpoint import checkpoint_dir
+from nnxscale.config import TrainConfig, with_overrides
+from nnxscale.generate import sample
+from nnxscale.models import gpt2
+from nnxscale.train import init_state, make_train_step, read_metrics, setup, train
+
+# The learning-rate schedule below does not depend on --steps (2 warmup steps, then a
+# constant peak), so runs of different lengths share their first steps exactly. With the
+# default warmup + cosine the schedule is stretched to each run's --steps.
+PINNED_SCHEDULE = {"optim.warmup_steps": 2, "optim.min_lr_ratio": 1.0}
+REF_STEPS = 6
+
+
+# --------------------------------------------------------------------------------------
+# helpers and shared runs
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory):
+    """~280 KB of real text: a few standard-library modules' source."""
+    parts = [inspect.getsource(m) for m in (argparse, dataclasses, inspect, typing)]
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text("\n".join(parts))
+    assert path.stat().st_size > 200_000
+    return path
+
+
+def tiny_cfg(run_dir, data, **overrides) -> TrainConfig:
+    """gpt2-tiny on data=8, batch 16 x 32, pinned schedule; dotted keys override fields."""
+    fields = {
+        "model": "gpt2-tiny",
+        "mesh": "data=8",
+        "steps": REF_STEPS,
+        "log_every": 1,
+        "eval_every": 0,
+        "save_every": 0,
+        "run_dir": str(run_dir),
+        "data.data": str(data),
+        "data.seq_len": 32,
+        "data.batch_size": 16,
+        **PINNED_SCHEDULE,
+    }
+    fields.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return with_overrides(TrainConfig(), fields)
+
+
+def quiet_train(cfg, log=None):
+    return train(cfg, progress=False, log=log if log is not None else (lambda _: None))
+
+
+@pytest.fixture(scope="module")
+def ref_run(tmp_path_factory, text_data):
+    """The uninterrupted reference: seed 0, data=8, REF_STEPS steps, every step logged."""
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    result = quiet_train(tiny_cfg(run_dir, text_data))
+    assert result.final_step == REF_STEPS and result.interrupted_by is None
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, REF_STEPS + 1))
+    return run_dir, records
+
+
+class _Captured(Exception):
+    pass
+
+
+@dataclasses.dataclass(eq=False)
+class Seen:
+    """One parameter as the first step received it (a pytree leaf: not a registered node)."""
+
+    sharding: jax.sharding.Sharding
+    shard_shape: tuple
+    value: np.ndarray
+
+
+def capture_first_state(monkeypatch, stop: bool = False) -> dict:
+    """Record the train state ``train()`` hands to its first step (then go on, or stop).
+
+    Fills ``seen["params"]`` with a :class:`Seen` per parameter and ``seen["opt_state"]``
+    with the optimizer state's shardings. ``stop``: raise :class:`_Captured` instead of
+    stepping (no step is compiled).
+    """
+    seen = {}
+    real = train_mod.make_train_step
+
+    def make(s):
+        step = real(s)
+
+        def first(state, batch):
+            if "params" not in seen:
+                describe = lambda a: Seen(a.sharding, a.addressable_shards[0].data.shape, np.asarray(a))  # noqa: E731
+                seen["params"] = jax.tree.map(describe, state["params"])
+                seen["opt_state"] = jax.tree.map(lambda a: a.sharding, state["opt_state"])
+                if stop:
+                    raise _Captured
+            return step(state, batch)
+
+        return first
+
+    monkeypatch.setattr(train_mod, "make_train_step", make)
+    return seen
+
+
+def flat(tree) -> dict:
+    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def captured_values(seen) -> dict:
+    return {k: v.value for k, v in flat(seen["params"]).items()}
+
+
+def host_params(state) -> dict:
+    return {k: np.asarray(v) for k, v in flat(jax.device_get(state["params"])).items()}
+
+
+def assert_params_equal(got: dict, want: dict):
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def fresh_params(data, seed: int) -> dict:
+    """The parameters a fresh run with ``seed`` starts from."""
+    s = setup(tiny_cfg("unused", data, seed=seed))
+    return host_params(init_state(s))
+
+
+def fixed_batch(data, sharding, batch=16, seq=32):
+    tokens = np.frombuffer(data.read_bytes(), np.uint8)[: batch * (seq + 1)].astype(np.int32)
+    rows = tokens.reshape(batch, seq + 1)
+    return datalib.to_global({"inputs": rows[:, :-1].copy(), "targets": rows[:, 1:].copy()}, sharding)
+
+
+# --------------------------------------------------------------------------------------
+# 1. resume after SIGTERM is exact
+# --------------------------------------------------------------------------------------
+
+
+def _metrics_so_far(path):
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written right now
+            break
+    return out
+
+
+def test_resume_after_sigterm_equals_an_uninterrupted_run(tmp_path, text_data):
+    steps, signal_after = 120, 3  # ~120 steps cannot run in the moment between poll and signal
+
+    def command(run_dir):
+        return [
+            sys.executable, "-m", "nnxscale", "train", "--model", "gpt2-tiny", "--mesh", "data=8",
+            "--batch-size", "16", "--seq-len", "32", "--steps", str(steps), "--eval-every", "50",
+            "--data", str(text_data), "--run-dir", str(run_dir), "--log-every", "1", "--no-progress",
+        ]  # fmt: skip
+
+    env = {k: v for k, v in os.environ.items() if k != "NNXSCALE_DEBUG"}
+    popen = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    whole_dir, cut_dir = tmp_path / "whole", tmp_path / "cut"
+    whole = subprocess.Popen(command(whole_dir), **popen)
+    cut = subprocess.Popen(command(cut_dir), **popen)
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            records = _metrics_so_far(cut_dir / "metrics.jsonl")
+            if records and records[-1]["step"] >= signal_after:
+                break
+            assert cut.poll() is None, f"run ended before the signal: {cut.communicate()}"
+            assert time.monotonic() < deadline, "no metrics within the time limit"
+            time.sleep(0.02)
+        cut.send_signal(signal.SIGTERM)
+        out, err = cut.communicate(timeout=300)
+        assert cut.returncode == 128 + signal.SIGTERM, err
+
+        records = read_metrics(cut_dir)
+        stopped = records[-1]["step"]
+        assert signal_after <= stopped < steps  # the interruption happened
+        assert f"stopped by SIGTERM at step {stopped}" in out
+        ckpt_root = checkpoint_dir(cut_dir)
+        assert sorted(p.name for p in ckpt_root.iterdir()) == [str(stopped)]
+        assert (ckpt_root / str(stopped) / "commit_success.txt").exists()
+
+        resumed = subprocess.run(command(cut_dir), timeout=400, **popen)
+        assert resumed.returncode == 0, resumed.stderr
+        assert f"from step {stopped}" in resumed.stdout
+        whole_out, whole_err = whole.communicate(timeout=400)
+        assert whole.returncode == 0, whole_err
+    finally:
+        for p in (whole, cut):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    got, want = read_metrics(cut_dir), read_metrics(whole_dir)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))  # each step once, none lost
+    assert [r["step"] for r in want] == list(range(1, steps + 1))
+    for a, b in zip(got, want):
+        for key in ("loss", "grad_norm", "lr"):
+            assert a[key] == b[key], f"step {a['step']} {key}: {a[key]} resumed (from step {stopped}), {b[key]} whole"
+        assert a.get("val_loss") == b.get("val_loss"), f"step {a['step']} val_loss, resumed from step {stopped}"
+    assert [r["step"] for r in got if "val_loss" in r] == [50, 100, 120]
+
+
+# --------------------------------------------------------------------------------------
+# 2. restore onto another mesh; 3. the same numbers on every mesh
+# --------------------------------------------------------------------------------------
+
+
+def test_resume_on_another_mesh_continues_the_run(tmp_path, text_data, ref_run, monkeypatch):
+    _, want = ref_run
+    run_dir = tmp_path / "run"
+    first = quiet_train(tiny_cfg(run_dir, text_data, steps=3))
+    assert first.final_step == 3
+    assert sorted(p.name for p in checkpoint_dir(run_dir).iterdir()) == ["3"]
+
+    seen = capture_first_state(monkeypatch)
+    logs = []
+    result = quiet_train(tiny_cfg(run_dir, text_data, steps=REF_STEPS, mesh="data=2,model=4"), log=logs.append)
+    assert result.start_step == 3 and result.final_step == REF_STEPS
+    assert any("resumed" in line and "data=2,model=4" in line for line in logs), logs
+
+    got = read_metrics(run_dir)
+    assert [r["step"] for r in got] == list(range(1, REF_STEPS + 1))
+    for a, b in zip(got, want):
+        assert a["lr"] == b["lr"], a["step"]
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5, err_msg=f"step {a['step']}")
+        np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-4, err_msg=f"step {a['step']}")
+
+    # The restored state lives on the new mesh, in the new layout (mlp, heads, vocab over model).
+    params = flat(seen["params"])
+    expected_shards = {
+        "['h'][0]['mlp']['c_fc']['kernel']": (64, 64),  # (64, 256) split on mlp
+        "['h'][1]['mlp']['c_proj']['kernel']": (64, 64),  # (256, 64) split on mlp
+        "['h'][0]['attn']['c_attn']['kernel']": (64, 3, 2, 8),  # (64, 3, 8, 8) split on heads
+        "['wte']['embedding']": (64, 64),  # (256, 64) split on vocab
+    }
+    for name, shard in expected_shards.items():
+        assert params[name].shard_shape == shard, name
+    for name, p in params.items():
+        assert dict(p.sharding.mesh.shape) == {"data": 2, "model": 4}, name
+    for sharding in jax.tree.leaves(seen["opt_state"]):
+        assert dict(sharding.mesh.shape) == {"data": 2, "model": 4}
+
+
+@pytest.mark.parametrize("mesh", ["fsdp=8", "model=8", "data=2,model=4"])
+def test_same_losses_on_every_mesh(tmp_path, text_data, ref_run, mesh):
+    _, want = ref_run  # data=8
+    steps = 3
+    quiet_train(tiny_cfg(tmp_path / "run", text_data, steps=steps, mesh=mesh))
+    got = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    assert len({r["loss"] for r in got}) == steps  # the model does learn: the steps differ
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5, err_msg=f"{mesh} step {a['step']}")
+        np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-4, err_msg=f"{mesh} step {a['step']}")
+
+
+# --------------------------------------------------------------------------------------
+# 4. optimizer state sharded like the parameters
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mesh", ["fsdp=8", "data=2,model=4"])
+def test_optimizer_state_is_sharded_like_the_parameters(text_data, mesh):
+    s = setup(tiny_cfg("unused", text_data, mesh=mesh))
+    state = init_state(s)
+    params = state["params"]
+    param_leaves = jax.tree_util.tree_leaves_with_path(params)
+    # The layout is not trivially replicated on these meshes.
+    assert any(p.addressable_shards[0].data.shape != p.shape for _, p in param_leaves)
+
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+    adam = [x for x in jax.tree.leaves(state["opt_state"], is_leaf=is_adam) if is_adam(x)]
+    assert len(adam) == 1
+    moment_ids = set()
+    for name in ("mu", "nu"):
+        moments = getattr(adam[0], name)
+        assert jax.tree.structure(moments) == jax.tree.structure(params)
+        for (path, p), m in zip(param_leaves, jax.tree.leaves(moments), strict=True):
+            where = f"{name}{jax.tree_util.keystr(path)}"
+            assert m.shape == p.shape, where
+            assert m.sharding.is_equivalent_to(p.sharding, p.ndim), where
+            assert m.addressable_shards[0].data.shape == p.addressable_shards[0].data.shape, where
+            # Every device holds the same slice of the moment as of the parameter.
+            assert m.sharding.devices_indices_map(m.shape) == p.sharding.devices_indices_map(p.shape), where
+            moment_ids.add(id(m))
+    others = [x for x in jax.tree.leaves(state["opt_state"]) if id(x) not in moment_ids]
+    assert others  # the Adam count, the schedule count, ...
+    for x in others + [state["step"], state["key"]]:
+        assert x.sharding.is_fully_replicated, x
+    # The restore target promises the same layout as the state that is saved.
+    for a, t in zip(jax.tree.leaves(state), jax.tree.leaves(s.abstract), strict=True):
+        assert a.shape == t.shape and a.dtype == t.dtype
+        assert a.sharding.is_equivalent_to(t.sharding, a.ndim)
+
+
+# --------------------------------------------------------------------------------------
+# 5. gradient accumulation
+# --------------------------------------------------------------------------------------
+
+
+def test_gradient_accumulation_matches_one_big_batch(text_data):
+    results = {}
+    for accum in (1, 2):
+        # warmup 0: the first step already uses the peak learning rate, so parameters move.
+        cfg = tiny_cfg("unused", text_data, mesh="fsdp=8", optim__grad_accum=accum, optim__warmup_steps=0)
+        s = setup(cfg)
+        state = init_state(s)
+        before = host_params(state)
+        state, metrics = make_train_step(s)(state, fixed_batch(text_data, s.batch_sharding))
+        results[accum] = (before, jax.device_get(metrics), host_params(state))
+    (before, m1, p1), (before2, m2, p2) = results[1], results[2]
+    assert_params_equal(before2, before)
+    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-5)
+    lr = float(m1["lr"])
+    assert lr == pytest.approx(TrainConfig().optim.lr)
+    for k in p1:
+        moved = np.abs(p1[k] - before[k]).max()
+        assert moved > lr / 2, f"{k} did not move"  # Adam's first step moves each weight by ~lr
+        np.testing.assert_allclose(p2[k], p1[k], rtol=0, atol=lr / 100, err_msg=k)
+
+
+# --------------------------------------------------------------------------------------
+# 6. the run directory: metrics, plot, config
+# --------------------------------------------------------------------------------------
+
+
+def test_metrics_plot_and_config_in_the_run_directory(tmp_path, text_data):
+    run_dir = tmp_path / "run"
+    cfg = tiny_cfg(run_dir, text_data, steps=6, log_every=4, eval_every=3)
+    result = quiet_train(cfg)
+
+    records = read_metrics(run_dir)
+    # Logged: every 4th step, every evaluation (3, 6) and the last step.
+    assert [r["step"] for r in records] == [3, 4, 6]
+    for r in records:
+        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s"):
+            assert key in r, (r["step"], key)
+            assert math.isfinite(r[key]), (r["step"], key)
+        assert r["loss"] > 0 and r["grad_norm"] > 0 and r["tokens_per_s"] > 0
+    assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
+    assert all(math.isfinite(r["val_loss"]) and r["val_loss"] > 0 for r in records if "val_loss" in r)
+    assert result.final_loss == records[-1]["loss"]
+    assert result.val_loss == records[-1]["val_loss"]
+
+    png = run_dir / "loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads((run_dir / "config.json").read_text())
+    resolved = cfg.to_dict()
+    resolved["optim"]["decay_steps"] = cfg.steps  # the schedule length is fixed by the first command
+    assert saved["train"] == resolved
+    assert saved["model"]["n_layer"] == 2 and saved["model"]["vocab_size"] == 256
+
+
+# --------------------------------------------------------------------------------------
+# 7. --init-from: a seed checkpoint or a Hugging Face directory
+# --------------------------------------------------------------------------------------
+
+
+def test_init_from_a_seed_checkpoint_starts_from_its_parameters(tmp_path, text_data, ref_run, monkeypatch, capsys):
+    _, ref = ref_run  # seed 0
+    seed0, seed5 = tmp_path / "seed0", tmp_path / "seed5"
+    for seed, d in ((0, seed0), (5, seed5)):
+        code = cli.main(["init", "--model", "gpt2-tiny", "--mesh", "fsdp=8", "--run-dir", str(d), "--seed", str(seed)])
+        assert code == 0, capsys.readouterr().err
+    assert "gpt2-tiny" in capsys.readouterr().out
+
+    # Same seed as the fresh reference run: the same first step.
+    seen = capture_first_state(monkeypatch)
+    quiet_train(tiny_cfg(tmp_path / "a", text_data, steps=1, init_from=str(seed0)))
+    assert read_metrics(tmp_path / "a")[0]["loss"] == ref[0]["loss"]
+    fresh0 = fresh_params(text_data, seed=0)
+    assert_params_equal(captured_values(seen), fresh0)
+
+    # Another seed in the checkpoint than on the command line: the checkpoint's parameters win.
+    seen = capture_first_state(monkeypatch, stop=True)
+    with pytest.raises(_Captured):
+        quiet_train(tiny_cfg(tmp_path / "b", text_data, init_from=str(seed5)))
+    got = captured_values(seen)
+    assert_params_equal(got, fresh_params(text_data, seed=5))
+    assert not np.array_equal(got["['wte']['embedding']"], fresh0["['wte']['embedding']"])
+
+
+def test_init_from_a_hugging_face_directory(tmp_path, text_data, monkeypatch):
+    hf_dir = tmp_path / "hf"
+    model = gpt2.GPT2(gpt2.preset("gpt2-tiny"), rngs=nnx.Rngs(11))
+    gpt2.save_pretrained(model, hf_dir)
+    want = {k: np.asarray(v) for k, v in flat(nnx.to_pure_dict(nnx.state(model))).items()}
+
+    seen = capture_first_state(monkeypatch, stop=True)
+    with pytest.raises(_Captured):
+        quiet_train(tiny_cfg(tmp_path / "run", text_data, mesh="data=2,model=4", init_from=str(hf_dir)))
+    got = captured_values(seen)
+    assert_params_equal(got, want)
+    fresh = fresh_params(text_data, seed=0)
+    assert not np.array_equal(got["['wte']['embedding']"], fresh["['wte']['embedding']"])
+    assert flat(seen["params"])["['h'][0]['mlp']['c_fc']['kernel']"].shard_shape == (64, 64)  # this run's layout
+
+
+# --------------------------------------------------------------------------------------
+# 8. sampling
+# --------------------------------------------------------------------------------------
+
+
+def _utf8_byte_bounds(text: str) -> tuple[int, int]:
+    """Fewest and most bytes ``text`` can have come from (U+FFFD stands for 1 to 3 bytes)."""
+    replaced = text.count("\ufffd")
+    valid = len(text.replace("\ufffd", "").encode("utf-8"))
+    return valid + replaced, valid + 3 * replaced
+
+
+def test_sample_continues_the_prompt(ref_run):
+    run_dir, _ = ref_run
+    prompt, n = "def ", 20
+    text = sample(run_dir, prompt, max_new_tokens=n)
+    assert isinstance(text, str) and text.startswith(prompt)
+    low, high = _utf8_byte_bounds(text)
+    assert low <= len(prompt.encode()) + n <= high, repr(text)
