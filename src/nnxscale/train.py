@@ -248,7 +248,7 @@ def make_train_step(s: Setup):
             "step": state["step"] + 1,
             "key": state["key"],
         }
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
         return new_state, metrics
 
     return jax.jit(
