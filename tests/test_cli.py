@@ -192,3 +192,34 @@ def test_train_help_documents_the_flags(capsys):
     for flag in ("--model", "--mesh", "--rules", "--steps", "--batch-size", "--seq-len", "--data",
                  "--run-dir", "--seed", "--save-every", "--log-every"):  # fmt: skip
         assert f"  {flag} " in out, flag
+
+
+# --------------------------------------------------------------------------------------
+# config files
+# --------------------------------------------------------------------------------------
+
+
+def test_config_file_sets_fields_and_flags_override_it(tmp_path, text_data, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'model = "gpt2-tiny"\nmesh = "fsdp=8"\nsteps = 3\n'
+        "[optim]\nlr = 0.002\nwarmup_steps = 1\n"
+        "[data]\nseq_len = 32\nbatch_size = 16\n"
+    )
+    run_dir = tmp_path / "run"
+    argv = ["train", "--config", str(config), "--steps", "2", "--data", str(text_data),
+            "--run-dir", str(run_dir), "--eval-every", "0", "--no-progress"]  # fmt: skip
+    code, out, err = run_main(capsys, argv)
+    assert code == 0, err
+    saved = json.loads((run_dir / "config.json").read_text())["train"]
+    assert saved["mesh"] == "fsdp=8" and saved["optim"]["lr"] == 0.002 and saved["data"]["seq_len"] == 32
+    assert saved["steps"] == 2  # the flag wins over the file
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [2]
+
+
+def test_config_file_with_an_unknown_field(tmp_path, capsys):
+    config = tmp_path / "bad.toml"
+    config.write_text("stepz = 3\n")
+    code, _, err = run_main(capsys, ["train", "--config", str(config), "--run-dir", str(tmp_path / "r")])
+    assert_one_error_line(code, err, "stepz")
+    assert not (tmp_path / "r").exists()
