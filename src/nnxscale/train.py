@@ -111,7 +111,8 @@ class Setup:
     state_shardings: dict
     abstract: dict  # ShapeDtypeStructs with shardings: the restore target
     batch_sharding: NamedSharding
-    init_fn: Callable  # () -> state, or (params) -> state
+    factory: Callable[[], nnx.Module]  # builds the model (seeded)
+    init_fn: Callable  # params -> the whole train state
 
     @property
     def param_shardings(self):
@@ -181,8 +182,8 @@ def setup(cfg: TrainConfig, mesh=None) -> Setup:
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, state_sh
     )
 
-    def init_fn(params=None):
-        return state_from(fresh_params() if params is None else params)
+    def init_fn(params):
+        return state_from(params)
 
     return Setup(
         cfg=cfg,
@@ -195,16 +196,17 @@ def setup(cfg: TrainConfig, mesh=None) -> Setup:
         state_shardings=state_sh,
         abstract=abstract,
         batch_sharding=NamedSharding(mesh, batch_spec(rules, mesh)),
+        factory=factory,
         init_fn=init_fn,
     )
 
 
 def init_state(s: Setup, params=None):
     """Create the train state directly in its sharded layout (or around given params)."""
+    if params is None:  # the one sharded-init path, shared with `nnxscale init`
+        params = _pure(nnx.state(sharded_init(s.factory, s.mesh, s.rules)))
     with jax.set_mesh(s.mesh):
-        if params is None:
-            return jax.jit(s.init_fn, out_shardings=s.state_shardings)()
-        return jax.jit(s.init_fn, out_shardings=s.state_shardings)(params)
+        return jax.jit(s.init_fn, out_shardings=s.state_shardings, donate_argnums=0)(params)
 
 
 def loss_fn(graphdef, params, inputs, targets, key, dropout: bool):
