@@ -156,9 +156,6 @@ def setup(cfg: TrainConfig, mesh=None) -> Setup:
     tx, schedule = make_optimizer(cfg)
     replicated = NamedSharding(mesh, P())
 
-    def fresh_params():
-        return _pure(nnx.split(factory())[1])
-
     def state_from(params):
         return {
             "params": params,
@@ -167,7 +164,7 @@ def setup(cfg: TrainConfig, mesh=None) -> Setup:
             "key": jax.random.key_data(jax.random.key(cfg.seed)),
         }
 
-    abs_params = jax.eval_shape(fresh_params)
+    abs_params = _pure(abs_model_state)  # ShapeDtypeStructs: no second trace of the model
     abs_state = jax.eval_shape(state_from, abs_params)
     opt_sh = optax.tree_map_params(
         tx,
@@ -371,11 +368,9 @@ def load_init_params(s: Setup, source: str):
     path = Path(source)
     if (path / "config.json").exists() and (path / "model.safetensors").exists() and not (path / "checkpoints").exists():
         model = gpt2.from_pretrained(path, mesh=s.mesh, rules=s.rules)
-        if model.config.to_dict() | {"dropout": 0, "dtype": "", "remat": False} != s.model_cfg.to_dict() | {
-            "dropout": 0,
-            "dtype": "",
-            "remat": False,
-        }:
+        # Only the architecture must match; dropout, compute dtype and remat are this run's own.
+        run_options = {"dropout": s.model_cfg.dropout, "dtype": s.model_cfg.dtype, "remat": s.model_cfg.remat}
+        if dataclasses.replace(model.config, **run_options) != s.model_cfg:
             raise ConfigError(f"--init-from {path} holds a different architecture than --model {s.cfg.model}")
         return _pure(nnx.state(model))
     ckpt_root = checkpoint_dir(path)
