@@ -223,3 +223,19 @@ def test_config_file_with_an_unknown_field(tmp_path, capsys):
     code, _, err = run_main(capsys, ["train", "--config", str(config), "--run-dir", str(tmp_path / "r")])
     assert_one_error_line(code, err, "stepz")
     assert not (tmp_path / "r").exists()
+
+
+def test_user_errors_are_one_line_but_a_bug_keeps_its_traceback(monkeypatch, capsys):
+    import nnxscale
+    from nnxscale import cli
+
+    for name in ("MeshError", "LayoutError", "RulesError", "ConfigError", "ModelError", "DataError", "CheckpointError"):
+        assert issubclass(getattr(nnxscale, name), nnxscale.NnxscaleError), name
+
+    def bug(args):
+        raise KeyError("an internal bug")
+
+    monkeypatch.setattr(cli, "_plan", bug)
+    with pytest.raises(KeyError, match="an internal bug"):  # not turned into "nnxscale: error: ..."
+        main(["plan"])
+    assert "nnxscale: error" not in capsys.readouterr().err

@@ -12,22 +12,28 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
+    # errors: every user-facing error derives from NnxscaleError
+    "NnxscaleError": "nnxscale.errors",
+    "MeshError": "nnxscale.errors",
+    "LayoutError": "nnxscale.errors",
+    "RulesError": "nnxscale.errors",
+    "ConfigError": "nnxscale.errors",
+    "ModelError": "nnxscale.errors",
+    "DataError": "nnxscale.errors",
+    "CheckpointError": "nnxscale.errors",
     # meshes
     "make_mesh": "nnxscale.mesh",
     "parse_mesh_spec": "nnxscale.mesh",
-    "MeshError": "nnxscale.mesh",
     # layouts
     "shard_shape": "nnxscale.layout",
     "shard_bytes": "nnxscale.layout",
     "full_bytes": "nnxscale.layout",
     "state_bytes": "nnxscale.layout",
-    "LayoutError": "nnxscale.layout",
     # logical axis rules
     "logical": "nnxscale.rules",
     "get_rules": "nnxscale.rules",
     "logical_to_spec": "nnxscale.rules",
     "PRESETS": "nnxscale.rules",
-    "RulesError": "nnxscale.rules",
     # state sharding
     "state_specs": "nnxscale.sharding",
     "state_shardings": "nnxscale.sharding",
@@ -45,10 +51,8 @@ _EXPORTS = {
     "train_batches": "nnxscale.data",
     "eval_batches": "nnxscale.data",
     "to_global": "nnxscale.data",
-    "DataError": "nnxscale.data",
     # checkpoints
     "Checkpointer": "nnxscale.checkpoint",
-    "CheckpointError": "nnxscale.checkpoint",
     "checkpoint_dir": "nnxscale.checkpoint",
     # training
     "TrainConfig": "nnxscale.config",

@@ -39,12 +39,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
+from nnxscale.errors import CheckpointError
+
 _STATE = "state"
 _EXTRAS = "extras"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or restored as asked; the message says what to do."""
 
 
 def checkpoint_dir(run_dir) -> Path:

@@ -252,19 +252,18 @@ def main(argv=None) -> int:
         return 2
     configure_cpu_devices(args.cpu_devices)
     handler = {"train": _train, "sample": _sample, "init": _init, "plan": _plan}[args.command]
+    from nnxscale.errors import NnxscaleError
+
     try:
         return handler(args)
     except KeyboardInterrupt:
         print("nnxscale: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # one line for the user; the traceback on request
+    except NnxscaleError as e:  # bad input: one line; anything else is a bug and keeps its traceback
         if os.environ.get("NNXSCALE_DEBUG"):
             raise
-        bad_input = isinstance(e, (ValueError, FileNotFoundError, NotADirectoryError)) or type(e).__name__ == "CheckpointError"
         print(f"nnxscale: error: {e}", file=sys.stderr)
-        if not bad_input:
-            print(f"({type(e).__name__}; set NNXSCALE_DEBUG=1 for the traceback)", file=sys.stderr)
-        return 2 if bad_input else 1
+        return 2
 
 
 def run() -> None:

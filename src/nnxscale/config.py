@@ -14,9 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Optional
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot be run, or that conflicts with the run directory."""
+from nnxscale.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

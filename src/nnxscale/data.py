@@ -37,6 +37,8 @@ import grain
 import jax
 import numpy as np
 
+from nnxscale.errors import DataError
+
 #: Token placed between two documents (files): byte 0, which never occurs in text.
 SEPARATOR = 0
 
@@ -57,10 +59,6 @@ _SAMPLE_BYTES = 1 << 20
 # so a deep buffer only adds work after a resume; measured on 2 CPU cores (seq_len 256,
 # batch 32) two threads and a buffer of 8 keep up with the default of 16 threads and 500.
 _READ_OPTIONS = dict(num_threads=2, prefetch_buffer_size=8)
-
-
-class DataError(ValueError):
-    """A data source, split or batch layout that cannot be used."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

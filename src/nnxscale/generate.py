@@ -35,11 +35,11 @@ def load_model(run_dir) -> nnx.Module:
 def sample(run_dir, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> str:
     """Continue ``prompt`` with ``max_new_tokens`` sampled bytes; returns prompt + continuation."""
     if max_new_tokens < 1 or temperature < 0 or top_k < 0:
-        raise ValueError("--max-new-tokens must be positive, --temperature and --top-k non-negative")
+        raise ConfigError("--max-new-tokens must be positive, --temperature and --top-k non-negative")
     model = load_model(run_dir)
     cfg = model.config
     if cfg.vocab_size > 256:
-        raise ValueError(f"sample decodes byte-level models (vocab 256); this model has vocab {cfg.vocab_size}")
+        raise ConfigError(f"sample decodes byte-level models (vocab 256); this model has vocab {cfg.vocab_size}")
     context = cfg.n_positions
     graphdef, params = nnx.split(model)
 

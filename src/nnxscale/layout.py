@@ -13,11 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from nnxscale.errors import LayoutError
 from nnxscale.mesh import mesh_axis_sizes
-
-
-class LayoutError(ValueError):
-    """A PartitionSpec that cannot lay out a tensor on a mesh."""
 
 
 def spec_entry_axes(entry) -> tuple[str, ...]:

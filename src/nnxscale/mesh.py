@@ -20,13 +20,11 @@ from typing import Union
 import jax
 from jax.sharding import AxisType, Mesh
 
+from nnxscale.errors import MeshError
+
 MeshSpec = Union[str, Mapping[str, int]]
 
 _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class MeshError(ValueError):
-    """A mesh spec that cannot be built on the devices that exist."""
 
 
 def parse_mesh_spec(spec: MeshSpec) -> dict[str, int]:

@@ -34,6 +34,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnxscale.errors import LayoutError
+
 AxisName = Union[str, tuple[str, ...]]
 
 _default_kernel_init = nnx.initializers.lecun_normal()  # nnx.Linear's defaults
@@ -47,14 +49,14 @@ def _axis_names(mesh: Mesh, axis: AxisName, who: str) -> tuple[str, ...]:
     """Normalize ``axis`` (a name or tuple of names) and check it against ``mesh``."""
     names = (axis,) if isinstance(axis, str) else tuple(axis)
     if not names:
-        raise ValueError(f"{who}: axis is empty; name a mesh axis, one of {tuple(mesh.axis_names)}")
+        raise LayoutError(f"{who}: axis is empty; name a mesh axis, one of {tuple(mesh.axis_names)}")
     for name in names:
         if name not in mesh.shape:
-            raise ValueError(
+            raise LayoutError(
                 f"{who}: axis {name!r} is not an axis of the mesh, which has axes {tuple(mesh.axis_names)}"
             )
     if len(set(names)) != len(names):
-        raise ValueError(f"{who}: axis {names} names a mesh axis twice")
+        raise LayoutError(f"{who}: axis {names} names a mesh axis twice")
     return names
 
 
@@ -74,7 +76,7 @@ def _describe(mesh: Mesh, names: tuple[str, ...]) -> str:
 def _check_divisible(who: str, what: str, size: int, mesh: Mesh, names: tuple[str, ...]) -> None:
     n = _axis_size(mesh, names)
     if size % n:
-        raise ValueError(
+        raise LayoutError(
             f"{who}: {what}={size} is not divisible by the {n} shards of mesh axis {_describe(mesh, names)}; "
             f"choose {what} as a multiple of {n}"
         )
@@ -82,7 +84,7 @@ def _check_divisible(who: str, what: str, size: int, mesh: Mesh, names: tuple[st
 
 def _check_features(who: str, x, in_features: int) -> None:
     if x.ndim < 1 or x.shape[-1] != in_features:
-        raise ValueError(f"{who}: input of shape {tuple(x.shape)} has no last dimension of size in_features={in_features}")
+        raise LayoutError(f"{who}: input of shape {tuple(x.shape)} has no last dimension of size in_features={in_features}")
 
 
 def _context_mesh(mesh: Mesh):
@@ -271,10 +273,10 @@ def data_parallel_apply(module: nnx.Module, x: jax.Array, mesh: Mesh, axis: Axis
     who = "data_parallel_apply"
     names = _axis_names(mesh, axis, who)
     if getattr(x, "ndim", 0) < 1:
-        raise ValueError(f"{who}: x must have a leading batch dimension, got shape {tuple(getattr(x, 'shape', ()))}")
+        raise LayoutError(f"{who}: x must have a leading batch dimension, got shape {tuple(getattr(x, 'shape', ()))}")
     n = _axis_size(mesh, names)
     if x.shape[0] % n:
-        raise ValueError(
+        raise LayoutError(
             f"{who}: batch size {x.shape[0]} is not divisible by the {n} shards of mesh axis "
             f"{_describe(mesh, names)}; pad or trim the batch to a multiple of {n}"
         )
@@ -297,7 +299,7 @@ class ColumnParallelLinear(nnx.Module):
     :class:`RowParallelLinear`. With ``gather_output=True`` an ``all_gather`` over ``axis``
     assembles the full ``(..., out)`` on every device.
 
-    Raises ``ValueError`` when ``out_features`` is not a multiple of ``n`` or ``axis`` is
+    Raises :class:`~nnxscale.errors.LayoutError` (a ``ValueError``) when ``out_features`` is not a multiple of ``n`` or ``axis`` is
     not an axis of ``mesh``.
     """
 
@@ -356,7 +358,7 @@ class RowParallelLinear(nnx.Module):
     ``psum`` over ``axis`` adds them; the bias is added once, after the ``psum``. The result
     ``(..., out)`` is replicated over ``axis``.
 
-    Raises ``ValueError`` when ``in_features`` is not a multiple of ``n`` or ``axis`` is
+    Raises :class:`~nnxscale.errors.LayoutError` (a ``ValueError``) when ``in_features`` is not a multiple of ``n`` or ``axis`` is
     not an axis of ``mesh``.
     """
 

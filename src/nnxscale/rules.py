@@ -33,6 +33,7 @@ from typing import Optional, Union
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from nnxscale.errors import RulesError
 from nnxscale.mesh import mesh_axis_sizes
 
 AxisNames = Union[str, tuple[str, ...], None]
@@ -85,10 +86,6 @@ PRESET_HELP = {
     "tp": "tensor parallel (Megatron column/row): heads, MLP and vocabulary split over model/tensor",
     "fsdp_tp": "FSDP + tensor parallel: both of the above",
 }
-
-
-class RulesError(ValueError):
-    """A rules preset or rules spec that cannot be used."""
 
 
 def logical(initializer, *names: Optional[str]):

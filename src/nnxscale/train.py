@@ -125,10 +125,7 @@ def _pure(tree):
 
 
 def model_config(cfg: TrainConfig) -> gpt2.GPT2Config:
-    try:
-        return gpt2.preset(cfg.model, dropout=cfg.dropout, dtype=cfg.dtype, remat=cfg.remat)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    return gpt2.preset(cfg.model, dropout=cfg.dropout, dtype=cfg.dtype, remat=cfg.remat)
 
 
 def setup(cfg: TrainConfig, mesh=None) -> Setup:
@@ -619,10 +616,7 @@ def init_run(model: str, mesh_spec, run_dir, *, rules="auto", seed: int = 0) -> 
         raise ConfigError(f"{run_dir} already holds checkpoints; choose a new --run-dir")
     mesh = make_mesh(mesh_spec)
     table = get_rules(rules)
-    try:
-        mcfg = gpt2.preset(model)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    mcfg = gpt2.preset(model)
     created = sharded_init(lambda: gpt2.GPT2(mcfg, rngs=nnx.Rngs(seed)), mesh, table)
     per_device, total = layout_bytes(created, mesh, table)
     params = _pure(nnx.state(created))

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nnxscale.errors import ModelError, ModelFileNotFoundError
 from nnxscale.rules import logical
 
 _DTYPES = ("float32", "bfloat16")
@@ -66,19 +67,19 @@ class GPT2Config:
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPT2Config.{name} must be a positive integer, got {value!r}")
+                raise ModelError(f"GPT2Config.{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
-            raise ValueError(
+            raise ModelError(
                 f"GPT2Config.n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
                 "every head needs the same width n_embd // n_head"
             )
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPT2Config.dropout must be in [0, 1), got {self.dropout!r}")
+            raise ModelError(f"GPT2Config.dropout must be in [0, 1), got {self.dropout!r}")
         if not self.layer_norm_epsilon > 0:
-            raise ValueError(f"GPT2Config.layer_norm_epsilon must be positive, got {self.layer_norm_epsilon!r}")
+            raise ModelError(f"GPT2Config.layer_norm_epsilon must be positive, got {self.layer_norm_epsilon!r}")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
-                raise ValueError(f"GPT2Config.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+                raise ModelError(f"GPT2Config.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
 
     @property
     def head_dim(self) -> int:
@@ -109,7 +110,7 @@ class GPT2Config:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - fields)
         if unknown:
-            raise ValueError(f"unknown GPT2Config fields {unknown}; valid fields: {sorted(fields)}")
+            raise ModelError(f"unknown GPT2Config fields {unknown}; valid fields: {sorted(fields)}")
         return cls(**d)
 
 
@@ -130,11 +131,11 @@ PRESETS: dict[str, GPT2Config] = {
 def preset(name: str, **overrides) -> GPT2Config:
     """The preset ``name`` with fields replaced by ``overrides`` (validated again)."""
     if name not in PRESETS:
-        raise ValueError(f"unknown GPT-2 preset {name!r}: choose one of {', '.join(PRESETS)}")
+        raise ModelError(f"unknown GPT-2 preset {name!r}: choose one of {', '.join(PRESETS)}")
     fields = {f.name for f in dataclasses.fields(GPT2Config)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ValueError(f"unknown GPT2Config fields {unknown}; valid fields: {sorted(fields)}")
+        raise ModelError(f"unknown GPT2Config fields {unknown}; valid fields: {sorted(fields)}")
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
@@ -243,7 +244,7 @@ class GPT2(nnx.Module):
         c = self.config
         T = tokens.shape[1]
         if T > c.n_positions:
-            raise ValueError(f"sequence length {T} exceeds the context n_positions={c.n_positions}")
+            raise ModelError(f"sequence length {T} exceeds the context n_positions={c.n_positions}")
         keys = [None] * (c.n_layer + 1)
         if rngs is not None and c.dropout > 0:
             keys = list(jax.random.split(rngs.dropout(), c.n_layer + 1))
@@ -313,7 +314,7 @@ def _hf_config(config: GPT2Config) -> dict[str, Any]:
 def _config_from_hf(hf: dict[str, Any], param_dtype: str, dtype: Optional[str], where: Path) -> GPT2Config:
     missing = [k for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head") if k not in hf]
     if missing:
-        raise ValueError(f"{where} lacks the GPT-2 fields {missing}")
+        raise ModelError(f"{where} lacks the GPT-2 fields {missing}")
     unsupported = {
         "activation_function": (hf.get("activation_function", "gelu_new"), ("gelu_new", "gelu_pytorch_tanh")),
         "n_inner": (hf.get("n_inner"), (None, 4 * hf["n_embd"])),
@@ -323,7 +324,7 @@ def _config_from_hf(hf: dict[str, Any], param_dtype: str, dtype: Optional[str], 
     }
     for name, (value, allowed) in unsupported.items():
         if value not in allowed:
-            raise ValueError(f"{where}: {name}={value!r} is not supported by this GPT-2 (supported: {allowed})")
+            raise ModelError(f"{where}: {name}={value!r} is not supported by this GPT-2 (supported: {allowed})")
     return GPT2Config(
         vocab_size=hf["vocab_size"], n_positions=hf["n_positions"], n_embd=hf["n_embd"],
         n_layer=hf["n_layer"], n_head=hf["n_head"], dropout=float(hf.get("resid_pdrop", 0.0)),
@@ -366,11 +367,11 @@ def from_pretrained(path, *, mesh=None, rules=None, dtype: Optional[str] = None)
 
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"no checkpoint directory at {path}")
+        raise ModelFileNotFoundError(f"no checkpoint directory at {path}")
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     for file in (cfg_file, weights):
         if not file.is_file():
-            raise FileNotFoundError(f"{file} does not exist: an HF GPT-2 directory holds config.json and model.safetensors")
+            raise ModelFileNotFoundError(f"{file} does not exist: an HF GPT-2 directory holds config.json and model.safetensors")
     hf = json.loads(cfg_file.read_text())
 
     with safe_open(str(weights), framework="numpy") as f:
@@ -396,16 +397,16 @@ def from_pretrained(path, *, mesh=None, rules=None, dtype: Optional[str] = None)
         flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_var)[0]
         expected = {_hf_key(p) for p, _ in flat}
         if missing := sorted(expected - set(names)):
-            raise ValueError(f"{weights} lacks the tensors {missing}")
+            raise ModelError(f"{weights} lacks the tensors {missing}")
         if extra := sorted(set(names) - expected):
-            raise ValueError(f"{weights} has tensors this GPT-2 does not use: {extra}")
+            raise ModelError(f"{weights} has tensors this GPT-2 does not use: {extra}")
 
         def load(p, v, sharding):
             name = _hf_key(p)
             shape, pdtype = v.get_value().shape, v.get_value().dtype
             stored_shape = tuple(f.get_slice(names[name]).get_shape())
             if stored_shape != _hf_shape(name, shape):
-                raise ValueError(
+                raise ModelError(
                     f"{weights}: tensor {names[name]!r} has shape {stored_shape}, "
                     f"expected {_hf_shape(name, shape)} for {config}"
                 )
@@ -421,5 +422,5 @@ def from_pretrained(path, *, mesh=None, rules=None, dtype: Optional[str] = None)
         if tied is not None:
             head = f.get_tensor(tied)
             if not np.array_equal(head, f.get_tensor(names["wte.weight"])):
-                raise ValueError(f"{weights}: {tied!r} differs from the token embedding, but GPT-2 ties them")
+                raise ModelError(f"{weights}: {tied!r} differs from the token embedding, but GPT-2 ties them")
     return nnx.merge(graphdef, state)
