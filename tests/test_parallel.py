@@ -312,3 +312,22 @@ def test_nnxscale_sharding_sees_the_tensor_parallel_layout(meshes):
             spec = specs[name][param]
             spec = spec.get_value() if isinstance(spec, nnx.Variable) else spec
             assert value.sharding.is_equivalent_to(NamedSharding(mesh, spec), value.ndim), (name, param, spec)
+
+
+def test_layers_compute_on_the_mesh_their_parameters_were_moved_to(meshes):
+    mlp = TensorParallelMLP(16, 64, mesh=meshes["data=2,model=4"], axis="model", rngs=nnx.Rngs(0))
+    x = _x((4, 16))
+    want = np.asarray(mlp(x))
+    moved = nnxscale.reshard(mlp, meshes["model=8"])
+    assert _shard_shapes(moved.up.kernel[...]) == {(16, 8)}
+    eager = moved(x)
+    assert dict(eager.sharding.mesh.shape) == {"model": 8}  # not pulled back to data=2,model=4
+    np.testing.assert_allclose(eager, want, **TOL)
+    graphdef = nnx.graphdef(moved)
+    jitted = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(nnx.state(moved), x)
+    assert dict(jitted.sharding.mesh.shape) == {"model": 8}
+    np.testing.assert_allclose(jitted, want, **TOL)
+    # a mesh without the layer's axis: a clear error, not a silent move back
+    replicated = nnxscale.reshard(mlp, meshes["data=8"])
+    with pytest.raises(nnxscale.LayoutError, match="lacks its axis 'model'"):
+        replicated(x)

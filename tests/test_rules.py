@@ -155,9 +155,10 @@ def test_logical_name_equal_to_mesh_axis_maps_to_it():
 
 
 def test_custom_rule_string_parses():
-    table = nnxscale.get_rules("batch=data+fsdp,mlp=model,embed=")
-    assert table == (("batch", ("data", "fsdp")), ("mlp", ("model",)), ("embed", None))
-    assert nnxscale.get_rules(" batch = data + fsdp , mlp = model , embed = ") == table
+    rules = nnxscale.get_rules("batch=data+fsdp,mlp=model,embed=")
+    table = (("batch", ("data", "fsdp")), ("mlp", ("model",)), ("embed", None))
+    assert rules.params == table and rules.activations == table  # a bare rule applies to both
+    assert nnxscale.get_rules(" batch = data + fsdp , mlp = model , embed = ") == rules
     mesh = {"data": 2, "fsdp": 2, "model": 2}
     assert spec(("batch", None), table, mesh) == (("data", "fsdp"),)
     assert spec(("embed", "mlp"), table, mesh) == (None, "model")
@@ -169,13 +170,27 @@ def test_custom_rule_string_parses():
 
 def test_rules_from_mapping_sequence_and_presets():
     assert nnxscale.get_rules(None) == nnxscale.PRESETS["auto"]
-    for name, table in nnxscale.PRESETS.items():
-        assert nnxscale.get_rules(name) == table
-    assert nnxscale.get_rules({"mlp": ["model", "tensor"], "embed": None}) == (
-        ("mlp", ("model", "tensor")),
-        ("embed", None),
-    )
-    assert nnxscale.get_rules([("mlp", "model"), ("heads", ("model",))]) == (("mlp", "model"), ("heads", ("model",)))
+    for name, rules in nnxscale.PRESETS.items():
+        assert nnxscale.get_rules(name) == rules
+    got = nnxscale.get_rules({"mlp": ["model", "tensor"], "embed": None})
+    assert got.params == got.activations == (("mlp", ("model", "tensor")), ("embed", None))
+    got = nnxscale.get_rules([("mlp", "model"), ("heads", ("model",))])
+    assert got.params == (("mlp", "model"), ("heads", ("model",)))
+
+
+def test_rule_strings_address_one_table_and_include_presets():
+    rules = nnxscale.get_rules("batch=data,mlp=model,param.embed=fsdp,act.length=model")
+    assert rules.params == (("batch", ("data",)), ("mlp", ("model",)), ("embed", ("fsdp",)))
+    assert rules.activations == (("batch", ("data",)), ("mlp", ("model",)), ("length", ("model",)))
+    # a preset named in a string comes after the written rules, which therefore win
+    rules = nnxscale.get_rules("layers=stage,fsdp")
+    fsdp = nnxscale.PRESETS["fsdp"]
+    assert rules.params == (("layers", ("stage",)),) + fsdp.params
+    assert rules.activations == (("layers", ("stage",)),) + fsdp.activations
+    assert spec(("layers", "embed"), rules, {"stage": 2, "fsdp": 4}) == ("stage", "fsdp")
+    assert spec(("layers", "embed"), "fsdp", {"stage": 2, "fsdp": 4}) == (None, "fsdp")
+    # and the string form prints back to something that parses to the same rules
+    assert nnxscale.get_rules(str(nnxscale.get_rules("batch=data,mlp=model"))) == nnxscale.get_rules("batch=data,mlp=model")
 
 
 def test_unknown_preset_lists_presets():
@@ -236,9 +251,9 @@ SLIDE_MESHES = ["data=4,model=2", "data=2,model=4", "data=1,model=8", "data=8,mo
 @pytest.mark.parametrize("preset", sorted(nnxscale.PRESETS))
 def test_every_preset_gives_valid_layouts(tiny, preset, mesh_spec):
     mesh = nnxscale.make_mesh(mesh_spec)
-    rules = nnxscale.get_rules(preset)
+    rules = nnxscale.resolve(preset, mesh, min_shard_bytes=0)  # the tiny model's tensors are all small
     specs = nnxscale.state_specs(tiny, mesh, rules)
-    placed = nnx.state(nnxscale.place(tiny, mesh, preset))
+    placed = nnx.state(nnxscale.place(tiny, mesh, rules))
     flat_specs = dict(jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0])
     flat_placed = dict(jax.tree_util.tree_flatten_with_path(placed)[0])
     assert len(flat_specs) == 7
@@ -259,3 +274,103 @@ def test_every_preset_gives_valid_layouts(tiny, preset, mesh_spec):
         assert _norm(up) == ()
     if mesh_spec == "fsdp=8" and preset in ("auto", "fsdp", "fsdp_tp"):
         assert _norm(up) == ("fsdp",)
+
+
+# -------------------------------------------------------------------------------------
+# parameters and activations: two tables
+# -------------------------------------------------------------------------------------
+
+
+def aspec(names, rules, mesh, shape=None):
+    return _norm(nnxscale.logical_to_spec(names, rules, mesh, shape=shape, kind="activations"))
+
+
+@pytest.mark.parametrize("preset", sorted(nnxscale.PRESETS))
+def test_every_preset_defines_both_tables_for_every_logical_name(preset):
+    from nnxscale.rules import LOGICAL_NAMES
+
+    rules = nnxscale.PRESETS[preset]
+    for table in (rules.params, rules.activations):
+        assert set(LOGICAL_NAMES) <= {name for name, _ in table}
+
+
+def test_fsdp_splits_parameters_along_embed_and_activations_along_the_batch():
+    mesh = {"fsdp": 8}
+    for preset in ("auto", "fsdp", "fsdp_tp"):
+        assert spec(("vocab", "embed"), preset, mesh) == (None, "fsdp")  # parameters: ZeRO-3
+        assert aspec(("batch", "length", "embed"), preset, mesh) == ("fsdp",)  # activations: the rows
+        assert aspec(("batch", "length", "mlp"), preset, mesh) == ("fsdp",)
+    # tensor parallel splits heads and the MLP hidden in both tables
+    mesh = {"data": 2, "model": 4}
+    for preset in ("auto", "tp", "fsdp_tp"):
+        assert spec(("embed", "mlp"), preset, mesh) == (None, "model")
+        assert aspec(("batch", "length", "mlp"), preset, mesh) == ("data", None, "model")
+        assert aspec(("batch", "length", "heads", "kv"), preset, mesh) == ("data", None, "model")
+        assert aspec(("batch", "length", "embed"), preset, mesh) == ("data",)
+    assert aspec(("batch", "length", "mlp"), "dp", mesh) == ("data",)
+
+
+def test_the_issue_example_is_a_valid_spec():
+    # batch and embed both ask for fsdp: the first dimension keeps it, the second loses it
+    for kind in ("params", "activations"):
+        got = nnxscale.logical_to_spec(("batch", "length", "embed"), "auto", {"fsdp": 8}, kind=kind)
+        assert got == P("fsdp", None, None)
+    lay = nnxscale.resolve("auto", {"fsdp": 8}).param_layout(("batch", "length", "embed"), (8, 16, 4096))
+    assert lay.spec == P("fsdp", None, None)
+    assert any("dim 2 (embed)" in note and "already shards" in note for note in lay.dropped), lay.dropped
+
+
+NAMES = ["batch", "length", "layers", "embed", "mlp", "heads", "kv", "vocab", None]
+MESHES = [{"fsdp": 8}, {"data": 2, "model": 4}, {"data": 2, "fsdp": 2, "tensor": 2}, {"stage": 2, "fsdp": 2, "model": 2}]
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+def test_no_lookup_ever_produces_an_invalid_spec(mesh):
+    import itertools
+
+    custom = ["batch=data+fsdp,embed=fsdp+model,mlp=model+fsdp,heads=model,layers=stage", "layers=stage,fsdp_tp"]
+    rng = np.random.default_rng(0)
+    for rules in list(nnxscale.PRESETS) + custom:
+        resolved = nnxscale.resolve(rules, mesh, min_shard_bytes=0)
+        for names in itertools.product(NAMES, repeat=3):
+            shape = tuple(int(rng.choice([8, 12, 16, 50257, 768, 1])) for _ in names)
+            for layout in (resolved.param_layout(names, shape), resolved.activation_layout(names, shape)):
+                axes = [a for e in layout.spec for a in ((e,) if isinstance(e, str) else e or ())]
+                assert len(axes) == len(set(axes)), (rules, names, layout.spec)
+                assert set(axes) <= set(mesh), (rules, names, layout.spec)
+                assert nnxscale.shard_shape(shape, layout.spec, mesh)  # divides: raises otherwise
+
+
+def test_small_parameters_are_not_split_over_fsdp_axes():
+    from nnxscale.rules import MIN_SHARD_BYTES
+
+    assert MIN_SHARD_BYTES == 1 << 20
+    r = nnxscale.resolve("auto", {"fsdp": 8})
+    assert r.param_spec(("embed",), (768,)) == P(None)  # a LayerNorm scale: 3 KiB, kept whole
+    assert r.param_spec(("embed", "mlp"), (768, 3072)) == P("fsdp", None)  # 9 MiB: split
+    assert r.param_spec(("embed", "mlp"), (256, 1024), "float32") == P("fsdp", None)  # exactly 1 MiB: split
+    assert r.param_spec(("embed", "mlp"), (256, 1024), "bfloat16") == P(None, None)  # 512 KiB: whole
+    # the threshold is the FSDP (batch-splitting) axes' only: tensor parallelism still splits small ones
+    r = nnxscale.resolve("auto", {"data": 2, "model": 4})
+    assert r.param_spec(("mlp",), (3072,)) == P("model")
+    # and it can be turned off
+    assert nnxscale.resolve("auto", {"fsdp": 8}, min_shard_bytes=0).param_spec(("embed",), (768,)) == P("fsdp")
+
+
+def test_unannotated_parameters_obey_the_preset():
+    class Plain(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(512, 1024, rngs=rngs)  # no logical names
+
+    model = nnx.eval_shape(lambda: Plain(nnx.Rngs(0)))
+    cases = {
+        ("dp", "data=4,model=2"): (P(None, None), P(None)),
+        ("auto", "data=4,model=2"): (P(None, "model"), P("model")),
+        ("tp", "data=4,model=2"): (P(None, "model"), P("model")),
+        ("auto", "fsdp=8"): (P("fsdp", None), P(None)),  # the 4 KiB bias is below the FSDP minimum
+        ("dp", "fsdp=8"): (P(None, None), P(None)),
+    }
+    for (rules, mesh), (kernel, bias) in cases.items():
+        specs = nnxscale.state_specs(model, nnxscale.parse_mesh_spec(mesh), rules)
+        assert specs["lin"]["kernel"] == kernel, (rules, mesh)
+        assert specs["lin"]["bias"] == bias, (rules, mesh)

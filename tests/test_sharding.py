@@ -40,6 +40,15 @@ def make_net():
     return Net(nnx.Rngs(0))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_fsdp_minimum():
+    """The models here are kilobytes: switch the FSDP minimum size off so that their FSDP
+    layouts show (the minimum itself is tested in test_rules.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(nnxscale.rules, "MIN_SHARD_BYTES", 0)
+        yield
+
+
 def _is_var(x):
     return isinstance(x, nnx.Variable)
 
@@ -82,10 +91,13 @@ EXPECTED = {
         "mlp.up.kernel": (None, "model"), "mlp.up.bias": ("model",), "mlp.down.kernel": ("model",),
         "head.kernel": (None, "model"), "head.bias": ("model",),
     },
-    "fsdp=8": {"mlp.up.kernel": ("fsdp",), "mlp.down.kernel": (None, "fsdp"), "mlp.down.bias": ("fsdp",)},
+    "fsdp=8": {
+        "mlp.up.kernel": ("fsdp",), "mlp.down.kernel": (None, "fsdp"), "mlp.down.bias": ("fsdp",),
+        "head.kernel": ("fsdp",),  # unannotated 2-D: taken as (embed, mlp)
+    },
     "data=2,fsdp=2,tensor=2": {
         "mlp.up.kernel": ("fsdp", "tensor"), "mlp.up.bias": ("tensor",), "mlp.down.kernel": ("tensor", "fsdp"),
-        "mlp.down.bias": ("fsdp",), "head.kernel": (None, "tensor"), "head.bias": ("tensor",),
+        "mlp.down.bias": ("fsdp",), "head.kernel": ("fsdp", "tensor"), "head.bias": ("tensor",),
     },
 }
 PATHS = ["head.bias", "head.kernel", "mlp.down.bias", "mlp.down.kernel", "mlp.up.bias", "mlp.up.kernel"]
@@ -135,14 +147,18 @@ def test_state_specs_and_shardings(eager_net, mesh_spec):
 def test_unannotated_linear_fallback():
     lin = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
 
-    def specs(mesh, model=lin):
-        return {k: _norm(v) for k, v in _flat(nnxscale.state_specs(model, mesh), lambda x: isinstance(x, P)).items()}
+    def specs(mesh, rules_or_model=None):
+        model = rules_or_model if isinstance(rules_or_model, nnx.Module) else lin
+        rules = None if isinstance(rules_or_model, nnx.Module) else rules_or_model
+        return {k: _norm(v) for k, v in _flat(nnxscale.state_specs(model, mesh, rules), lambda x: isinstance(x, P)).items()}
 
     assert specs({"data": 2, "model": 4}) == {"kernel": (None, "model"), "bias": ("model",)}
     assert specs({"model": 8}) == {"kernel": (None, "model"), "bias": ("model",)}
     assert specs({"data": 4, "tensor": 2}) == {"kernel": (None, "tensor"), "bias": ("tensor",)}
     assert specs({"data": 8}) == {"kernel": (), "bias": ()}
-    assert specs({"fsdp": 8}) == {"kernel": (), "bias": ()}
+    assert specs({"fsdp": 8}) == {"kernel": ("fsdp",), "bias": ()}  # (embed, mlp): FSDP splits the rows
+    # the preset decides, not the mesh alone: data parallel rules leave it whole on a model axis
+    assert specs({"data": 2, "model": 4}, "dp") == {"kernel": (), "bias": ()}
     # the model axis does not divide 30: replicated rather than invalid
     assert specs({"data": 2, "model": 4}, nnx.Linear(16, 30, rngs=nnx.Rngs(0))) == {"kernel": (), "bias": ()}
 
@@ -379,9 +395,14 @@ def test_lint_indivisible():
 
 def test_lint_unannotated():
     mesh = nnxscale.make_mesh("data=2,model=4")
+    findings = nnxscale.lint(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), mesh, "batch=data,mlp=model")
+    assert _kinds(findings) == {("unannotated", "kernel"), ("unannotated", "bias")}
+    kernel = next(f for f in findings if f.path == "kernel")
+    assert "('embed', 'mlp')" in kernel.message and "P(None, 'model')" in kernel.message
+    # the rules decide: without an mlp rule the fallback replicates
     findings = nnxscale.lint(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), mesh, "batch=data")
     assert _kinds(findings) == {("unannotated", "kernel"), ("unannotated", "bias")}
-    assert any("P(None, 'model')" in f.message for f in findings)
+    assert all("P(None, None)" in f.message or "P(None,)" in f.message for f in findings), findings
 
 
 def test_lint_replicated_above_threshold():

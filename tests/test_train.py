@@ -56,10 +56,14 @@ def text_data(tmp_path_factory):
 
 
 def tiny_cfg(run_dir, data, **overrides) -> TrainConfig:
-    """gpt2-tiny on data=8, batch 16 x 32, pinned schedule; dotted keys override fields."""
+    """gpt2-tiny on data=8, batch 16 x 32, pinned schedule; dotted keys override fields.
+
+    gpt2-tiny's tensors are kilobytes, so the FSDP minimum size is off: FSDP meshes split them.
+    """
     fields = {
         "model": "gpt2-tiny",
         "mesh": "data=8",
+        "min_shard_bytes": 0,
         "steps": REF_STEPS,
         "log_every": 1,
         "eval_every": 0,
@@ -262,9 +266,9 @@ def test_resume_on_another_mesh_continues_the_run(tmp_path, text_data, ref_run, 
     # The restored state lives on the new mesh, in the new layout (mlp, heads, vocab over model).
     params = flat(seen["params"])
     expected_shards = {
-        "['h'][0]['mlp']['c_fc']['kernel']": (64, 64),  # (64, 256) split on mlp
-        "['h'][1]['mlp']['c_proj']['kernel']": (64, 64),  # (256, 64) split on mlp
-        "['h'][0]['attn']['c_attn']['kernel']": (64, 3, 2, 8),  # (64, 3, 8, 8) split on heads
+        "['h']['mlp']['c_fc']['kernel']": (2, 64, 64),  # (2 layers, 64, 256) split on mlp
+        "['h']['mlp']['c_proj']['kernel']": (2, 64, 64),  # (2, 256, 64) split on mlp
+        "['h']['attn']['c_attn']['kernel']": (2, 64, 3, 2, 8),  # (2, 64, 3, 8, 8) split on heads
         "['wte']['embedding']": (64, 64),  # (256, 64) split on vocab
     }
     for name, shard in expected_shards.items():
@@ -428,7 +432,7 @@ def test_init_from_a_hugging_face_directory(tmp_path, text_data, monkeypatch):
     assert_params_equal(got, want)
     fresh = fresh_params(text_data, seed=0)
     assert not np.array_equal(got["['wte']['embedding']"], fresh["['wte']['embedding']"])
-    assert flat(seen["params"])["['h'][0]['mlp']['c_fc']['kernel']"].shard_shape == (64, 64)  # this run's layout
+    assert flat(seen["params"])["['h']['mlp']['c_fc']['kernel']"].shard_shape == (2, 64, 64)  # this run's layout
 
 
 # --------------------------------------------------------------------------------------

@@ -34,6 +34,14 @@ _EXPORTS = {
     "get_rules": "nnxscale.rules",
     "logical_to_spec": "nnxscale.rules",
     "PRESETS": "nnxscale.rules",
+    "AxisRules": "nnxscale.rules",
+    "MeshRules": "nnxscale.rules",
+    "resolve": "nnxscale.rules",
+    # activations and stacked layers
+    "constrain": "nnxscale.activations",
+    "use_rules": "nnxscale.activations",
+    "stack_layers": "nnxscale.stack",
+    "scan_layers": "nnxscale.stack",
     # state sharding
     "state_specs": "nnxscale.sharding",
     "state_shardings": "nnxscale.sharding",

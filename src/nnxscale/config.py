@@ -54,7 +54,8 @@ class TrainConfig:
     seed: int = 0
     dropout: float = 0.0
     dtype: str = "float32"  # compute dtype; parameters stay float32
-    remat: bool = False
+    remat: str = "none"  # none, full (True), dots: see nnxscale.stack.REMAT_POLICIES
+    min_shard_bytes: int = 1 << 20  # parameters below this are not split over FSDP axes
     run_dir: str = "runs/quickstart"
     log_every: int = 10
     eval_every: int = 100
@@ -63,6 +64,10 @@ class TrainConfig:
     init_from: Optional[str] = None
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
+
+    def __post_init__(self):
+        if isinstance(self.remat, bool) or self.remat is None:  # TrainConfig(remat=True): full remat
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -82,6 +87,8 @@ class TrainConfig:
             (0 <= self.dropout < 1, f"--dropout must be in [0, 1), got {self.dropout}"),
             (self.optim.lr > 0, f"--lr must be positive, got {self.optim.lr}"),
             (self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, got {self.dtype!r}"),
+            (self.remat in ("none", "full", "dots"), f"--remat must be none, full or dots, got {self.remat!r}"),
+            (self.min_shard_bytes >= 0, f"--min-shard-bytes must be 0 or positive, got {self.min_shard_bytes}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -116,7 +123,7 @@ def _sub(cls, d, name):
 #: takes the run's own, so growing ``--steps`` does not restart warmup.
 RESUMABLE_FIELDS = frozenset(
     {"steps", "mesh", "rules", "run_dir", "log_every", "eval_every", "save_every", "keep", "remat", "init_from",
-     "data.eval_batches"}
+     "min_shard_bytes", "data.eval_batches"}
 )
 
 

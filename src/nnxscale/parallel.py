@@ -87,6 +87,31 @@ def _check_features(who: str, x, in_features: int) -> None:
         raise LayoutError(f"{who}: input of shape {tuple(x.shape)} has no last dimension of size in_features={in_features}")
 
 
+def _layer_mesh(layer: nnx.Module, who: str):
+    """The mesh a layer's kernel lives on *now*, checked against the layer's axis.
+
+    A layer keeps the mesh it was built on (``layer.mesh``), but ``nnxscale.reshard`` may
+    have moved its parameters since; computing on the old mesh would silently move them
+    back. Eagerly the kernel's own sharding says where it is; under ``jax.jit`` its
+    abstract sharding does.
+    """
+    value = layer.kernel.get_value()
+    if isinstance(value, jax.core.Tracer):
+        sharding = jax.typeof(value).sharding
+    else:
+        sharding = getattr(value, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or not isinstance(sharding, NamedSharding):
+        mesh = layer.mesh
+    for name in layer.axis:
+        if name not in mesh.shape:
+            raise LayoutError(
+                f"{who}: its parameters are on a mesh with axes {tuple(mesh.axis_names)}, which lacks its axis "
+                f"{name!r}: reshard it onto a mesh that has {name!r}"
+            )
+    return mesh
+
+
 def _context_mesh(mesh: Mesh):
     """The mesh to hand ``jax.shard_map``: ``mesh``, or the context's view of it.
 
@@ -338,9 +363,12 @@ class ColumnParallelLinear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``(..., in) -> (..., out)``; last dim split over ``axis`` unless ``gather_output``."""
-        _check_features("ColumnParallelLinear", x, self.in_features)
+        who = "ColumnParallelLinear"
+        _check_features(who, x, self.in_features)
+        mesh = _layer_mesh(self, who)
+        _check_divisible(who, "out_features", self.out_features, mesh, self.axis)
         bias = () if self.bias is None else (self.bias[...],)
-        program = _column_program(self.mesh, self.axis, self.gather_output, bool(bias))
+        program = _column_program(mesh, self.axis, self.gather_output, bool(bias))
         return program(x, self.kernel[...], *bias)
 
 
@@ -396,9 +424,12 @@ class RowParallelLinear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``(..., in) -> (..., out)``, replicated over ``axis``; one ``psum``."""
-        _check_features("RowParallelLinear", x, self.in_features)
+        who = "RowParallelLinear"
+        _check_features(who, x, self.in_features)
+        mesh = _layer_mesh(self, who)
+        _check_divisible(who, "in_features", self.in_features, mesh, self.axis)
         bias = () if self.bias is None else (self.bias[...],)
-        program = _row_program(self.mesh, self.axis, self.input_is_parallel, bool(bias))
+        program = _row_program(mesh, self.axis, self.input_is_parallel, bool(bias))
         return program(x, self.kernel[...], *bias)
 
 
@@ -427,6 +458,9 @@ class TensorParallelMLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``(..., d_model) -> (..., d_model)``; one ``psum``."""
-        _check_features("TensorParallelMLP", x, self.up.in_features)
-        program = _mlp_program(self.mesh, self.axis)
+        who = "TensorParallelMLP"
+        _check_features(who, x, self.up.in_features)
+        mesh = _layer_mesh(self.up, who)
+        _check_divisible(who, "d_hidden", self.up.out_features, mesh, self.axis)
+        program = _mlp_program(mesh, self.axis)
         return program(x, self.up.kernel[...], self.up.bias[...], self.down.kernel[...], self.down.bias[...])

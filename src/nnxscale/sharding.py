@@ -13,15 +13,18 @@ Where a Variable's logical axes come from (first that applies):
 1. ``logical_axes`` metadata, set by :func:`nnxscale.logical` (nnxscale's way);
 2. Flax's ``out_sharding`` metadata (``nnx.with_partitioning``), each name run through the
    rules (a name that is itself a mesh axis maps to it);
-3. the *fallback* for unannotated parameters, the rank rule: a 2-D kernel gets
-   ``P(None, t)`` and a 1-D bias ``P(t)``, where ``t`` is the mesh's ``model`` or ``tensor``
-   axis; without such an axis, or when the size does not divide, the tensor is replicated.
-   Non-parameter Variables (RNG state, counters) are replicated. :func:`lint` reports
-   every Variable that used the fallback.
+3. the *fallback* for unannotated parameters: a 2-D kernel is taken as ``(embed, mlp)``
+   and a 1-D bias as ``(mlp,)``, then resolved by the parameter rules like any other, so
+   the preset decides (``dp`` replicates them, ``fsdp`` splits the kernel's rows, ``tp``
+   its columns). Other ranks and non-parameter Variables (RNG state, counters) are
+   replicated. :func:`lint` reports every Variable that used the fallback.
 
-Rule-derived specs are always valid: a mesh axis whose size does not divide the dimension,
-or that an earlier dimension already uses, is dropped (that dimension is replicated over
-it), and :func:`lint` reports the drop. Explicit PartitionSpecs given to
+Every function here takes ``rules`` as a preset name, a rules string, a table, an
+:class:`~nnxscale.rules.AxisRules`, or rules already resolved against the mesh
+(:class:`~nnxscale.rules.MeshRules`, which also carries ``min_shard_bytes``). Specs are
+always valid: a mesh axis whose size does not divide the dimension, or that an earlier
+dimension already uses, is dropped (that dimension is replicated over it), and
+:func:`lint` reports the drop. Explicit PartitionSpecs given to
 :func:`nnxscale.shard_shape` are checked strictly instead.
 """
 
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import jax
@@ -38,10 +41,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nnxscale.layout import LayoutError, format_bytes, full_bytes, shard_bytes, shard_shape
-from nnxscale.mesh import mesh_axis_sizes
-from nnxscale.rules import LOGICAL_KEY, Rules, get_rules, resolve_name
-
-_TENSOR_AXES = ("model", "tensor")
+from nnxscale.rules import LOGICAL_KEY, MeshRules, resolve
 
 
 def _is_var(x) -> bool:
@@ -96,22 +96,19 @@ class VariableLayout:
     is_param: bool
 
 
-def _fallback_spec(shape, sizes: dict[str, int], is_param: bool) -> P:
-    if not is_param or len(shape) not in (1, 2):
-        return P()
-    axis = next((a for a in _TENSOR_AXES if a in sizes), None)
-    if axis is None or shape[-1] % sizes[axis]:
-        return P()
-    return P(None, axis) if len(shape) == 2 else P(axis)
+#: Logical names an unannotated parameter is taken to have, by rank (see the module docstring).
+FALLBACK_NAMES = {2: ("embed", "mlp"), 1: ("mlp",)}
 
 
-def _layout_variable(path: str, v: nnx.Variable, table: Rules, mesh) -> VariableLayout:
-    sizes = mesh_axis_sizes(mesh)
+def _layout_variable(path: str, v: nnx.Variable, rules: MeshRules) -> VariableLayout:
     shape, dtype = _shape_dtype(v)
     is_param = isinstance(v, nnx.Param)
     names = variable_logical_axes(v)
-    if names is None:
-        return VariableLayout(path, shape, dtype, None, _fallback_spec(shape, sizes, is_param), True, (), (), is_param)
+    fallback = names is None
+    if fallback:
+        if not is_param or len(shape) not in FALLBACK_NAMES:
+            return VariableLayout(path, shape, dtype, None, P(), True, (), (), is_param)
+        names = FALLBACK_NAMES[len(shape)]
     if names == () and shape:  # Flax's out_sharding=() means "replicated"
         names = (None,) * len(shape)
     if len(names) != len(shape):
@@ -119,46 +116,20 @@ def _layout_variable(path: str, v: nnx.Variable, table: Rules, mesh) -> Variable
             f"{path} is annotated with logical axes {names} ({len(names)} names) "
             f"but its value has shape {shape} (rank {len(shape)})"
         )
-    used: set[str] = set()
-    entries, dropped, unmatched = [], [], []
-    ruled = {name for name, _ in table}
-    for dim, name in enumerate(names):
-        # A tuple entry (Flax style, e.g. ("data", "model")) shards one dimension over several names.
-        parts = tuple(name) if isinstance(name, (tuple, list)) else (name,)
-        axes = []
-        for part in parts:
-            part_axes, _ = resolve_name(part, table, mesh)
-            if part is not None and part not in ruled and part not in sizes:
-                unmatched.append(part)
-            axes.extend(part_axes or ())
-        kept = []
-        for a in axes or ():
-            if a in used:
-                dropped.append(f"dim {dim} ({name}): mesh axis {a!r} already shards another dimension")
-                continue
-            count = math.prod(sizes[k] for k in kept) * sizes[a]
-            if shape[dim] % count:
-                dropped.append(
-                    f"dim {dim} ({name}={shape[dim]}) is not divisible by {count} "
-                    f"(mesh axes {tuple(kept) + (a,)}): not sharded over {a!r}"
-                )
-                continue
-            kept.append(a)
-        used.update(kept)
-        entries.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
-    return VariableLayout(
-        path, shape, dtype, names, P(*entries), False, tuple(dropped), tuple(unmatched), is_param
-    )
+    lay = rules.param_layout(names, shape, dtype)
+    if fallback:  # the names are stand-ins: the lint reports "unannotated", not their rules
+        return VariableLayout(path, shape, dtype, None, lay.spec, True, (), (), is_param)
+    return VariableLayout(path, shape, dtype, names, lay.spec, False, lay.dropped, lay.unmatched, is_param)
 
 
 def layouts(tree, mesh, rules=None) -> list[VariableLayout]:
     """One :class:`VariableLayout` per Variable of a model or state, in state order."""
-    table = get_rules(rules)
+    resolved = resolve(rules, mesh)
     state = _as_state(tree)
     out = []
     for path, v in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)[0]:
         if _is_var(v):
-            out.append(_layout_variable(_path_str(path), v, table, mesh))
+            out.append(_layout_variable(_path_str(path), v, resolved))
     return out
 
 
@@ -167,12 +138,10 @@ def state_specs(tree, mesh, rules=None):
 
     ``mesh`` may be a ``Mesh`` or a plain ``{axis: size}`` mapping (planning only).
     """
-    table = get_rules(rules)
+    resolved = resolve(rules, mesh)
     state = _as_state(tree)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)
-    specs = [
-        _layout_variable(_path_str(path), v, table, mesh).spec if _is_var(v) else P() for path, v in flat
-    ]
+    specs = [_layout_variable(_path_str(path), v, resolved).spec if _is_var(v) else P() for path, v in flat]
     return jax.tree_util.tree_unflatten(treedef, specs)
 
 
@@ -345,31 +314,44 @@ class Finding:
 ACTIVATION_NAMES = ("batch", "length")
 
 
-def lint(tree, mesh, rules=None, *, replicated_threshold_bytes: int = 1 << 20) -> list[Finding]:
+def lint(
+    tree, mesh, rules=None, *, replicated_threshold_bytes: int = 1 << 20, activations: Sequence = ()
+) -> list[Finding]:
     """Check a (model, rules, mesh) combination before training on it.
 
-    Reports: sharding rules whose logical name is on no Variable, typically a typo
-    (``unused-rule``), logical names with no rule
-    (``no-rule``), a mesh axis asked for twice in one spec (``axis-reused``), dimensions
+    Reports: parameter rules whose logical name is on no Variable, typically a typo
+    (``unused-rule``), logical names with no rule (``no-rule``), a mesh axis asked for
+    twice in one spec (``axis-reused``, naming the dimension that lost it), dimensions
     that do not divide by their shard count (``indivisible``), Variables that used the
     fallback (``unannotated``), and replicated tensors larger than
     ``replicated_threshold_bytes`` on a mesh of more than one device (``replicated``).
+    Small parameters kept whole below ``min_shard_bytes`` are by design and not reported.
+
+    ``activations``: :class:`~nnxscale.activations.ActivationRecord` s from tracing the model
+    (``record_activations``); each mesh axis an activation asked for and did not get is
+    reported as ``activation``.
     """
-    table = get_rules(rules)
-    sizes = mesh_axis_sizes(mesh)
+    resolved = resolve(rules, mesh)
     findings: list[Finding] = []
     names_in_model: set[str] = set()
-    n_devices = math.prod(sizes.values())
-    for lay in layouts(tree, mesh, table):
-        for name in lay.logical or ():
+    n_devices = resolved.num_devices
+    for lay in layouts(tree, mesh, resolved):
+        for name in lay.logical or (FALLBACK_NAMES.get(len(lay.shape), ()) if lay.is_param else ()):
             names_in_model.update(name if isinstance(name, (tuple, list)) else (name,))
         if lay.fallback and lay.is_param:
             findings.append(
-                Finding("unannotated", lay.path, f"no logical axes; fallback spec {lay.spec} by rank (use nnxscale.logical)")
+                Finding(
+                    "unannotated",
+                    lay.path,
+                    f"no logical axes: taken as {FALLBACK_NAMES.get(len(lay.shape), 'replicated')}, giving {lay.spec} "
+                    "(name its axes with nnxscale.logical)",
+                )
             )
         for name in lay.unmatched:
             findings.append(Finding("no-rule", lay.path, f"logical axis {name!r} has no rule and is replicated"))
         for note in lay.dropped:
+            if "min_shard_bytes" in note:
+                continue
             kind = "axis-reused" if "already shards" in note else "indivisible"
             findings.append(Finding(kind, lay.path, note))
         nbytes = full_bytes(lay.shape, lay.dtype)
@@ -381,10 +363,16 @@ def lint(tree, mesh, rules=None, *, replicated_threshold_bytes: int = 1 << 20) -
                     f"{format_bytes(nbytes)} {lay.shape} is replicated on all {n_devices} devices",
                 )
             )
-    for name, axes in table:
+    for name, axes in resolved.rules.params:
         if axes is None or name in names_in_model or name in ACTIVATION_NAMES:
             continue  # an explicit "replicate" rule that matches nothing is harmless
         findings.append(Finding("unused-rule", "", f"rule {name!r} -> {axes!r} matches no Variable of this model"))
+    for record in activations:
+        where = "activation (" + ", ".join(str(n) for n in record.names) + f") {record.shape}"
+        for note in record.layout.dropped:
+            findings.append(Finding("activation", where, note))
+        for name in record.layout.unmatched:
+            findings.append(Finding("no-rule", where, f"logical axis {name!r} has no activation rule and is replicated"))
     return findings
 
 
@@ -429,8 +417,9 @@ class ShardingTable:
 
 def sharding_table(tree, mesh, rules=None) -> ShardingTable:
     """The human-readable layout of every Variable of a model (abstract models work too)."""
-    sizes = mesh_axis_sizes(mesh)
-    rows = tuple(layouts(tree, mesh, rules))
+    resolved = resolve(rules, mesh)
+    sizes = resolved.sizes
+    rows = tuple(layouts(tree, mesh, resolved))
     per_device = sum(shard_bytes(r.shape, r.dtype, r.spec, sizes) for r in rows)
     total = sum(full_bytes(r.shape, r.dtype) for r in rows)
     params = sum(math.prod(r.shape) for r in rows if r.is_param)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -36,35 +37,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from nnxscale import data as datalib
 from nnxscale.checkpoint import Checkpointer, checkpoint_dir
 from nnxscale.config import ConfigError, TrainConfig, config_conflicts
+from nnxscale.devices import peak_flops
 from nnxscale.mesh import format_mesh, make_mesh
 from nnxscale.models import gpt2
-from nnxscale.rules import batch_shard_count, batch_spec, get_rules, resolve_name
+from nnxscale.activations import use_rules
+from nnxscale.rules import MeshRules, resolve
 from nnxscale.sharding import abstract_state, layout_bytes, sharded_init
-
-#: Dense bf16 peak FLOP/s per device, by substring of ``device.device_kind``.
-PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L4": 121e12,
-    "TPU v6": 918e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 197e12,  # v5e ("TPU v5 lite")
-    "TPU v4": 275e12,
-}
-
 
 #: Training steps dispatched ahead of the host (see the loop).
 MAX_IN_FLIGHT = 2
-
-
-def peak_flops(device) -> Optional[float]:
-    """Peak dense bf16 FLOP/s of one device, or ``None`` where unknown (CPU)."""
-    kind = getattr(device, "device_kind", "")
-    for name, flops in PEAK_FLOPS.items():
-        if name in kind:
-            return flops
-    return None
 
 
 def _is_var(x) -> bool:
@@ -99,11 +80,17 @@ def make_optimizer(cfg: TrainConfig):
 
 @dataclasses.dataclass
 class Setup:
-    """Everything derived from a config before any array exists."""
+    """Everything derived from a config before any array exists.
+
+    This is also the ahead-of-time path: ``make_train_step(s).lower(s.abstract,
+    s.abstract_batch).compile()`` compiles the real step for this mesh without allocating
+    it, and the compiled program's ``memory_analysis()`` and ``as_text()`` say what it
+    needs per device and what it communicates (see :mod:`nnxscale.plan`).
+    """
 
     cfg: TrainConfig
     mesh: Any
-    rules: tuple
+    rules: MeshRules  # the rules resolved against the mesh: every layout question goes here
     model_cfg: gpt2.GPT2Config
     graphdef: Any
     tx: Any
@@ -111,6 +98,7 @@ class Setup:
     state_shardings: dict
     abstract: dict  # ShapeDtypeStructs with shardings: the restore target
     batch_sharding: NamedSharding
+    abstract_batch: dict  # {"inputs", "targets"}: (B, T) int32 ShapeDtypeStructs with batch_sharding
     factory: Callable[[], nnx.Module]  # builds the model (seeded)
     init_fn: Callable  # params -> the whole train state
 
@@ -128,24 +116,29 @@ def model_config(cfg: TrainConfig) -> gpt2.GPT2Config:
     return gpt2.preset(cfg.model, dropout=cfg.dropout, dtype=cfg.dtype, remat=cfg.remat)
 
 
-def setup(cfg: TrainConfig, mesh=None) -> Setup:
-    """Validate ``cfg`` against the devices and build the sharded plan (no arrays yet)."""
-    cfg.validate()
-    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
-    rules = get_rules(cfg.rules)
-    mcfg = model_config(cfg)
+def check_shapes(cfg: TrainConfig, rules: MeshRules, mcfg) -> None:
+    """The sequence fits the model's context, the batch splits over the mesh and micro-batches."""
     d = cfg.data
     if d.seq_len > mcfg.n_positions:
         raise ConfigError(f"--seq-len {d.seq_len} is longer than {cfg.model}'s context of {mcfg.n_positions} tokens")
-    shards = batch_shard_count(rules, mesh)
+    shards = rules.batch_shard_count
     accum = cfg.optim.grad_accum
     if d.batch_size % (shards * accum):
-        axes, _ = resolve_name("batch", rules, mesh)
-        split = ",".join(f"{a}={mesh.shape[a]}" for a in axes or ()) or "none"
+        split = ",".join(f"{a}={rules.sizes[a]}" for a in rules.batch_axes) or "none"
         raise ConfigError(
             f"--batch-size {d.batch_size} must be a multiple of {shards * accum}: the batch is split "
             f"{shards} ways (mesh axes {split}) and into {accum} accumulation micro-batches"
         )
+
+
+def setup(cfg: TrainConfig, mesh=None) -> Setup:
+    """Validate ``cfg`` against the devices and build the sharded plan (no arrays yet)."""
+    cfg.validate()
+    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    rules = resolve(cfg.rules, mesh, min_shard_bytes=cfg.min_shard_bytes)
+    mcfg = model_config(cfg)
+    check_shapes(cfg, rules, mcfg)
+    d = cfg.data
 
     factory = lambda: gpt2.GPT2(mcfg, rngs=nnx.Rngs(cfg.seed))  # noqa: E731
     graphdef, abs_model_state = abstract_state(factory, mesh, rules)
@@ -179,6 +172,8 @@ def setup(cfg: TrainConfig, mesh=None) -> Setup:
     def init_fn(params):
         return state_from(params)
 
+    batch_sharding = rules.sharding(rules.batch_spec())
+    batch = jax.ShapeDtypeStruct((d.batch_size, d.seq_len), jnp.int32, sharding=batch_sharding)
     return Setup(
         cfg=cfg,
         mesh=mesh,
@@ -189,7 +184,8 @@ def setup(cfg: TrainConfig, mesh=None) -> Setup:
         schedule=schedule,
         state_shardings=state_sh,
         abstract=abstract,
-        batch_sharding=NamedSharding(mesh, batch_spec(rules, mesh)),
+        batch_sharding=batch_sharding,
+        abstract_batch={"inputs": batch, "targets": batch},
         factory=factory,
         init_fn=init_fn,
     )
@@ -248,7 +244,7 @@ def make_train_step(s: Setup):
         return new_state, metrics
 
     return jax.jit(
-        step,
+        _under_rules(step, s.rules),
         in_shardings=(s.state_shardings, s.batch_sharding),
         out_shardings=(s.state_shardings, None),
         donate_argnums=0,
@@ -258,9 +254,20 @@ def make_train_step(s: Setup):
 def make_eval_step(s: Setup):
     graphdef = s.graphdef
     return jax.jit(
-        lambda params, batch: loss_fn(graphdef, params, batch["inputs"], batch["targets"], None, False),
+        _under_rules(lambda params, batch: loss_fn(graphdef, params, batch["inputs"], batch["targets"], None, False), s.rules),
         in_shardings=(s.param_shardings, s.batch_sharding),
     )
+
+
+def _under_rules(fn: Callable, rules: MeshRules) -> Callable:
+    """``fn`` traced with ``rules`` in force, so the model's ``constrain`` calls apply them."""
+
+    @functools.wraps(fn)
+    def traced(*args):
+        with use_rules(rules):
+            return fn(*args)
+
+    return traced
 
 
 # --------------------------------------------------------------------------------------
@@ -604,7 +611,7 @@ class _progress:
 # --------------------------------------------------------------------------------------
 
 
-def init_run(model: str, mesh_spec, run_dir, *, rules="auto", seed: int = 0) -> dict:
+def init_run(model: str, mesh_spec, run_dir, *, rules="auto", seed: int = 0, min_shard_bytes: Optional[int] = None) -> dict:
     """Create ``model`` directly in its sharded layout and save it as a seed checkpoint.
 
     Returns ``{"num_params", "total_bytes", "per_device_bytes", "mesh", "path"}``. Refuses a
@@ -615,10 +622,10 @@ def init_run(model: str, mesh_spec, run_dir, *, rules="auto", seed: int = 0) -> 
     if root.exists() and any(root.iterdir()):
         raise ConfigError(f"{run_dir} already holds checkpoints; choose a new --run-dir")
     mesh = make_mesh(mesh_spec)
-    table = get_rules(rules)
+    resolved = resolve(rules, mesh, min_shard_bytes=min_shard_bytes)
     mcfg = gpt2.preset(model)
-    created = sharded_init(lambda: gpt2.GPT2(mcfg, rngs=nnx.Rngs(seed)), mesh, table)
-    per_device, total = layout_bytes(created, mesh, table)
+    created = sharded_init(lambda: gpt2.GPT2(mcfg, rngs=nnx.Rngs(seed)), mesh, resolved)
+    per_device, total = layout_bytes(created, mesh, resolved)
     params = _pure(nnx.state(created))
     del created
     ckpt = Checkpointer(root, async_save=False)

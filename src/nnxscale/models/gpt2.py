@@ -1,9 +1,16 @@
 """GPT-2 (Radford et al., 2019) in Flax NNX, written for one device.
 
-Module and parameter names follow the Hugging Face checkpoint (``wte``, ``h.0.attn.c_attn``,
+Module and parameter names follow the Hugging Face checkpoint (``wte``, ``h.attn.c_attn``,
 ``ln_f``), so :func:`from_pretrained` loads weights by name. Every parameter carries
-logical axis names only (``"vocab"``, ``"embed"``, ``"heads"``, ``"kv"``, ``"mlp"``); a
-rules table maps them to mesh axes elsewhere (:mod:`nnxscale.rules`).
+logical axis names only (``"vocab"``, ``"embed"``, ``"heads"``, ``"kv"``, ``"mlp"``), and
+activations are constrained by logical name at block boundaries (``"batch"``,
+``"length"``, ...); rules map both to mesh axes elsewhere (:mod:`nnxscale.rules`).
+
+The blocks are stacked (:func:`nnxscale.stack_layers`): ``h`` holds every block's
+parameters with a leading ``layers`` axis, and :func:`nnxscale.scan_layers` runs them, so
+the step compiles one block whatever the depth and ``remat`` policies work. Hugging Face
+checkpoints keep one tensor per block (``h.0.attn.c_attn.weight``); import and export
+stack and unstack them.
 
 Departures from the published model, all deliberate:
 
@@ -28,8 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from nnxscale.activations import constrain
 from nnxscale.errors import ModelError, ModelFileNotFoundError
 from nnxscale.rules import logical
+from nnxscale.stack import REMAT_POLICIES, scan_layers, stack_layers
 
 _DTYPES = ("float32", "bfloat16")
 _normal = nnx.initializers.normal
@@ -49,7 +58,9 @@ class GPT2Config:
     ``dtype`` is the compute dtype (parameters are cast at use; logits are always
     float32), ``param_dtype`` the storage dtype of the parameters. ``dropout`` applies to
     embeddings and residual branches, and only when ``GPT2.__call__`` gets ``rngs``.
-    ``remat=True`` recomputes each block's activations in the backward pass.
+    ``remat`` is a policy of :data:`nnxscale.stack.REMAT_POLICIES` (``"none"``,
+    ``"full"``: keep each block's input only, ``"dots"``: keep the weight matmuls'
+    outputs); ``True`` means ``"full"``.
     """
 
     vocab_size: int
@@ -61,9 +72,13 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
     dtype: str = "float32"
     param_dtype: str = "float32"
-    remat: bool = False
+    remat: str = "none"
 
     def __post_init__(self):
+        if isinstance(self.remat, bool) or self.remat is None:
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if self.remat not in REMAT_POLICIES:
+            raise ModelError(f"GPT2Config.remat must be one of {', '.join(REMAT_POLICIES)} (or a bool), got {self.remat!r}")
         for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -176,8 +191,9 @@ class CausalSelfAttention(nnx.Module):
 
     def __call__(self, x):  # (B, T, C)
         qkv = self.c_attn(x)  # (B, T, 3, N, H)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (B, T, N, H)
+        q, k, v = (constrain(qkv[:, :, i], "batch", "length", "heads", "kv") for i in range(3))  # each (B, T, N, H)
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, N, H)
+        y = constrain(y, "batch", "length", "heads", "kv")
         return self.c_proj(y)  # (B, T, C)
 
 
@@ -194,7 +210,8 @@ class MLP(nnx.Module):
         )  # fmt: skip
 
     def __call__(self, x):  # (B, T, C)
-        return self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=True))  # tanh GELU = HF gelu_new
+        h = constrain(self.c_fc(x), "batch", "length", "mlp")  # (B, T, 4C)
+        return self.c_proj(jax.nn.gelu(h, approximate=True))  # tanh GELU = HF gelu_new
 
 
 class Block(nnx.Module):
@@ -208,13 +225,10 @@ class Block(nnx.Module):
 
     def __call__(self, x, key=None):  # (B, T, C)
         k1, k2 = (None, None) if key is None else jax.random.split(key)
+        x = constrain(x, "batch", "length", "embed")  # the residual stream
         x = x + _dropout(self.attn(self.ln_1(x)), self.dropout, k1)
         x = x + _dropout(self.mlp(self.ln_2(x)), self.dropout, k2)
-        return x
-
-
-def _run_block(block: Block, x, key):
-    return block(x, key)
+        return constrain(x, "batch", "length", "embed")
 
 
 class GPT2(nnx.Module):
@@ -231,7 +245,7 @@ class GPT2(nnx.Module):
         self.wpe = nnx.Embed(c.n_positions, c.n_embd, embedding_init=logical(_normal(0.02), None, "embed"), **kw)
         proj_std = 0.02 / math.sqrt(2 * c.n_layer)  # GPT-2 paper: scale residual projections by 1/sqrt(N)
         block = partial(Block, c.n_embd, c.n_head, proj_std=proj_std, eps=c.layer_norm_epsilon, dropout=c.dropout)
-        self.h = nnx.List([block(**kw) for _ in range(c.n_layer)])
+        self.h = stack_layers(lambda rngs: block(**(kw | {"rngs": rngs})), c.n_layer, rngs=rngs)
         self.ln_f = _layer_norm(c.n_embd, c.layer_norm_epsilon, **kw)
 
     def __call__(self, tokens, *, rngs: Optional[nnx.Rngs] = None):
@@ -245,17 +259,17 @@ class GPT2(nnx.Module):
         T = tokens.shape[1]
         if T > c.n_positions:
             raise ModelError(f"sequence length {T} exceeds the context n_positions={c.n_positions}")
-        keys = [None] * (c.n_layer + 1)
+        embed_key = block_keys = None
         if rngs is not None and c.dropout > 0:
-            keys = list(jax.random.split(rngs.dropout(), c.n_layer + 1))
+            keys = jax.random.split(rngs.dropout(), c.n_layer + 1)
+            embed_key, block_keys = keys[0], keys[1:]
         x = self.wte(tokens) + self.wpe(jnp.arange(T))  # (B, T, C)
-        x = _dropout(x, c.dropout, keys[0])
-        run = nnx.remat(_run_block) if c.remat else _run_block
-        for block, key in zip(self.h, keys[1:]):
-            x = run(block, x, key)  # (B, T, C)
+        x = _dropout(constrain(x, "batch", "length", "embed"), c.dropout, embed_key)
+        x = scan_layers(self.h, x, keys=block_keys, remat=c.remat)  # (B, T, C)
         x = self.ln_f(x)
         wte = self.wte.embedding[...].astype(x.dtype)  # (V, C)
-        return jnp.einsum("btc,vc->btv", x, wte, preferred_element_type=jnp.float32)  # (B, T, V)
+        logits = jnp.einsum("btc,vc->btv", x, wte, preferred_element_type=jnp.float32)  # (B, T, V)
+        return constrain(logits, "batch", "length", "vocab")
 
 
 # --------------------------------------------------------------------------------------
@@ -270,10 +284,18 @@ def _key_part(k) -> str:
     return str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
 
 
-def _hf_key(path) -> str:
-    """State path ``('h', 0, 'attn', 'c_attn', 'kernel')`` -> ``"h.0.attn.c_attn.weight"``."""
+def _hf_keys(path, shape: tuple[int, ...]) -> tuple[list[str], tuple[int, ...]]:
+    """HF tensor names of one parameter, and the shape of each of them (before ``_hf_shape``).
+
+    ``('wte', 'embedding')`` -> ``["wte.weight"]``; the stacked ``('h', 'attn', 'c_attn',
+    'kernel')`` of shape ``(L, ...)`` -> ``["h.0.attn.c_attn.weight", ..., "h.{L-1}..."]``,
+    each of shape ``(...)``.
+    """
     parts = [_key_part(k) for k in path]
-    return ".".join(parts[:-1] + [_LEAF_NAMES[parts[-1]]])
+    name = ".".join(parts[1:-1] + [_LEAF_NAMES[parts[-1]]])
+    if parts[0] == "h":  # stacked blocks: one HF tensor per layer
+        return [f"h.{i}.{name}" for i in range(shape[0])], tuple(shape[1:])
+    return [".".join(parts[:-1] + [_LEAF_NAMES[parts[-1]]])], tuple(shape)
 
 
 def _hf_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -336,8 +358,9 @@ def _config_from_hf(hf: dict[str, Any], param_dtype: str, dtype: Optional[str], 
 def save_pretrained(model: GPT2, path) -> None:
     """Write ``path/config.json`` and ``path/model.safetensors`` in the HF GPT-2 layout.
 
-    Keys are unprefixed as in the official checkpoint (``wte.weight``, ``h.0.attn.c_attn.weight``);
-    the tied head is not written. Tensors keep the parameter dtype.
+    Keys are unprefixed as in the official checkpoint (``wte.weight``, ``h.0.attn.c_attn.weight``):
+    the stacked blocks are written one tensor per block; the tied head is not written.
+    Tensors keep the parameter dtype.
     """
     from safetensors.numpy import save_file
 
@@ -345,9 +368,11 @@ def save_pretrained(model: GPT2, path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for p, v in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=_is_var)[0]:
-        key = _hf_key(p)
         value = np.asarray(jax.device_get(v.get_value()))
-        tensors[key] = np.ascontiguousarray(value.reshape(_hf_shape(key, value.shape)))
+        keys, shape = _hf_keys(p, value.shape)
+        layers = value if _key_part(p[0]) == "h" else value[None]  # stacked: one tensor per block
+        for key, layer in zip(keys, layers):
+            tensors[key] = np.ascontiguousarray(layer.reshape(_hf_shape(key, shape)))
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(_hf_config(model.config), indent=2) + "\n")
 
@@ -395,27 +420,35 @@ def from_pretrained(path, *, mesh=None, rules=None, dtype: Optional[str] = None)
             shardings = state_shardings(abstract, mesh, rules)
 
         flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_var)[0]
-        expected = {_hf_key(p) for p, _ in flat}
+        expected = {k for p, v in flat for k in _hf_keys(p, v.get_value().shape)[0]}
         if missing := sorted(expected - set(names)):
             raise ModelError(f"{weights} lacks the tensors {missing}")
         if extra := sorted(set(names) - expected):
             raise ModelError(f"{weights} has tensors this GPT-2 does not use: {extra}")
 
-        def load(p, v, sharding):
-            name = _hf_key(p)
-            shape, pdtype = v.get_value().shape, v.get_value().dtype
-            stored_shape = tuple(f.get_slice(names[name]).get_shape())
+        def reader(name: str, shape: tuple[int, ...], pdtype):
+            """``index -> tensor[index]`` in our layout, reading as little of the file as it can."""
+            sliced = f.get_slice(names[name])
+            stored_shape = tuple(sliced.get_shape())
             if stored_shape != _hf_shape(name, shape):
                 raise ModelError(
                     f"{weights}: tensor {names[name]!r} has shape {stored_shape}, "
                     f"expected {_hf_shape(name, shape)} for {config}"
                 )
-            if stored_shape == shape:  # read each device's slice straight from the file
-                sliced = f.get_slice(names[name])
-                cb = lambda index: sliced[index].astype(pdtype)
-            else:  # heads split out: reshape this one tensor in host memory
-                full = f.get_tensor(names[name]).reshape(shape).astype(pdtype)
-                cb = lambda index: full[index]
+            if stored_shape == shape:  # each device reads its own slice straight from the file
+                return lambda index: sliced[index].astype(pdtype)
+            if stored_shape[0] == shape[0]:  # c_attn (C, 3C) holds (C, 3, N, H): read our rows
+                return lambda index: sliced[index[0]].reshape((-1,) + shape[1:])[(slice(None),) + index[1:]].astype(pdtype)
+            return lambda index: sliced[:].reshape(shape)[index].astype(pdtype)  # c_proj (N*H, C), biases
+
+        def load(p, v, sharding):
+            shape, pdtype = v.get_value().shape, v.get_value().dtype
+            keys, layer_shape = _hf_keys(p, shape)
+            readers = [reader(k, layer_shape, pdtype) for k in keys]
+            if _key_part(p[0]) == "h":  # stacked: this device's layers, each read in its own slice
+                cb = lambda index: np.stack([readers[i](index[1:]) for i in range(shape[0])[index[0]]])
+            else:
+                cb = readers[0]
             return v.replace(jax.make_array_from_callback(shape, sharding, cb))
 
         state = jax.tree_util.tree_map_with_path(load, abstract, shardings, is_leaf=_is_var)
