@@ -239,3 +239,23 @@ def test_user_errors_are_one_line_but_a_bug_keeps_its_traceback(monkeypatch, cap
     with pytest.raises(KeyError, match="an internal bug"):  # not turned into "nnxscale: error: ..."
         main(["plan"])
     assert "nnxscale: error" not in capsys.readouterr().err
+
+
+def test_remat_takes_a_policy_and_a_bare_flag_means_full():
+    from nnxscale.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(train_args("r", "d", "--remat")).remat == "full"
+    assert parse(train_args("r", "d", "--remat", "dots")).remat == "dots"
+    assert parse(train_args("r", "d", "--remat", "--seed", "3")).remat == "full"  # a bare flag before another
+    assert parse(train_args("r", "d")).remat is None  # the config's own (none) unless given
+    assert TrainConfig(remat=True).remat == "full" and TrainConfig(remat=False).remat == "none"
+    with pytest.raises(SystemExit):
+        parse(train_args("r", "d", "--remat", "some"))
+
+
+def test_the_command_line_reads_its_arguments_before_jax_starts():
+    # --cpu-devices must reach XLA before jax is imported: building the parser must not import it
+    code = "import sys; from nnxscale import cli; cli.build_parser(); assert 'jax' not in sys.modules, 'jax imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

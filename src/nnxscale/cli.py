@@ -56,8 +56,22 @@ _TRAIN_FLAGS = [
     ("optim.decay_steps", "--decay-steps", int, "length of the warmup+cosine schedule (default: --steps of the run's first command)"),
     ("dropout", "--dropout", float, "dropout rate"),
     ("dtype", "--dtype", str, "compute dtype: float32 or bfloat16 (parameters stay float32)"),
+    ("min_shard_bytes", "--min-shard-bytes", int, "parameters smaller than this are not split over FSDP axes"),
     ("init_from", "--init-from", str, "start from a seed checkpoint (nnxscale init) or a Hugging Face GPT-2 directory"),
 ]
+
+
+def _add_remat(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--remat",
+        nargs="?",
+        const="full",
+        default=None,
+        choices=("none", "full", "dots"),
+        metavar="POLICY",
+        help="rematerialize in the backward pass: none; full (keep only each block's input; a bare --remat); "
+        "dots (keep the weight matmuls' outputs). Default: none",
+    )
 
 
 def _defaults():
@@ -92,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for field, flag, typ, help_text in _TRAIN_FLAGS:
         t.add_argument(flag, dest=field, type=typ, default=None, help=f"{help_text} (default: {defaults[field]})")
-    t.add_argument("--remat", dest="remat", action="store_true", default=None, help="rematerialize each block (less memory)")
+    _add_remat(t)
     t.add_argument("--config", help="TOML or JSON file with config fields; flags override it")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_common(t)
@@ -121,14 +135,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser(
         "plan",
-        help="print a model's sharding table and lint for a mesh, without allocating it",
-        description="Print one row per Variable (path, shape, dtype, logical axes, PartitionSpec, shard shape, "
-        "bytes per device) and the lint findings. The mesh may be larger than this machine "
-        "(e.g. --mesh data=64,model=16): nothing is allocated.",
+        help="will a run fit, and what will it cost? Memory per device and collectives per step, nothing allocated",
+        description="Plan one training step before anything is allocated: per device, the parameters, optimizer "
+        "state and gradients (exact, from the layout), activations and temporaries and the peak (from the real "
+        "step compiled ahead of time, or an analytical estimate), and the collectives per step by kind next to the "
+        "textbook figure for the layout. The mesh may be larger than this machine (e.g. --mesh fsdp=64): it is "
+        "compiled in a child process with that many simulated CPU devices, or estimated beyond "
+        "--max-compile-devices. --table prints the per-Variable sharding table.",
     )
-    pl.add_argument("--model", default="gpt2")
-    pl.add_argument("--mesh", default="data=2,model=4")
-    pl.add_argument("--rules", default="auto")
+    pl.add_argument("--model", default="gpt2", help="model preset (default: gpt2)")
+    pl.add_argument("--mesh", default="data=2,model=4", help="device mesh, e.g. fsdp=8, data=64,model=16 (default: data=2,model=4)")
+    pl.add_argument("--rules", default="auto", help="logical axis rules (default: auto)")
+    pl.add_argument("--batch-size", type=int, default=8, help="global batch in sequences (default: 8)")
+    pl.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    _add_remat(pl)
+    pl.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16 (default: float32)")
+    pl.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation micro-batches (default: 1)")
+    pl.add_argument("--min-shard-bytes", type=int, default=None, help="parameters below this are not split over FSDP axes (default: 1 MiB)")
+    memory = pl.add_mutually_exclusive_group()
+    memory.add_argument("--device-memory", help="memory of one device for the verdict, e.g. 16GiB or 80GB")
+    memory.add_argument("--device", help="a known device for the verdict: " + ", ".join(_known_devices()))
+    pl.add_argument("--sweep", action="store_true", help="plan every mesh x remat policy for the mesh's device count, sorted by peak")
+    pl.add_argument("--compile", choices=("auto", "never", "always"), default=None,
+                    help="auto: compile up to --max-compile-devices, estimate beyond (default; --sweep: never)")  # fmt: skip
+    pl.add_argument("--max-compile-devices", type=int, default=None, help="largest mesh to compile (default: 64)")
+    pl.add_argument("--table", action="store_true", help="also print the per-Variable sharding table")
+    pl.add_argument("--json", action="store_true", help="end with one JSON line: the plan (a list of plans with --sweep)")
     _add_common(pl)
     return parser
 
@@ -141,8 +173,8 @@ def _train(args) -> int:
     if args.config:
         cfg = TrainConfig.from_dict(_merge(cfg.to_dict(), load_config_file(args.config)))
     overrides = {f: getattr(args, f) for f, *_ in _TRAIN_FLAGS if getattr(args, f) is not None}
-    if args.remat:
-        overrides["remat"] = True
+    if args.remat is not None:
+        overrides["remat"] = args.remat
     cfg = with_overrides(cfg, overrides)
     result = train(cfg, progress=not args.no_progress)
     if result.interrupted_by is not None:
@@ -204,28 +236,63 @@ def _init(args) -> int:
     return 0
 
 
+def _known_devices() -> list[str]:
+    from nnxscale.devices import MEMORY  # plain data: jax must not start before --cpu-devices is set
+
+    return list(MEMORY)
+
+
 def _plan(args) -> int:
+    import json
+
     from flax import nnx
 
-    from nnxscale.mesh import parse_mesh_spec, resolve_mesh_shape
+    from nnxscale import plan as planlib
+    from nnxscale.config import TrainConfig, with_overrides
     from nnxscale.models import gpt2
-    from nnxscale.rules import get_rules
     from nnxscale.sharding import lint, sharding_table
 
-    axes = parse_mesh_spec(args.mesh)
-    if -1 in axes.values():
-        import jax
+    model_cfg = gpt2.preset(args.model)
+    fields = {
+        "model": args.model, "mesh": args.mesh, "rules": args.rules, "dtype": args.dtype,
+        "data.batch_size": args.batch_size, "data.seq_len": args.seq_len or model_cfg.n_positions,
+        "optim.grad_accum": args.grad_accum, "remat": args.remat or "none",
+    }  # fmt: skip
+    if args.min_shard_bytes is not None:
+        fields["min_shard_bytes"] = args.min_shard_bytes
+    cfg = with_overrides(TrainConfig(), fields)
+    memory = planlib.device_memory(args.device_memory, args.device)
+    max_devices = args.max_compile_devices or planlib.MAX_COMPILE_DEVICES
+    sizes = planlib.mesh_sizes(cfg.mesh)
+    if args.sweep:
+        import math
 
-        axes = resolve_mesh_shape(axes, jax.device_count())
-    rules = get_rules(args.rules)
-    cfg = gpt2.preset(args.model)
-    model = nnx.eval_shape(lambda: gpt2.GPT2(cfg, rngs=nnx.Rngs(0)))
-    table = sharding_table(model, axes, rules)
-    print(table)
-    findings = lint(model, axes, rules)
-    print(f"lint: {len(findings)} finding(s)")
-    for line in group_findings(findings):
+        devices = math.prod(sizes.values())
+        plans = planlib.sweep(cfg, devices, device_memory=memory, compile=args.compile or "never", max_compile_devices=max_devices)
+        print(f"sweep: {args.model}, {devices} devices, global batch {cfg.data.batch_size} x {cfg.data.seq_len}, "
+              f"{cfg.dtype} compute, sorted by peak memory per device")  # fmt: skip
+        print(planlib.sweep_table(plans))
+        if args.json:
+            print(json.dumps([p.to_dict() for p in plans]))
+        return 0
+    step = planlib.plan(cfg, device_memory=memory, compile=args.compile or "auto", max_compile_devices=max_devices)
+    print(step)
+    if step.activations:
+        print("\nactivations (logical names -> the activation rules' layout, per call):")
+        for a in step.activations:
+            print(f"  ({', '.join(a['names'])}) {tuple(a['shape'])}: {a['spec']}")
+    model = nnx.eval_shape(lambda: gpt2.GPT2(model_cfg, rngs=nnx.Rngs(0)))
+    rules = planlib.layout_figures(cfg, sizes)["rules"]
+    if args.table:
+        print()
+        print(sharding_table(model, sizes, rules))
+    findings = group_findings(lint(model, sizes, rules))
+    findings += [f"[activation] ({', '.join(a['names'])}) {tuple(a['shape'])}: {note}" for a in step.activations for note in a["dropped"]]
+    print(f"\nlint: {len(findings)} finding(s)")
+    for line in findings:
         print(f"  {line}")
+    if args.json:
+        print(json.dumps(step.to_dict()))
     return 0
 
 

@@ -1,0 +1,619 @@
+"""Plan a training step before anything is allocated: memory per device, traffic per step.
+
+``nnxscale plan`` answers "will this run fit, and what will it cost?". Each figure says
+where it comes from:
+
+- ``layout``: exact arithmetic on the sharded layout (parameters, optimizer state and
+  gradients per device; the gradients are constrained to the parameters' layout).
+- ``compiler``: the real train step compiled ahead of time for the mesh, nothing
+  allocated (``make_train_step(setup(cfg)).lower(s.abstract, s.abstract_batch).compile()``):
+  peak and temporary memory from ``memory_analysis()``, collectives counted in the
+  compiled HLO (:mod:`nnxscale.hlo`). A mesh larger than this machine is compiled in a
+  child process with that many simulated CPU devices, up to ``max_compile_devices``.
+  These are XLA:CPU's figures; a GPU's compiler fuses differently, so treat them as close,
+  not exact.
+- ``estimate``: an analytical model of the step (:func:`estimate`) whose coefficients are
+  fitted to the compiler's figures (``python bench/plan_accuracy.py`` measures its error
+  and refits it). Used beyond ``max_compile_devices``, for ``--sweep`` unless asked to
+  compile, and printed beside the compiler's peak otherwise.
+
+Peak per device = arguments + outputs - donated (aliased) buffers + temporaries: the train
+state (parameters and optimizer state, updated in place) and the batch, plus what the step
+allocates while it runs (gradients, activations kept for the backward pass, gathered FSDP
+weights, logits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+from nnxscale.config import ConfigError, TrainConfig, with_overrides
+from nnxscale.devices import MEMORY
+from nnxscale.layout import format_bytes, full_bytes, shard_bytes
+from nnxscale.mesh import format_mesh, resolve_mesh_shape
+
+#: Memory of one device, by name (``--device``), in bytes.
+KNOWN_DEVICES = MEMORY
+
+#: Meshes up to this many devices are compiled (in a child process when larger than this
+#: machine); larger ones are estimated.
+MAX_COMPILE_DEVICES = 64
+
+_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
+
+
+def parse_bytes(text) -> int:
+    """``"80GiB"``, ``"16 GB"``, ``"1.5TiB"`` or a number of bytes -> bytes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = int(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"cannot read {text!r} as a size: write e.g. 80GiB, 16GB or 1073741824")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ConfigError(f"a device memory must be positive, got {text!r}")
+    return value
+
+
+def device_memory(memory=None, device: Optional[str] = None) -> Optional[int]:
+    """Bytes from a size (``--device-memory``) or a known device name (``--device``)."""
+    if memory is not None and device is not None:
+        raise ConfigError("give --device-memory or --device, not both")
+    if device is not None:
+        key = device.lower()
+        if key not in KNOWN_DEVICES:
+            raise ConfigError(f"unknown device {device!r}: choose one of {', '.join(KNOWN_DEVICES)}, or give --device-memory")
+        return KNOWN_DEVICES[key]
+    return None if memory is None else parse_bytes(memory)
+
+
+# --------------------------------------------------------------------------------------
+# the plan
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What one training step needs per device and moves per step.
+
+    Bytes are per device; collective bytes per device and per step, by kind (see
+    :mod:`nnxscale.hlo` for the convention). ``sources`` says, per figure, ``layout``,
+    ``compiler ...`` or ``estimate``.
+    """
+
+    model: str
+    mesh: dict[str, int]
+    rules: str
+    remat: str
+    dtype: str
+    batch_size: int
+    seq_len: int
+    grad_accum: int
+    num_params: int
+    full_param_bytes: int
+    param_bytes: int
+    optimizer_bytes: int
+    gradient_bytes: int
+    batch_bytes: int
+    temp_bytes: int
+    peak_bytes: int
+    collective_bytes: dict[str, int]
+    textbook: list  # (what, multiple of the parameter bytes)
+    source: str  # where temp, peak and collectives come from
+    compile_seconds: Optional[float] = None
+    device_memory: Optional[int] = None
+    estimated: Optional[dict] = None  # the analytical estimate, beside compiled figures
+    activations: list = dataclasses.field(default_factory=list)  # {names, shape, spec, dropped} per constrained activation
+    notes: list = dataclasses.field(default_factory=list)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Temporaries other than the gradients: activations kept for the backward pass,
+        gathered weights, logits, the update's intermediates."""
+        return max(self.temp_bytes - self.gradient_bytes, 0)
+
+    @property
+    def collective_total(self) -> int:
+        return sum(self.collective_bytes.values())
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.device_memory is None else self.peak_bytes <= self.device_memory
+
+    @property
+    def sources(self) -> dict[str, str]:
+        return {
+            "param_bytes": "layout",
+            "optimizer_bytes": "layout",
+            "gradient_bytes": "layout",
+            "temp_bytes": self.source,
+            "peak_bytes": self.source,
+            "collective_bytes": self.source,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "mesh": format_mesh(self.mesh),
+            "rules": self.rules,
+            "remat": self.remat,
+            "dtype": self.dtype,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "grad_accum": self.grad_accum,
+            "num_params": self.num_params,
+            "param_bytes_per_device": self.param_bytes,
+            "optimizer_bytes_per_device": self.optimizer_bytes,
+            "gradient_bytes_per_device": self.gradient_bytes,
+            "activation_bytes_per_device": self.activation_bytes,
+            "temp_bytes_per_device": self.temp_bytes,
+            "peak_bytes_per_device": self.peak_bytes,
+            "collective_bytes_per_step": self.collective_total,
+            "collective_bytes_by_kind": dict(self.collective_bytes),
+            "collectives_over_params": round(self.collective_total / max(self.full_param_bytes, 1), 4),
+            "textbook_collectives_over_params": round(sum(x for _, x in self.textbook), 4),
+            "source": self.source,
+            "sources": self.sources,
+            "compile_seconds": self.compile_seconds,
+            "device_memory": self.device_memory,
+            "fits": self.fits,
+            "estimate": self.estimated,
+        }
+
+    def __str__(self) -> str:
+        lines = [
+            f"plan: {self.model} ({self.num_params:,} parameters) on mesh {format_mesh(self.mesh)}, rules {self.rules}, "
+            f"remat {self.remat}, {self.dtype} compute, global batch {self.batch_size} x {self.seq_len}"
+            + (f" in {self.grad_accum} micro-batches" if self.grad_accum > 1 else ""),
+            "",
+            f"{'per device':<36}{'bytes':>11}  source",
+        ]
+        rows = [
+            ("parameters", self.param_bytes, "layout"),
+            ("optimizer state (AdamW)", self.optimizer_bytes, "layout"),
+            ("gradients", self.gradient_bytes, "layout"),
+            ("activations and other temporaries", self.activation_bytes, self.source),
+            ("peak", self.peak_bytes, self.source),
+        ]
+        for name, value, source in rows:
+            lines.append(f"  {name:<34}{format_bytes(value):>11}  {source}")
+        if self.estimated and self.source != "estimate":
+            est = self.estimated["peak_bytes_per_device"]
+            lines.append(f"  {'peak, analytical estimate':<34}{format_bytes(est):>11}  estimate ({est / max(self.peak_bytes, 1) - 1:+.0%})")
+        params = max(self.full_param_bytes, 1)
+        lines += ["", f"collectives per step, per device ({self.source}; x = multiples of the {format_bytes(self.full_param_bytes)} of parameters)"]
+        for kind, value in self.collective_bytes.items():
+            if value:
+                lines.append(f"  {kind:<34}{format_bytes(value):>11}  {value / params:5.2f}x")
+        lines.append(f"  {'total':<34}{format_bytes(self.collective_total):>11}  {self.collective_total / params:5.2f}x")
+        if self.textbook:
+            parts = "; ".join(f"{what} {x:.2f}x" for what, x in self.textbook)
+            lines.append(f"  {'textbook for this layout':<34}{'':>11}  {sum(x for _, x in self.textbook):5.2f}x ({parts})")
+        if self.compile_seconds is not None:
+            lines.append(f"  compiled in {self.compile_seconds:.1f} s")
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        if self.device_memory is not None:
+            spare = self.device_memory - self.peak_bytes
+            if spare >= 0:
+                verdict = (
+                    f"fits: peak {format_bytes(self.peak_bytes)} of {format_bytes(self.device_memory)} per device, "
+                    f"{format_bytes(spare)} to spare"
+                )
+            else:
+                verdict = (
+                    f"does not fit: peak {format_bytes(self.peak_bytes)} per device is {format_bytes(-spare)} more than "
+                    f"{format_bytes(self.device_memory)}; try --remat full, a larger fsdp axis, --grad-accum or a smaller batch"
+                )
+            lines += ["", f"verdict: {verdict}"]
+        return "\n".join(lines)
+
+
+def plan(
+    cfg: TrainConfig,
+    *,
+    devices: Optional[int] = None,
+    device_memory: Optional[int] = None,
+    compile: str = "auto",
+    max_compile_devices: int = MAX_COMPILE_DEVICES,
+) -> StepPlan:
+    """Plan one training step of ``cfg`` (model, mesh, rules, batch, remat, dtype, accum).
+
+    Args:
+      devices: resolves a ``-1`` mesh axis; default: the devices of this job.
+      device_memory: bytes per device for the verdict (see :func:`device_memory`).
+      compile: ``"auto"`` compiles meshes up to ``max_compile_devices`` and estimates
+        beyond; ``"never"`` estimates only; ``"always"`` compiles whatever the size.
+
+    Nothing is allocated on any device.
+    """
+    if compile not in ("auto", "never", "always"):
+        raise ConfigError(f"compile must be auto, never or always, got {compile!r}")
+    cfg.validate()
+    sizes = mesh_sizes(cfg.mesh, devices)
+    cfg = with_overrides(cfg, {"mesh": format_mesh(sizes)})
+    lay = layout_figures(cfg, sizes)
+    n = math.prod(sizes.values())
+    est = estimate(cfg, lay)
+    common = dict(
+        model=cfg.model, mesh=sizes, rules=cfg.rules, remat=cfg.remat, dtype=cfg.dtype,
+        batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.optim.grad_accum,
+        num_params=lay["num_params"], full_param_bytes=lay["full_param_bytes"], param_bytes=lay["param_bytes"],
+        optimizer_bytes=lay["optimizer_bytes"], gradient_bytes=lay["gradient_bytes"], batch_bytes=lay["batch_bytes"],
+        textbook=textbook_collectives(cfg, lay), device_memory=device_memory,
+    )  # fmt: skip
+    if compile == "never" or (compile == "auto" and n > max_compile_devices):
+        notes = [] if compile == "never" else [f"{n} devices is more than --max-compile-devices {max_compile_devices}: estimated"]
+        return StepPlan(**common, temp_bytes=est["temp_bytes_per_device"], peak_bytes=est["peak_bytes_per_device"],
+                        collective_bytes=est["collective_bytes_by_kind"], source="estimate", notes=notes)  # fmt: skip
+    compiled = compiled_figures(cfg, n)
+    state_bytes = lay["param_bytes"] + lay["optimizer_bytes"]
+    notes = []
+    if compiled["argument_bytes"] > state_bytes + lay["batch_bytes"] + (64 << 10):
+        notes.append("the compiled step's arguments exceed the layout's state and batch bytes")
+    return StepPlan(
+        **common,
+        temp_bytes=compiled["temp_bytes"],
+        peak_bytes=compiled["peak_bytes"],
+        collective_bytes=compiled["collective_bytes"],
+        source=compiled["source"],
+        compile_seconds=compiled["compile_seconds"],
+        estimated={k: est[k] for k in ("temp_bytes_per_device", "peak_bytes_per_device", "collective_bytes_per_step")},
+        activations=compiled["activations"],
+        notes=notes,
+    )
+
+
+def mesh_sizes(spec, devices: Optional[int] = None) -> dict[str, int]:
+    """``{axis: size}`` of a mesh spec; ``-1`` takes ``devices`` (default: this job's)."""
+    from nnxscale.mesh import parse_mesh_spec
+
+    axes = parse_mesh_spec(spec)
+    if -1 in axes.values():
+        if devices is None:
+            import jax
+
+            devices = jax.device_count()
+        return resolve_mesh_shape(axes, devices)
+    if devices is not None:
+        return resolve_mesh_shape(axes, devices)
+    return axes
+
+
+# --------------------------------------------------------------------------------------
+# layout: exact arithmetic
+# --------------------------------------------------------------------------------------
+
+
+def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
+    """Parameters, optimizer state, gradients and batch per device, from the layout alone."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from nnxscale.models import gpt2
+    from nnxscale.rules import resolve
+    from nnxscale.sharding import layouts, state_specs
+    from nnxscale.train import check_shapes, make_optimizer, model_config
+
+    mcfg = model_config(cfg)
+    rules = resolve(cfg.rules, sizes, min_shard_bytes=cfg.min_shard_bytes)
+    check_shapes(cfg, rules, mcfg)
+    model = nnx.eval_shape(lambda: gpt2.GPT2(mcfg, rngs=nnx.Rngs(0)))
+    rows = layouts(model, sizes, rules)
+    param_bytes = sum(shard_bytes(r.shape, r.dtype, r.spec, sizes) for r in rows)
+
+    # The optimizer state takes the layout of the parameter each leaf belongs to (as in train.setup).
+    tx, _ = make_optimizer(cfg)
+    params = nnx.to_pure_dict(nnx.state(model))
+    specs = nnx.to_pure_dict(jax.tree.map(lambda v, s: v.replace(s), nnx.state(model), state_specs(model, sizes, rules),
+                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))  # fmt: skip
+    opt_state = jax.eval_shape(tx.init, params)
+    opt_specs = optax.tree_map_params(
+        tx, lambda _, spec: spec, opt_state, specs, transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P)
+    )
+    opt_bytes = sum(
+        shard_bytes(leaf.shape, leaf.dtype, spec, sizes)
+        for leaf, spec in zip(jax.tree.leaves(opt_state), jax.tree.leaves(opt_specs, is_leaf=lambda x: isinstance(x, P)))
+    )
+    d = cfg.data
+    batch_bytes = 2 * shard_bytes((d.batch_size, d.seq_len), jnp.int32, rules.batch_spec(), sizes)
+    return {
+        "model_cfg": mcfg,
+        "rules": rules,
+        "rows": rows,
+        "num_params": mcfg.num_params(),
+        "full_param_bytes": sum(full_bytes(r.shape, r.dtype) for r in rows),
+        "param_bytes": param_bytes,
+        "optimizer_bytes": opt_bytes,
+        "gradient_bytes": param_bytes,  # float32, constrained to the parameters' layout
+        "batch_bytes": batch_bytes,
+    }
+
+
+def _split(rows, rules) -> dict[str, float]:
+    """Full bytes of the parameters, by how the batch axes treat them, divided by the
+    other (tensor-parallel) axes: ``fsdp`` (split over a batch axis: gathered every step)
+    and ``replicated`` (whole on every batch shard: its gradient is all-reduced)."""
+    batch = {a for a in rules.batch_axes if rules.sizes[a] > 1}
+    out = {"fsdp": 0.0, "replicated": 0.0}
+    for row in rows:
+        axes = {a for e in row.spec for a in ((e,) if isinstance(e, str) else e or ())}
+        share = full_bytes(row.shape, row.dtype) / math.prod(rules.sizes[a] for a in axes - batch)
+        out["fsdp" if axes & batch else "replicated"] += share
+    return out
+
+
+def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]:
+    """What a textbook layout moves per step, as multiples of the parameter bytes.
+
+    Data parallel: one all-reduce of the gradients of the parameters replicated across the
+    batch axes. FSDP: all-gather the parameters in the forward pass and again in the
+    backward pass, reduce-scatter the gradients: 3x what FSDP splits. Tensor parallel
+    (Megatron): two all-reduces of the ``(B, T, C)`` activations per layer forward and two
+    backward (two more with rematerialization).
+    """
+    rules, mcfg, full = lay["rules"], lay["model_cfg"], max(lay["full_param_bytes"], 1)
+    if rules.num_devices == 1:
+        return []
+    split = _split(lay["rows"], rules)
+    out = []
+    if split["replicated"] / full >= 0.005 and rules.batch_shard_count > 1:  # not just LayerNorms kept whole
+        out.append(("data-parallel gradient all-reduce", split["replicated"] / full))
+    if split["fsdp"]:
+        out.append(("FSDP 2 gathers + reduce-scatter", 3 * split["fsdp"] / full))
+    tensor = math.prod(s for a, s in rules.sizes.items() if a not in rules.batch_axes)
+    if tensor > 1:
+        d = cfg.data
+        act = d.batch_size / rules.batch_shard_count * d.seq_len * mcfg.n_embd * (2 if cfg.dtype == "bfloat16" else 4)
+        per_layer = 4 + (2 if cfg.remat != "none" else 0)
+        out.append(("tensor-parallel activation all-reduces", per_layer * mcfg.n_layer * act / full))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# the analytical estimate
+# --------------------------------------------------------------------------------------
+
+#: Coefficients of :func:`estimate`, fitted to the compiler's figures on 8 CPU devices
+#: (gpt2-mini, gpt2, gpt2-medium; data, fsdp and tensor-parallel meshes; each remat policy)
+#: by ``python bench/plan_accuracy.py --fit``. Each multiplies a feature in bytes.
+COEFFICIENTS: dict[str, dict[str, float]] = {}
+
+
+def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
+    """The quantities, in bytes per device, that the estimate combines.
+
+    ``b`` is the micro-batch per device, ``T`` the sequence, ``C`` the width, ``L`` the
+    depth, ``N`` the heads, ``V`` the vocabulary; ``tp`` the split of heads and MLP,
+    ``tpv`` of the vocabulary. Per layer and kept for the backward pass: ``saved_res``
+    (b T C, the residual-stream-sized tensors), ``saved_tp`` (b T C / tp, the head- and
+    MLP-sized ones) and ``saved_att`` (b N T^2 / tp, the attention scores). One layer
+    working in the backward pass: ``work_*`` the same without L. ``logits`` b T V / tpv in
+    float32; ``grads`` the gradients; ``gathered`` the weights FSDP gathers for one layer
+    plus the embedding.
+    """
+    rules, mcfg = lay["rules"], lay["model_cfg"]
+    d = cfg.data
+    s = 2 if cfg.dtype == "bfloat16" else 4
+    b = d.batch_size / rules.batch_shard_count / cfg.optim.grad_accum
+    T, C, L, N, V = d.seq_len, mcfg.n_embd, mcfg.n_layer, mcfg.n_head, mcfg.vocab_size
+    act = rules.activation_layout
+    tp = math.prod(rules.sizes[a] for e in act(("mlp",)).spec for a in _axes(e))
+    tph = math.prod(rules.sizes[a] for e in act(("heads",), (N,)).spec for a in _axes(e))
+    tpv = math.prod(rules.sizes[a] for e in act(("vocab",), (V,)).spec for a in _axes(e))
+    split = _split(lay["rows"], rules)
+    layer_full = split["fsdp"] / max(L, 1)  # roughly: the blocks dominate what FSDP splits
+    return {
+        "saved_res": L * b * T * C * s,
+        "saved_tp": L * b * T * C * s / tp,
+        "saved_att": L * b * N * T * T * s / tph,
+        "work_res": b * T * C * s,
+        "work_tp": b * T * C * s / tp,
+        "work_att": b * N * T * T * s / tph,
+        "logits": b * T * V * 4 / tpv,
+        "grads": lay["gradient_bytes"] * (2 if cfg.optim.grad_accum > 1 else 1),
+        "gathered": layer_full + (V * C * 4 / tpv if split["fsdp"] else 0),
+        "one": 1.0,
+        # collectives
+        "coll_replicated": split["replicated"] if rules.batch_shard_count > 1 else 0.0,
+        "coll_fsdp": split["fsdp"],
+        "coll_tp": (L * b * T * C * s) * cfg.optim.grad_accum if tp > 1 else 0.0,
+        "coll_tp_logits": b * T * V * 4 * cfg.optim.grad_accum / tpv if tpv > 1 else 0.0,
+    }
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+_MEMORY_FEATURES = ("saved_res", "saved_tp", "saved_att", "work_res", "work_tp", "work_att", "logits", "grads", "gathered", "one")
+_COLLECTIVE_FEATURES = ("coll_replicated", "coll_fsdp", "coll_tp", "coll_tp_logits")
+
+
+def estimate(cfg: TrainConfig, lay: Optional[dict] = None) -> dict[str, Any]:
+    """The analytical estimate of a step's temporaries, peak and collectives per device."""
+    if lay is None:
+        lay = layout_figures(cfg, mesh_sizes(cfg.mesh))
+    f = features(cfg, lay)
+    coef = COEFFICIENTS.get(cfg.remat) or {}
+    temp = sum(coef.get(k, 0.0) * f[k] for k in _MEMORY_FEATURES)
+    temp = max(int(temp), int(f["grads"]))
+    ccoef = COEFFICIENTS.get("collectives") or {}
+    coll = sum(ccoef.get(k, 0.0) * f[k] for k in _COLLECTIVE_FEATURES)
+    peak = lay["param_bytes"] + lay["optimizer_bytes"] + lay["batch_bytes"] + temp
+    return {
+        "temp_bytes_per_device": temp,
+        "peak_bytes_per_device": int(peak),
+        "collective_bytes_per_step": int(coll),
+        "collective_bytes_by_kind": {"total (estimate)": int(coll)},
+    }
+
+
+# --------------------------------------------------------------------------------------
+# the compiler
+# --------------------------------------------------------------------------------------
+
+
+def compile_step(cfg: TrainConfig, mesh=None):
+    """``(setup, compiled step)``: the real train step of ``cfg`` compiled, nothing allocated."""
+    import jax
+
+    from nnxscale.train import make_train_step, setup
+
+    s = setup(cfg, mesh)
+    with jax.set_mesh(s.mesh):
+        compiled = make_train_step(s).lower(s.abstract, s.abstract_batch).compile()
+    return s, compiled
+
+
+def measure(compiled) -> dict[str, Any]:
+    """The compiler's own figures for a compiled step, per device."""
+    from nnxscale import hlo
+
+    ma = compiled.memory_analysis()
+    peak = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+    return {
+        "argument_bytes": ma.argument_size_in_bytes,
+        "temp_bytes": ma.temp_size_in_bytes,
+        "peak_bytes": peak,
+        "collective_bytes": hlo.collective_bytes(compiled.as_text()),
+    }
+
+
+def compiled_figures(cfg: TrainConfig, n: int) -> dict[str, Any]:
+    """Compile ``cfg``'s step for its ``n``-device mesh: here, or in a child process."""
+    import jax
+
+    if n <= jax.device_count():
+        return _compile_here(cfg, n)
+    return _compile_in_child(cfg, n)  # with XLA:CPU, also on an accelerator machine
+
+
+def _compile_here(cfg: TrainConfig, n: int) -> dict[str, Any]:
+    import jax
+
+    from nnxscale.activations import record_activations
+    from nnxscale.mesh import make_mesh
+
+    mesh = make_mesh(cfg.mesh, devices=jax.devices()[:n])
+    t = time.perf_counter()
+    with record_activations() as records:
+        _, compiled = compile_step(cfg, mesh)
+    out = measure(compiled)
+    out["compile_seconds"] = time.perf_counter() - t
+    out["source"] = "compiler" if n == jax.device_count() or jax.default_backend() != "cpu" else f"compiler ({n} of {jax.device_count()} devices)"
+    out["activations"] = [
+        {"names": [str(n) for n in r.names], "shape": list(r.shape), "spec": str(r.layout.spec), "dropped": list(r.layout.dropped)}
+        for r in records
+    ]
+    return out
+
+
+def _compile_in_child(cfg: TrainConfig, n: int) -> dict[str, Any]:
+    """Compile in a fresh process with ``n`` simulated CPU devices; read its JSON answer."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["NNXSCALE_PLAN_CHILD"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nnxscale.plan"],
+        input=json.dumps(cfg.to_dict()),
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"compiling the step on {n} simulated CPU devices failed: {tail}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["source"] = f"compiler (child process, {n} CPU devices)"
+    return out
+
+
+def _child_main() -> None:
+    """Entry of the child process: a TrainConfig as JSON on stdin, the figures as JSON."""
+    import jax
+
+    cfg = TrainConfig.from_dict(json.loads(sys.stdin.read()))
+    out = _compile_here(cfg, jax.device_count())
+    out.pop("source")
+    print(json.dumps(out))
+
+
+# --------------------------------------------------------------------------------------
+# sweep
+# --------------------------------------------------------------------------------------
+
+
+def candidate_meshes(n: int, heads: int) -> list[str]:
+    """Meshes of ``n`` devices worth comparing: data, fsdp, and either with a model axis
+    that divides the heads (tensor parallelism within at most 8 devices)."""
+    out = [f"data={n}", f"fsdp={n}"]
+    for tp in (2, 4, 8):
+        if n % tp or heads % tp or tp >= n:
+            continue
+        rest = n // tp
+        out += [f"data={rest},model={tp}", f"fsdp={rest},model={tp}"]
+    if n >= 4:
+        out.append(f"data=2,fsdp={n // 2}")
+    return list(dict.fromkeys(out))
+
+
+def sweep(
+    cfg: TrainConfig,
+    devices: int,
+    *,
+    remats=("none", "dots", "full"),
+    device_memory: Optional[int] = None,
+    compile: str = "never",
+    max_compile_devices: int = MAX_COMPILE_DEVICES,
+) -> list[StepPlan]:
+    """Plan every candidate mesh (with the ``auto`` rules) x remat policy for ``devices``.
+
+    Sorted by peak memory per device. ``compile="never"`` (the default) uses the estimate:
+    quick, and each plan says so; ``"auto"`` compiles each.
+    """
+    from nnxscale.train import model_config
+
+    heads = model_config(cfg).n_head
+    plans = []
+    for mesh in candidate_meshes(devices, heads):
+        for remat in remats:
+            c = with_overrides(cfg, {"mesh": mesh, "remat": remat})
+            try:
+                plans.append(plan(c, device_memory=device_memory, compile=compile, max_compile_devices=max_compile_devices))
+            except ConfigError as e:  # e.g. a batch the mesh cannot split
+                plans.append(e)
+    ok = sorted((p for p in plans if isinstance(p, StepPlan)), key=lambda p: p.peak_bytes)
+    return ok
+
+
+def sweep_table(plans: list[StepPlan]) -> str:
+    """One line per plan, fitting ones marked."""
+    header = f"{'mesh':<22}{'remat':<7}{'peak/device':>12}{'collectives':>13}  {'source':<10} fits"
+    lines = [header, "-" * len(header)]
+    for p in plans:
+        fits = "-" if p.fits is None else "yes" if p.fits else "no"
+        lines.append(
+            f"{format_mesh(p.mesh):<22}{p.remat:<7}{format_bytes(p.peak_bytes):>12}"
+            f"{p.collective_total / max(p.full_param_bytes, 1):>12.2f}x  {p.source.split(' ')[0]:<10} {fits}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -1,0 +1,125 @@
+"""The planner: per-device figures that equal the real arrays, the compiler's own memory and
+collectives, meshes larger than this machine, the verdict, and the command line."""
+
+import json
+import math
+
+import jax
+import pytest
+
+from nnxscale import plan as planlib
+from nnxscale.cli import main
+from nnxscale.config import ConfigError, TrainConfig, with_overrides
+from nnxscale.train import init_state, setup
+
+
+def tiny(mesh: str, **fields) -> TrainConfig:
+    """gpt2-tiny, batch 16 x 64; its tensors are kilobytes, so the FSDP minimum is off."""
+    base = {"model": "gpt2-tiny", "mesh": mesh, "min_shard_bytes": 0, "data.batch_size": 16, "data.seq_len": 64}
+    return with_overrides(TrainConfig(), {**base, **fields})
+
+
+def shard_bytes_on_device0(tree) -> int:
+    """Bytes the first device really holds of every array in ``tree``."""
+    device = jax.devices()[0]
+    return sum(
+        math.prod(s.data.shape) * s.data.dtype.itemsize
+        for leaf in jax.tree.leaves(tree)
+        for s in leaf.addressable_shards
+        if s.device == device
+    )
+
+
+@pytest.mark.parametrize("mesh", ["fsdp=8", "data=2,model=4", "data=8"])
+def test_layout_figures_are_what_the_devices_really_hold(mesh):
+    cfg = tiny(mesh)
+    p = planlib.plan(cfg, compile="never")
+    s = setup(cfg)
+    state = init_state(s)
+    assert p.param_bytes == shard_bytes_on_device0(state["params"])
+    assert p.optimizer_bytes == shard_bytes_on_device0(state["opt_state"])
+    assert p.gradient_bytes == p.param_bytes
+    batch = {k: jax.device_put(jax.numpy.zeros(v.shape, v.dtype), v.sharding) for k, v in s.abstract_batch.items()}
+    assert p.batch_bytes == shard_bytes_on_device0(batch)
+    if mesh != "data=8":
+        assert p.param_bytes < p.full_param_bytes  # the layout is really split
+    assert p.num_params == s.model_cfg.num_params() and p.full_param_bytes == 4 * p.num_params
+
+
+def test_compiled_figures_come_from_the_compiler():
+    cfg = tiny("fsdp=8")
+    p = planlib.plan(cfg, device_memory=1 << 30)
+    assert p.source == "compiler" and p.compile_seconds > 0
+    _, compiled = planlib.compile_step(cfg)
+    m = planlib.measure(compiled)
+    assert (p.peak_bytes, p.temp_bytes, p.collective_bytes) == (m["peak_bytes"], m["temp_bytes"], m["collective_bytes"])
+    # peak = the donated state and the batch, plus the step's temporaries (gradients among them)
+    assert p.peak_bytes >= p.param_bytes + p.optimizer_bytes + p.batch_bytes + p.temp_bytes - (64 << 10)
+    assert p.temp_bytes >= p.gradient_bytes
+    # FSDP gathers the parameters (twice) and reduces the gradients: about three times the parameters
+    assert 2.0 <= p.collective_total / p.full_param_bytes <= 3.5
+    textbook = dict(p.textbook)  # FSDP for what has an embed axis; the heads' and MLP's biases stay whole
+    assert textbook["FSDP 2 gathers + reduce-scatter"] > 2.5 and 2.5 < sum(textbook.values()) <= 3.0
+    # the residual stream is split along the batch, like the data
+    residual = next(a for a in p.activations if a["names"] == ["batch", "length", "embed"])
+    assert residual["spec"] == "P('fsdp', None, None)" and residual["shape"] == [16, 64, 64]
+    assert p.fits is True and "fits: peak" in str(p)
+    out = p.to_dict()
+    for key in ("peak_bytes_per_device", "param_bytes_per_device", "optimizer_bytes_per_device",
+                "collective_bytes_per_step", "source"):  # fmt: skip
+        assert key in out
+    assert out["collective_bytes_per_step"] == p.collective_total
+
+
+def test_a_mesh_larger_than_this_machine_compiles_in_a_child_process():
+    eight, sixteen = planlib.plan(tiny("fsdp=8")), planlib.plan(tiny("fsdp=16"))
+    assert sixteen.source == "compiler (child process, 16 CPU devices)"
+    assert sixteen.mesh == {"fsdp": 16}
+    # FSDP halves what each device holds of the split parameters; the layout says exactly how much
+    assert sixteen.param_bytes < eight.param_bytes
+    assert sixteen.peak_bytes < eight.peak_bytes
+    assert jax.device_count() == 8  # nothing changed in this process
+
+
+def test_beyond_the_compile_limit_the_estimate_answers():
+    p = planlib.plan(tiny("fsdp=128", **{"data.batch_size": 128}), max_compile_devices=64)
+    assert p.source == "estimate" and p.compile_seconds is None
+    assert any("more than --max-compile-devices 64" in n for n in p.notes)
+    assert p.peak_bytes >= p.param_bytes + p.optimizer_bytes + p.gradient_bytes
+    assert p.to_dict()["sources"]["param_bytes"] == "layout"
+
+
+def test_the_verdict_and_device_memory():
+    assert planlib.parse_bytes("16GiB") == 16 << 30
+    assert planlib.parse_bytes("80 GB") == 80 * 10**9
+    assert planlib.device_memory(None, "h100") == 80 << 30
+    for bad in ("lots", "-3GiB", "0"):
+        with pytest.raises(ConfigError):
+            planlib.parse_bytes(bad)
+    with pytest.raises(ConfigError, match="unknown device 'tpu-v9'.*h100"):
+        planlib.device_memory(None, "tpu-v9")
+    p = planlib.plan(tiny("data=8"), device_memory=1 << 20, compile="never")
+    assert p.fits is False and "does not fit" in str(p)
+    with pytest.raises(ConfigError, match="--batch-size 12 must be a multiple of 8"):
+        planlib.plan(tiny("data=8", **{"data.batch_size": 12}), compile="never")
+
+
+def test_plan_command_json_sweep_and_errors(capsys):
+    args = ["plan", "--model", "gpt2-tiny", "--mesh", "fsdp=8", "--batch-size", "16", "--seq-len", "64",
+            "--min-shard-bytes", "0", "--device-memory", "1GiB", "--json"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["mesh"] == "fsdp=8" and last["fits"] is True and last["source"] == "compiler"
+    assert "activations (logical names" in out and "lint:" in out
+    assert main(args[:-1] + ["--table"]) == 0
+    assert "h.mlp.c_fc.kernel" in capsys.readouterr().out  # the per-Variable view stays available
+
+    assert main(["plan", "--model", "gpt2-tiny", "--mesh", "data=8", "--batch-size", "16", "--seq-len", "64", "--sweep", "--json"]) == 0
+    out = capsys.readouterr().out
+    plans = json.loads(out.strip().splitlines()[-1])
+    peaks = [p["peak_bytes_per_device"] for p in plans]
+    assert peaks == sorted(peaks) and len({p["mesh"] for p in plans}) >= 4 and len({p["remat"] for p in plans}) == 3
+
+    assert main(["plan", "--model", "gpt2-tiny", "--device", "tpu-v9"]) == 2
+    assert "unknown device 'tpu-v9'" in capsys.readouterr().err
