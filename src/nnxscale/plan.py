@@ -387,51 +387,106 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
 # the analytical estimate
 # --------------------------------------------------------------------------------------
 
-#: Coefficients of :func:`estimate`, fitted to the compiler's figures on 8 CPU devices
-#: (gpt2-mini, gpt2, gpt2-medium; data, fsdp and tensor-parallel meshes; each remat policy)
-#: by ``python bench/plan_accuracy.py --fit``. Each multiplies a feature in bytes.
-COEFFICIENTS: dict[str, dict[str, float]] = {}
+#: Coefficients of :func:`estimate`, fitted to the compiler's figures on 8 simulated CPU
+#: devices (gpt2-mini, gpt2 and gpt2-medium on data, fsdp and tensor-parallel meshes, each
+#: remat policy) by ``python bench/plan_accuracy.py --fit``. Each multiplies a feature of
+#: :func:`features`, in bytes; ``shared`` applies under every remat policy.
+COEFFICIENTS: dict[str, dict[str, float]] = {
+    "shared": {
+        "work_res": 11.45,
+        "work_tp": 7.835,
+        "work_att": 2.517,
+        "logits": 1.625,
+        "grads": 1.216,
+        "grads_sum": 1.636,
+        "gathered": 0.9429,
+        "one": 1382000.0,
+    },
+    "none": {
+        "saved_res": 7.615,
+        "saved_tp": 23.75,
+        "saved_att": 2.229,
+    },
+    "full": {
+        "saved_res": 1.151,
+    },
+    "dots": {
+        "saved_res": 2.163,
+        "saved_tp": 5.031,
+        "saved_att": 0.08333,
+    },
+    "collectives": {
+        "coll_replicated": 1.129,
+        "coll_fsdp": 2.816,
+        "coll_tp": 1.053,
+        "coll_vocab": 0.5313,
+    },
+}
+
+#: Features kept for the backward pass, one coefficient each per remat policy.
+SAVED_FEATURES = ("saved_res", "saved_tp", "saved_att")
+#: Features of the working set, the logits, the gradients and gathered weights (shared).
+SHARED_FEATURES = ("work_res", "work_tp", "work_att", "logits", "grads", "grads_sum", "gathered", "one")
+#: Collective features: what data parallelism, FSDP and tensor parallelism move.
+COLLECTIVE_FEATURES = ("coll_replicated", "coll_fsdp", "coll_tp", "coll_vocab")
 
 
 def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
     """The quantities, in bytes per device, that the estimate combines.
 
-    ``b`` is the micro-batch per device, ``T`` the sequence, ``C`` the width, ``L`` the
-    depth, ``N`` the heads, ``V`` the vocabulary; ``tp`` the split of heads and MLP,
-    ``tpv`` of the vocabulary. Per layer and kept for the backward pass: ``saved_res``
-    (b T C, the residual-stream-sized tensors), ``saved_tp`` (b T C / tp, the head- and
-    MLP-sized ones) and ``saved_att`` (b N T^2 / tp, the attention scores). One layer
-    working in the backward pass: ``work_*`` the same without L. ``logits`` b T V / tpv in
-    float32; ``grads`` the gradients; ``gathered`` the weights FSDP gathers for one layer
-    plus the embedding.
+    With ``b`` the micro-batch per device, ``T`` the sequence, ``C`` the width, ``L`` the
+    depth, ``N`` the heads and ``V`` the vocabulary, and ``tp``, ``tph``, ``tpv`` the
+    splits of the MLP, the heads and the vocabulary:
+
+    - kept for the backward pass, all layers: ``saved_res`` (L b T C: residual-stream
+      sized), ``saved_tp`` (L b T C / tp: head and MLP sized), ``saved_att`` (L b N T^2 /
+      tph: attention scores); ``work_*`` the same for the one layer being recomputed or
+      differentiated;
+    - ``logits`` (b T V / tpv, float32), ``grads`` (the gradients), ``grads_sum`` (with
+      gradient accumulation: the running sum, the gradients' size again), ``gathered`` (the
+      weights FSDP gathers for one layer, plus the embedding);
+    - collectives: the gradients of parameters replicated over the batch axes and of those
+      FSDP splits, the tensor-parallel all-reduces of ``(b, T, C)`` activations (after
+      attention and after the MLP, forward and backward, and the attention's again when
+      full remat recomputes it), and the embedding's when the vocabulary is split. XLA reduces gradients once per
+      micro-batch, so all of them scale with the accumulation steps.
+
+    Activations count 4 bytes an element whatever the compute dtype: the coefficients are
+    fitted to XLA:CPU, which computes bfloat16 in float32 (and keeps slightly more).
     """
     rules, mcfg = lay["rules"], lay["model_cfg"]
     d = cfg.data
-    s = 2 if cfg.dtype == "bfloat16" else 4
-    b = d.batch_size / rules.batch_shard_count / cfg.optim.grad_accum
+    accum = cfg.optim.grad_accum
+    b = d.batch_size / rules.batch_shard_count / accum
     T, C, L, N, V = d.seq_len, mcfg.n_embd, mcfg.n_layer, mcfg.n_head, mcfg.vocab_size
-    act = rules.activation_layout
-    tp = math.prod(rules.sizes[a] for e in act(("mlp",)).spec for a in _axes(e))
-    tph = math.prod(rules.sizes[a] for e in act(("heads",), (N,)).spec for a in _axes(e))
-    tpv = math.prod(rules.sizes[a] for e in act(("vocab",), (V,)).spec for a in _axes(e))
-    split = _split(lay["rows"], rules)
-    layer_full = split["fsdp"] / max(L, 1)  # roughly: the blocks dominate what FSDP splits
+    s = 4
+
+    def split(name: str, size: int) -> int:
+        return math.prod(rules.sizes[a] for e in rules.activation_spec((name,), (size,)) for a in _axes(e))
+
+    tp, tph, tpv = split("mlp", 4 * C), split("heads", N), split("vocab", V)
+    parts = _split(lay["rows"], rules)
+    replicated = parts["replicated"] if rules.batch_shard_count > 1 else 0.0
+    act = b * T * C * s
+    # All-reduces of (b, T, C) per layer: after attention (heads split) and after the MLP,
+    # forward and backward; full remat recomputes the attention's, whose output the MLP needs.
+    tp_reductions = 2 * ((tph > 1) + (tp > 1)) + (cfg.remat == "full" and tph > 1)
     return {
-        "saved_res": L * b * T * C * s,
-        "saved_tp": L * b * T * C * s / tp,
+        "saved_res": L * act,
+        "saved_tp": L * act / tp,
         "saved_att": L * b * N * T * T * s / tph,
-        "work_res": b * T * C * s,
-        "work_tp": b * T * C * s / tp,
+        "work_res": act,
+        "work_tp": act / tp,
         "work_att": b * N * T * T * s / tph,
         "logits": b * T * V * 4 / tpv,
-        "grads": lay["gradient_bytes"] * (2 if cfg.optim.grad_accum > 1 else 1),
-        "gathered": layer_full + (V * C * 4 / tpv if split["fsdp"] else 0),
+        "grads": lay["gradient_bytes"],
+        "grads_sum": lay["gradient_bytes"] if accum > 1 else 0.0,
+        "gathered": (parts["fsdp"] / max(L, 1) + V * C * 4 / tpv) if parts["fsdp"] else 0.0,
         "one": 1.0,
-        # collectives
-        "coll_replicated": split["replicated"] if rules.batch_shard_count > 1 else 0.0,
-        "coll_fsdp": split["fsdp"],
-        "coll_tp": (L * b * T * C * s) * cfg.optim.grad_accum if tp > 1 else 0.0,
-        "coll_tp_logits": b * T * V * 4 * cfg.optim.grad_accum / tpv if tpv > 1 else 0.0,
+        "coll_replicated": replicated * accum,
+        "coll_fsdp": parts["fsdp"] * accum,
+        "coll_tp": L * act * tp_reductions * accum,
+        "coll_vocab": 2 * act * accum if tpv > 1 else 0.0,
     }
 
 
@@ -439,26 +494,21 @@ def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-_MEMORY_FEATURES = ("saved_res", "saved_tp", "saved_att", "work_res", "work_tp", "work_att", "logits", "grads", "gathered", "one")
-_COLLECTIVE_FEATURES = ("coll_replicated", "coll_fsdp", "coll_tp", "coll_tp_logits")
-
-
 def estimate(cfg: TrainConfig, lay: Optional[dict] = None) -> dict[str, Any]:
     """The analytical estimate of a step's temporaries, peak and collectives per device."""
     if lay is None:
         lay = layout_figures(cfg, mesh_sizes(cfg.mesh))
     f = features(cfg, lay)
-    coef = COEFFICIENTS.get(cfg.remat) or {}
-    temp = sum(coef.get(k, 0.0) * f[k] for k in _MEMORY_FEATURES)
-    temp = max(int(temp), int(f["grads"]))
-    ccoef = COEFFICIENTS.get("collectives") or {}
-    coll = sum(ccoef.get(k, 0.0) * f[k] for k in _COLLECTIVE_FEATURES)
-    peak = lay["param_bytes"] + lay["optimizer_bytes"] + lay["batch_bytes"] + temp
+    shared, saved = COEFFICIENTS.get("shared", {}), COEFFICIENTS.get(cfg.remat, {})
+    temp = sum(shared.get(k, 0.0) * f[k] for k in SHARED_FEATURES) + sum(saved.get(k, 0.0) * f[k] for k in SAVED_FEATURES)
+    temp = int(max(temp, f["grads"] + f["grads_sum"]))
+    coll_coef = COEFFICIENTS.get("collectives", {})
+    coll = int(sum(coll_coef.get(k, 0.0) * f[k] for k in COLLECTIVE_FEATURES))
     return {
         "temp_bytes_per_device": temp,
-        "peak_bytes_per_device": int(peak),
-        "collective_bytes_per_step": int(coll),
-        "collective_bytes_by_kind": {"total (estimate)": int(coll)},
+        "peak_bytes_per_device": int(lay["param_bytes"] + lay["optimizer_bytes"] + lay["batch_bytes"] + temp),
+        "collective_bytes_per_step": coll,
+        "collective_bytes_by_kind": {"all (estimate)": coll},
     }
 
 
