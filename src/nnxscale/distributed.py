@@ -52,6 +52,7 @@ import collections
 import dataclasses
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -73,6 +74,7 @@ EXIT_PEER_FAILED = 3
 
 _FAILED_KEY = "nnxscale/failed"  # coordination-service key: the first failure, as JSON
 _FAILED_BARRIER = "nnxscale/failure_seen"
+_HOSTS_KEY = "nnxscale/hosts"  # one key per process: its host name
 _ACK_TIMEOUT_MS = 5_000  # a failing process waits this long for the others to read its failure
 _WATCH_MS = 200  # the watchdog's wait per request for the failure key
 _JAX_INIT_MARGIN_S = 10  # JAX's own initialization deadline comes this much after ours
@@ -151,6 +153,7 @@ class Job:
     num_processes: int = 1
     coordinator: Optional[str] = None
     source: str = "single process"  # "flags or environment", or the cluster JAX detected ("SlurmCluster", ...)
+    hosts: tuple[str, ...] = ()  # host name of each process, by process id (empty for a single process)
 
     @property
     def is_multiprocess(self) -> bool:
@@ -223,17 +226,30 @@ def join(spec: JobSpec = JobSpec()) -> Job:
         raise JobError(f"could not join the job at {where} ({type(e).__name__}: {str(e).strip()}){hint}") from None
     finally:
         watch.cancel()
+    client = _client()
     _job = Job(
         process_id=jax.process_index(),
         num_processes=jax.process_count(),
         coordinator=spec.coordinator,
         source=cluster.__name__ if cluster is not None else "flags or environment",
+        hosts=_host_names(client, jax.process_index(), spec.init_timeout),
     )
-    client = _client()
     _watchdog = _Watchdog(client, _job)
     _watchdog.start()
     atexit.register(_watchdog.stop)  # runs before JAX's own atexit shutdown (registered earlier)
     return _job
+
+
+def _host_names(client, process_id: int, timeout_s: int) -> tuple[str, ...]:
+    """Every process's host name, by process id, through the coordination service.
+
+    Processes are not hosts: under SLURM or Open MPI JAX runs one process per GPU, and the
+    processes of one host share its fast links (see ``mesh.process_findings``).
+    """
+    client.key_value_set(f"{_HOSTS_KEY}/{process_id}", socket.gethostname())
+    client.wait_at_barrier(_HOSTS_KEY, timeout_s * 1000)
+    names = dict(client.key_value_dir_get(f"{_HOSTS_KEY}/"))
+    return tuple(names[f"{_HOSTS_KEY}/{i}"] for i in range(len(names)))
 
 
 def _detected_cluster():

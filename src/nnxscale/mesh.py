@@ -13,8 +13,8 @@ Several processes (a ``jax.distributed`` job): the mesh is laid over processes t
 JAX's hybrid helper does (``mesh_utils.create_hybrid_device_mesh(...,
 process_is_granule=True)``). The processes are spread over the *leading* axes and the
 trailing axes stay inside a process, so ``data=4,model=2`` on 2 processes of 4 devices
-keeps each ``model`` pair on one host and splits ``data`` 2 ways across hosts. An axis
-that crosses processes while it carries tensor parallelism (``model``/``tensor``) is
+keeps each ``model`` pair on one process and splits ``data`` 2 ways across processes. An
+axis that crosses hosts while it carries tensor parallelism (``model``/``tensor``) is
 legal but slow, and :func:`process_findings` says so.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Union
 
 import jax
@@ -192,18 +192,22 @@ def process_split(spec: MeshSpec, num_processes: int) -> tuple[dict[str, int], d
     return across, within
 
 
-def process_findings(mesh) -> list[str]:
+def process_findings(mesh, hosts: Sequence[str] = ()) -> list[str]:
     """Lint for a mesh over several processes: tensor parallelism that crosses hosts.
 
-    One line per ``model``/``tensor`` axis along which the devices belong to more than
-    one process (read from the mesh's own devices, whoever built it): its collectives run
-    in every layer, over the slow links between hosts. Empty for a single-process mesh.
+    One line per ``model``/``tensor`` axis along which the devices belong to more than one
+    host (read from the mesh's own devices, whoever built it): its collectives run in
+    every layer, over the slow links between hosts. ``hosts`` names each process's host,
+    by process id (``nnxscale.distributed.current().hosts``); without it every process
+    counts as a host. Empty when the mesh is on one host.
     """
-    owner = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)  # same shape as the mesh
-    per_process = _devices_per_process(mesh.devices.flat)
-    if len(per_process) == 1:
+    owner = np.vectorize(lambda d: hosts[d.process_index] if hosts else d.process_index, otypes=[object])(mesh.devices)
+    per_host: dict = {}
+    for o in owner.flat:
+        per_host[o] = per_host.get(o, 0) + 1
+    if len(per_host) == 1:
         return []
-    local = min(per_process.values())
+    unit = "hosts" if hosts else "processes"
     findings = []
     for i, name in enumerate(mesh.axis_names):
         if name not in TENSOR_PARALLEL_AXES:
@@ -212,10 +216,10 @@ def process_findings(mesh) -> list[str]:
         spread = max(len(set(row)) for row in lines)
         if spread > 1:
             findings.append(
-                f"[slow interconnect] mesh axis {name}={owner.shape[i]} spans {spread} processes: tensor "
-                "parallelism across hosts sends every layer's activations over the network between hosts; keep "
-                f"{name} inside one process: at most {local} (one process's devices) and after the data/fsdp "
-                "axes in --mesh"
+                f"[slow interconnect] mesh axis {name}={owner.shape[i]} spans {spread} {unit}: tensor parallelism "
+                "across hosts sends every layer's activations over the network between hosts; keep "
+                f"{name} inside one host: at most {min(per_host.values())} (the devices of one) and after the "
+                "data/fsdp axes in --mesh"
             )
     return findings
 

@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from nnxscale import data as datalib
 from nnxscale.checkpoint import Checkpointer, checkpoint_dir
 from nnxscale.config import ConfigError, TrainConfig, config_conflicts
-from nnxscale.distributed import StopVote
+from nnxscale.distributed import StopVote, current
 from nnxscale.mesh import format_mesh, make_mesh, process_findings
 from nnxscale.models import gpt2
 from nnxscale.rules import batch_shard_count, batch_spec, get_rules, resolve_name
@@ -454,7 +454,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
                 f"({cfg.data.batch_size} x {cfg.data.seq_len + 1}): no validation loss (raise --val-fraction)"
             )
 
-    for finding in process_findings(s.mesh):  # several processes: tensor parallelism across hosts
+    for finding in process_findings(s.mesh, current().hosts):  # tensor parallelism across hosts
         log(f"lint: {finding}")
 
     check_run_dir(cfg, run_dir)  # after validating the command itself, before writing anything
