@@ -184,12 +184,10 @@ def join(spec: JobSpec = JobSpec()) -> Job:
     global _job, _watchdog
     import jax
 
-    if _job.is_multiprocess:
+    if _job.is_multiprocess or spec.num_processes == 1:
         return _job
     explicit = {"--coordinator": spec.coordinator, "--num-processes": spec.num_processes,
                 "--process-id": spec.process_id}  # fmt: skip
-    if spec.num_processes == 1:
-        return _job
     cluster = None
     if None in explicit.values():
         cluster = _detected_cluster()
