@@ -1,6 +1,13 @@
-"""Every test runs on 8 simulated CPU devices: the flag must be set before jax is imported."""
+"""Every test runs on 8 simulated CPU devices: the flag must be set before jax is imported.
 
+``text_data``, the small real-text corpus the training tests share, is defined here.
+"""
+
+import argparse
+import dataclasses
+import inspect
 import os
+import typing
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -16,3 +23,13 @@ assert jax.device_count() == 8, "tests need 8 simulated CPU devices"
 @pytest.fixture
 def devices():
     return jax.devices()
+
+
+@pytest.fixture(scope="session")
+def text_data(tmp_path_factory):
+    """~280 KB of real text: a few standard-library modules' source."""
+    parts = [inspect.getsource(m) for m in (argparse, dataclasses, inspect, typing)]
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text("\n".join(parts))
+    assert path.stat().st_size > 200_000
+    return path

@@ -1,16 +1,12 @@
 """The command line on bad input: one clear line on stderr, a non-zero exit, no traceback,
 and nothing already saved in the run directory lost. Plus ``plan`` and ``train --help``."""
 
-import argparse
-import dataclasses
 import hashlib
-import inspect
 import json
 import os
 import shutil
 import subprocess
 import sys
-import typing
 
 import pytest
 
@@ -18,15 +14,6 @@ from nnxscale.checkpoint import Checkpointer, checkpoint_dir
 from nnxscale.cli import main
 from nnxscale.config import TrainConfig
 from nnxscale.train import setup
-
-
-@pytest.fixture(scope="module")
-def text_data(tmp_path_factory):
-    """~280 KB of real text: a few standard-library modules' source."""
-    parts = [inspect.getsource(m) for m in (argparse, dataclasses, inspect, typing)]
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text("\n".join(parts))
-    return path
 
 
 def train_args(run_dir, data, *extra) -> list[str]:

@@ -6,9 +6,7 @@ Every run is the byte-level ``gpt2-tiny`` on a ~280 KB text file, batch 16 x 32 
 a few steps: compilation dominates, so tests share runs where they can.
 """
 
-import argparse
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -16,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-import typing
 
 import jax
 import numpy as np
@@ -43,16 +40,6 @@ REF_STEPS = 6
 # --------------------------------------------------------------------------------------
 # helpers and shared runs
 # --------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def text_data(tmp_path_factory):
-    """~280 KB of real text: a few standard-library modules' source."""
-    parts = [inspect.getsource(m) for m in (argparse, dataclasses, inspect, typing)]
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text("\n".join(parts))
-    assert path.stat().st_size > 200_000
-    return path
 
 
 def tiny_cfg(run_dir, data, **overrides) -> TrainConfig:

@@ -21,6 +21,7 @@ _EXPORTS = {
     "ModelError": "nnxscale.errors",
     "DataError": "nnxscale.errors",
     "CheckpointError": "nnxscale.errors",
+    "JobError": "nnxscale.errors",
     # meshes
     "make_mesh": "nnxscale.mesh",
     "parse_mesh_spec": "nnxscale.mesh",

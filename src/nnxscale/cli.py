@@ -4,6 +4,11 @@ On a machine without an accelerator JAX's CPU platform is split into 8 simulated
 (``--cpu-devices N`` or ``NNXSCALE_CPU_DEVICES=N`` change it), so every mesh example works
 out of the box; GPUs and TPUs are used as they are. The setting must reach XLA before jax
 is imported, which is why this module imports nothing from jax at the top.
+
+Every command that uses devices joins a job of several processes when asked (flags,
+environment or a detected cluster: :mod:`nnxscale.distributed`); in such a job only
+process 0 writes to standard output, and every process writes its errors to standard
+error. ``nnxscale launch`` starts the processes of a job on this machine.
 """
 
 from __future__ import annotations
@@ -85,8 +90,30 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--cpu-devices",
         type=int,
         default=None,
-        help=f"simulated CPU devices when there is no accelerator (default: $NNXSCALE_CPU_DEVICES or {DEFAULT_CPU_DEVICES})",
+        help=f"simulated CPU devices when there is no accelerator, per process (default: $NNXSCALE_CPU_DEVICES or {DEFAULT_CPU_DEVICES})",
     )
+    _add_job(p)
+
+
+def _add_job(p: argparse.ArgumentParser) -> None:
+    from nnxscale import distributed as d
+
+    g = p.add_argument_group(
+        "multi-process job",
+        "Join a job of several processes (jax.distributed): all three of --coordinator, --num-processes and "
+        "--process-id, or a cluster environment JAX detects (SLURM, Open MPI, Cloud TPU, Kubernetes). "
+        "nnxscale launch sets them for the processes it starts.",
+    )
+    g.add_argument("--coordinator", metavar="HOST:PORT", help=f"process 0's address and a free port (${d.ENV_COORDINATOR})")
+    g.add_argument("--num-processes", type=int, metavar="N", help=f"processes in the job (${d.ENV_NUM_PROCESSES})")
+    g.add_argument("--process-id", type=int, metavar="I", help=f"this process, 0 to N-1 (${d.ENV_PROCESS_ID})")
+    spec = d.JobSpec()
+    for flag, var, default, what in (
+        ("--heartbeat-timeout", d.ENV_HEARTBEAT_TIMEOUT, spec.heartbeat_timeout, "a process silent this long is dead and the job ends"),
+        ("--init-timeout", d.ENV_INIT_TIMEOUT, spec.init_timeout, "how long the processes wait for each other to join"),
+        ("--shutdown-timeout", d.ENV_SHUTDOWN_TIMEOUT, spec.shutdown_timeout, "how long a finished process waits for the others at exit"),
+    ):
+        g.add_argument(flag, type=int, metavar="S", help=f"seconds: {what} (${var}, default {default})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,6 +189,27 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--table", action="store_true", help="also print the per-Variable sharding table")
     pl.add_argument("--json", action="store_true", help="end with one JSON line: the plan (a list of plans with --sweep)")
     _add_common(pl)
+
+    la = sub.add_parser(
+        "launch",
+        help="start the processes of a multi-process job on this machine: nnxscale launch -n 2 -- train ...",
+        description="Start N processes of an nnxscale command on this machine as one job (jax.distributed over "
+        "a free loopback port), each line of their output prefixed with its process id and kept in a log per "
+        "process. SIGINT and SIGTERM are forwarded to every process; when one process fails, the others are "
+        "stopped (SIGTERM, then SIGKILL after --grace seconds) and the launcher exits non-zero. With --nnodes, "
+        "--node-rank and --coordinator it starts the processes of one node of a job over several machines.",
+    )
+    la.add_argument("-n", "--nproc", type=int, required=True, metavar="N", help="processes to start on this machine")
+    la.add_argument("--cpu-devices", type=int, default=None, metavar="D",
+                    help=f"simulated CPU devices per process (default: {DEFAULT_CPU_DEVICES} / N, at least 1)")  # fmt: skip
+    la.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
+    la.add_argument("--nnodes", type=int, default=1, help="machines in the job, each running nnxscale launch (default 1)")
+    la.add_argument("--node-rank", type=int, default=0, help="this machine, 0 to --nnodes - 1; node 0 hosts process 0")
+    la.add_argument("--coordinator", metavar="HOST:PORT", help="with --nnodes > 1: node 0's address and a free port")
+    la.add_argument("--grace", type=float, default=3.0, metavar="S",
+                    help="seconds between SIGTERM and SIGKILL when stopping the processes (default 3)")  # fmt: skip
+    la.add_argument("--log-dir", default=None, help="where the per-process logs go (default: RUN_DIR/logs)")
+    la.add_argument("child", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the nnxscale command, e.g. -- train --mesh data=8")
     return parser
 
 
@@ -311,26 +359,86 @@ def group_findings(findings) -> list[str]:
     return lines
 
 
+def _launch(args) -> int:
+    from nnxscale.launch import COMMANDS, launch
+
+    command = args.child[1:] if args.child[:1] == ["--"] else args.child
+    log_dir = args.log_dir
+    if log_dir is None and command[:1] and command[0] in COMMANDS:
+        run_dir = _run_dir(build_parser().parse_args(command))
+        log_dir = os.path.join(run_dir, "logs") if run_dir else None
+    return launch(
+        command,
+        nproc=args.nproc,
+        cpu_devices=args.cpu_devices,
+        port=args.port,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        coordinator=args.coordinator,
+        grace=args.grace,
+        log_dir=log_dir,
+    )
+
+
+def _run_dir(args) -> Optional[str]:
+    """The run directory a parsed device command writes to (``None`` for plan)."""
+    if getattr(args, "run_dir", None) is not None or args.command != "train":
+        return getattr(args, "run_dir", None)
+    from nnxscale.config import TrainConfig, load_config_file
+
+    from_file = load_config_file(args.config).get("run_dir") if args.config else None
+    return from_file or TrainConfig().run_dir
+
+
+def _join(args):
+    """Join the job the flags, environment or cluster describe (a no-op for a single process)."""
+    from nnxscale import distributed
+
+    fields = [f.name for f in dataclasses.fields(distributed.JobSpec)]  # the flags of _add_job
+    job = distributed.join(distributed.JobSpec.from_flags(**{f: getattr(args, f) for f in fields}))
+    if job.process_id != 0:  # results and progress come from process 0 only
+        sys.stdout = open(os.devnull, "w")
+    return job
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    configure_cpu_devices(args.cpu_devices)
-    handler = {"train": _train, "sample": _sample, "init": _init, "plan": _plan}[args.command]
     from nnxscale.errors import NnxscaleError
 
+    if args.command == "launch":  # starts processes; never touches devices itself
+        try:
+            return _launch(args)
+        except NnxscaleError as e:
+            print(f"nnxscale: error: {e}", file=sys.stderr)
+            return 2
+    configure_cpu_devices(args.cpu_devices)
+    handler = {"train": _train, "sample": _sample, "init": _init, "plan": _plan}[args.command]
+    from nnxscale.distributed import current, leave
+
+    # In a job of several processes a failure must reach the others (leave): they may be
+    # waiting for this process in a collective.
     try:
+        _join(args)
         return handler(args)
     except KeyboardInterrupt:
         print("nnxscale: interrupted", file=sys.stderr)
-        return 130
+        return leave(130, "interrupted by SIGINT")
     except NnxscaleError as e:  # bad input: one line; anything else is a bug and keeps its traceback
         if os.environ.get("NNXSCALE_DEBUG"):
             raise
         print(f"nnxscale: error: {e}", file=sys.stderr)
-        return 2
+        return leave(2, str(e))
+    except Exception as e:
+        if current().is_multiprocess:  # the traceback now: leave() exits without returning
+            import traceback
+
+            traceback.print_exc()
+            leave(1, f"{type(e).__name__}: {e}")
+        raise
 
 
 def run() -> None:

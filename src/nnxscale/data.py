@@ -16,12 +16,15 @@ occurs in text, so the separator is unambiguous and the model can learn a docume
 Batches (:func:`train_batches`): the train stream is cut into non-overlapping windows of
 ``seq_len + 1`` tokens (``inputs = w[:-1]``, ``targets = w[1:]``), the window order is a
 grain shuffle that changes every epoch and repeats forever, and the window sequence is cut
-into global batches of ``global_batch_size`` windows. Process ``p`` of ``P`` yields rows
-``[p * B/P, (p + 1) * B/P)`` of every global batch, so the rows assembled in process order
-(:func:`to_global`) are the same global batch on any number of processes, and a state saved
-after step ``k`` resumes at step ``k + 1`` whatever the process count. Tokens are gathered
-per local batch, only the rows this process needs: a memory-mapped ``.bin`` is never read in
-full by the batches (:func:`load_tokens` scans it once for its token range and hashes it).
+into global batches of ``global_batch_size`` windows. Every process walks the same
+sequence of global batches and reads only its own rows of each: the rows its devices hold
+under the batch sharding (:func:`batch_rows`), or without a sharding, rows
+``[p * B/P, (p + 1) * B/P)`` for process ``p`` of ``P``. :func:`to_global` puts each row
+where the sharding wants it, so the global batch is the same on any number of processes
+and any mesh, and a state saved after step ``k`` resumes at step ``k + 1`` whatever the
+process count. Tokens are gathered per local batch, only the rows this process needs: a
+memory-mapped ``.bin`` is never read in full by the batches (:func:`load_tokens` scans it
+once for its token range and hashes it).
 """
 
 from __future__ import annotations
@@ -377,6 +380,7 @@ def train_batches(
     seed: int,
     process_index: Optional[int] = None,
     process_count: Optional[int] = None,
+    sharding: Optional[jax.sharding.Sharding] = None,
 ) -> BatchIterator:
     """Shuffled, endlessly repeating training batches: this process's share of each step.
 
@@ -386,13 +390,15 @@ def train_batches(
       global_batch_size: sequences per step over all processes ``B``.
       seed: shuffle seed (non-negative); each epoch is shuffled differently.
       process_index, process_count: default ``jax.process_index()``, ``jax.process_count()``.
+      sharding: the batch's sharding; this process then reads exactly the rows its devices
+        hold (:func:`batch_rows`), whatever the mesh. Default: rows ``[p*B/P, (p+1)*B/P)``.
 
     Returns:
-      A :class:`BatchIterator` of ``{"inputs", "targets"}``, each int32 ``(B/P, T)``.
+      A :class:`BatchIterator` of ``{"inputs", "targets"}``, each int32 ``(R, T)`` for this
+      process's ``R`` rows (``B/P`` without a sharding).
     """
-    p, count = _process(process_index, process_count)
+    rows = _rows(global_batch_size, process_index, process_count, sharding)
     stream = _stream(tokens)
-    local = _local_batch_size(global_batch_size, count)
     _check_seq_len(seq_len)
     if not isinstance(seed, (int, np.integer)) or seed < 0:
         raise DataError(f"seed={seed!r}: give a non-negative integer")
@@ -411,9 +417,8 @@ def train_batches(
         grain.MapDataset.range(num_windows)
         .shuffle(seed=shuffle_seed)
         .repeat()  # infinite; the shuffle reseeds every epoch
-        .batch(local, drop_remainder=True)  # local batch j is window positions [j*L, (j+1)*L)
-        .slice(slice(p, None, count))  # step s is local batch s*P + p: rows [p*L, (p+1)*L) of B
-        .map(_Gather(stream, seq_len))
+        .batch(global_batch_size, drop_remainder=True)  # step s: window positions [s*B, (s+1)*B)
+        .map(_Gather(stream, seq_len, rows))  # B window ids in, only this process's rows read
         .to_iter_dataset(grain.ReadOptions(**_READ_OPTIONS))
     )
     config = {"seq_len": seq_len, "global_batch_size": global_batch_size, "seed": int(seed), "num_windows": num_windows}
@@ -428,16 +433,17 @@ def eval_batches(
     max_batches: Optional[int],
     process_index: Optional[int] = None,
     process_count: Optional[int] = None,
+    sharding: Optional[jax.sharding.Sharding] = None,
 ) -> list[dict[str, np.ndarray]]:
     """Validation batches in stream order (no shuffle): this process's share of each.
 
     The first ``min(max_batches, windows // B)`` global batches of consecutive
-    ``seq_len + 1`` windows (``max_batches=None``: all of them); same layout as
-    :func:`train_batches`. An empty stream (``val_fraction=0``) gives ``[]``.
+    ``seq_len + 1`` windows (``max_batches=None``: all of them); same layout (and same
+    ``sharding`` argument) as :func:`train_batches`. An empty stream (``val_fraction=0``)
+    gives ``[]``.
     """
-    p, count = _process(process_index, process_count)
+    rows = _rows(global_batch_size, process_index, process_count, sharding)
     stream = _stream(tokens)
-    local = _local_batch_size(global_batch_size, count)
     _check_seq_len(seq_len)
     if max_batches is not None and max_batches < 0:
         raise DataError(f"max_batches={max_batches}: give a non-negative number, or None for all")
@@ -451,25 +457,23 @@ def eval_batches(
             f"{global_batch_size} x seq_len+1={window}: raise val_fraction or lower the eval batch"
         )
     n = available if max_batches is None else min(max_batches, available)
-    ds = (
-        grain.MapDataset.range(n * global_batch_size)
-        .batch(local, drop_remainder=True)
-        .slice(slice(p, None, count))
-        .map(_Gather(stream, seq_len))
-    )
+    ds = grain.MapDataset.range(n * global_batch_size).batch(global_batch_size).map(_Gather(stream, seq_len, rows))
     return [ds[i] for i in range(len(ds))]
 
 
 class _Gather:
-    """Window indices ``(L,)`` -> ``{"inputs", "targets"}`` int32 ``(L, T)``, reading only those windows."""
+    """A global batch's window ids ``(B,)`` -> this process's ``rows`` of it, as
+    ``{"inputs", "targets"}`` int32 ``(R, T)``, reading only those windows."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, rows: np.ndarray):
         self.tokens = tokens
         self.seq_len = seq_len
+        self.rows = rows
 
     def __call__(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         window = self.seq_len + 1
-        positions = np.asarray(idx, dtype=np.int64)[:, None] * window + np.arange(window)  # (L, T+1)
+        ids = np.asarray(idx, dtype=np.int64)[self.rows]  # (R,)
+        positions = ids[:, None] * window + np.arange(window)  # (R, T+1)
         rows = np.asarray(self.tokens[positions], dtype=np.int32)  # touches only these windows' pages
         return {"inputs": rows[:, :-1].copy(), "targets": rows[:, 1:].copy()}
 
@@ -494,36 +498,81 @@ def _check_seq_len(seq_len: int) -> None:
         raise DataError(f"seq_len={seq_len}: give a positive sequence length")
 
 
-def _local_batch_size(global_batch_size: int, process_count: int) -> int:
-    if global_batch_size < 1 or global_batch_size % process_count:
+def _rows(
+    global_batch_size: int, index: Optional[int], count: Optional[int], sharding: Optional[jax.sharding.Sharding]
+) -> np.ndarray:
+    """The rows of each global batch this process reads (see :func:`train_batches`)."""
+    if sharding is not None:
+        return batch_rows(sharding, global_batch_size)
+    p, count = _process(index, count)
+    if global_batch_size < 1 or global_batch_size % count:
         raise DataError(
-            f"global batch {global_batch_size} does not split evenly over {process_count} processes: "
-            f"use a positive multiple of {process_count}"
+            f"global batch {global_batch_size} does not split evenly over {count} processes: "
+            f"use a positive multiple of {count}"
         )
-    return global_batch_size // process_count
+    local = global_batch_size // count
+    return np.arange(p * local, (p + 1) * local)
 
 
 # ---------------------------------------------------------------------------------------
 # global arrays
 
 
-def to_global(local_batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding) -> dict[str, jax.Array]:
-    """Assemble global ``(B, T)`` arrays from every process's local ``(B/P, T)`` rows.
+def batch_rows(sharding: jax.sharding.Sharding, global_batch_size: int) -> np.ndarray:
+    """Rows of a global ``(B, ...)`` batch held by this process's devices, sorted, int64.
 
-    Process ``p``'s rows become rows ``[p * B/P, (p + 1) * B/P)`` when the mesh puts
-    process ``p``'s devices there (the usual layout, data axis first).
+    Read from the sharding itself (the union of the row ranges of the process's devices),
+    so it is right for any mesh: on a mesh from :func:`nnxscale.make_mesh` with the batch
+    split over processes, process ``p`` of ``P`` holds ``[p*B/P, (p+1)*B/P)``; when the batch
+    axes all stay inside a process (the processes split only a model axis), every process
+    holds all ``B`` rows.
+
+    Raises :class:`DataError` when ``B`` does not split over the sharding's batch axes.
     """
-    count = jax.process_count()
+    shape = (global_batch_size,) + (1,) * max(len(getattr(sharding, "spec", ())) - 1, 0)
+    try:
+        sharding.shard_shape(shape)
+    except ValueError as e:
+        raise DataError(
+            f"a global batch of {global_batch_size} rows does not split over {sharding.spec} on mesh "
+            f"{dict(sharding.mesh.shape)}: make the global batch a multiple of the batch-sharded mesh axes ({e})"
+        ) from None
+    rows: set[int] = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows.update(range(*index[0].indices(global_batch_size)))
+    return np.array(sorted(rows), dtype=np.int64)
+
+
+def to_global(local_batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding) -> dict[str, jax.Array]:
+    """Assemble global ``(B, T)`` arrays from every process's local ``(R, T)`` rows.
+
+    ``local_batch`` holds this process's rows :func:`batch_rows` of the global batch, in
+    that order (what :func:`train_batches` yields for the same ``sharding``); each device
+    gets its own rows from them, wherever the mesh puts it. ``B`` follows from ``R`` and
+    the sharding: ``R`` times the number of batch shards over those this process holds.
+    """
     out = {}
     for key, local in local_batch.items():
-        global_shape = (local.shape[0] * count,) + tuple(local.shape[1:])
-        try:
-            sharding.shard_shape(global_shape)
-        except ValueError as e:
+        global_size = _global_batch_size(local.shape[0], sharding)
+        global_shape = (global_size,) + tuple(local.shape[1:])
+        rows = batch_rows(sharding, global_size)
+        if len(rows) != local.shape[0]:
             raise DataError(
-                f"batch {key!r} of global shape {global_shape} does not split over {sharding.spec} "
-                f"on mesh {dict(sharding.mesh.shape)}: make the global batch a multiple of the "
-                f"batch-sharded mesh axes ({e})"
-            ) from None
-        out[key] = jax.make_array_from_process_local_data(sharding, local, global_shape)
+                f"batch {key!r} has {local.shape[0]} rows on process {jax.process_index()}, whose devices hold "
+                f"{len(rows)} rows of the global batch of {global_size} under {sharding.spec}"
+            )
+        position = np.full(global_size, -1, dtype=np.int64)
+        position[rows] = np.arange(len(rows))  # global row -> row of local
+
+        def piece(index, local=local, position=position):
+            return local[(position[index[0]],) + tuple(index[1:])]
+
+        out[key] = jax.make_array_from_callback(global_shape, sharding, piece)
     return out
+
+
+def _global_batch_size(local_rows: int, sharding: jax.sharding.Sharding) -> int:
+    """``B`` such that this process holds ``local_rows`` of it under ``sharding``."""
+    shards = sharding.mesh.size // sharding.shard_shape((sharding.mesh.size,) + (1,) * max(len(sharding.spec) - 1, 0))[0]
+    held = len(batch_rows(sharding, shards))  # with one row per shard: the shards held here
+    return local_rows * shards // held

@@ -46,3 +46,7 @@ class DataError(NnxscaleError, ValueError):
 
 class CheckpointError(NnxscaleError, RuntimeError):
     """A checkpoint that cannot be saved or restored as asked; the message says what to do."""
+
+
+class JobError(NnxscaleError, ValueError):
+    """A multi-process job that cannot be joined or launched as asked (flags, ports, processes)."""

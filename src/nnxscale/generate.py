@@ -17,13 +17,13 @@ from nnxscale.train import setup
 
 
 def load_model(run_dir) -> nnx.Module:
-    """The model of a run's latest checkpoint, on one device."""
+    """The model of a run's latest checkpoint, on one device (of this process, in a job)."""
     run_dir = Path(run_dir)
     config_path = run_dir / "config.json"
     if not config_path.exists():
         raise ConfigError(f"{run_dir} is not an nnxscale run directory (no config.json)")
     cfg = TrainConfig.from_dict(json.loads(config_path.read_text())["train"])
-    s = setup(with_overrides(cfg, {"mesh": "data=1"}), mesh=make_mesh("data=1", devices=jax.devices()[:1]))
+    s = setup(with_overrides(cfg, {"mesh": "data=1"}), mesh=make_mesh("data=1", devices=jax.local_devices()[:1]))
     ckpt = Checkpointer(checkpoint_dir(run_dir), async_save=False)
     try:
         state, _ = ckpt.restore(s.abstract)

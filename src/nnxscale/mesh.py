@@ -8,16 +8,26 @@ the random number generation, XLA partitions it, and the same init needs 3x the 
 (less for several layers; see ``bench/init_memory.py``). nnxscale expresses all of its
 layouts with explicit ``NamedSharding`` objects and ``out_shardings``, so it gives up
 nothing by using Auto axes.
+
+Several processes (a ``jax.distributed`` job): the mesh is laid over processes the way
+JAX's hybrid helper does (``mesh_utils.create_hybrid_device_mesh(...,
+process_is_granule=True)``). The processes are spread over the *leading* axes and the
+trailing axes stay inside a process, so ``data=4,model=2`` on 2 processes of 4 devices
+keeps each ``model`` pair on one process and splits ``data`` 2 ways across processes. An
+axis that crosses hosts while it carries tensor parallelism (``model``/``tensor``) is
+legal but slow, and :func:`process_findings` says so.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Union
 
 import jax
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from nnxscale.errors import MeshError
@@ -25,6 +35,10 @@ from nnxscale.errors import MeshError
 MeshSpec = Union[str, Mapping[str, int]]
 
 _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+#: Mesh axes that carry tensor parallelism under the rules presets: their collectives run
+#: inside every layer, so they belong on the fast links inside one host.
+TENSOR_PARALLEL_AXES = ("model", "tensor")
 
 
 def parse_mesh_spec(spec: MeshSpec) -> dict[str, int]:
@@ -108,13 +122,106 @@ def make_mesh(spec: MeshSpec, devices=None) -> Mesh:
         fastest over devices, so put the axis with the most traffic (tensor parallel) last.
       devices: defaults to ``jax.devices()``, the devices of every process.
 
+    When the devices belong to several processes, the processes are spread over the
+    leading axes (:func:`process_split`) and the mesh is JAX's hybrid mesh, so that every
+    process holds a contiguous block of the leading axes and whole trailing axes. Raises
+    :class:`MeshError` when the processes have different numbers of devices.
+
     All axes are ``AxisType.Auto`` (see the module docstring for the measured reason).
     """
     devices = list(jax.devices() if devices is None else devices)
     axes = resolve_mesh_shape(spec, len(devices))
     shape = tuple(axes.values())
     names = tuple(axes.keys())
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
+    axis_types = (AxisType.Auto,) * len(names)
+    per_process = _devices_per_process(devices)
+    if len(per_process) == 1:
+        return jax.make_mesh(shape, names, axis_types=axis_types, devices=devices)
+    across, within = process_split(axes, len(per_process))
+    try:
+        grid = mesh_utils.create_hybrid_device_mesh(
+            tuple(within.values()), tuple(across.values()), devices, process_is_granule=True
+        )
+    except ValueError as e:  # an accelerator topology that cannot hold the per-process shape
+        raise MeshError(
+            f"mesh {format_mesh(axes)} cannot be laid over {len(per_process)} processes as "
+            f"{format_mesh(across)} across processes x {format_mesh(within)} inside each ({e})"
+        ) from None
+    return Mesh(grid, names, axis_types=axis_types)
+
+
+def _devices_per_process(devices) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for d in devices:
+        counts[d.process_index] = counts.get(d.process_index, 0) + 1
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(f"process {p}: {n}" for p, n in sorted(counts.items()))
+        raise MeshError(
+            f"the processes of this job have different numbers of devices ({listed}): a mesh is laid "
+            "over processes of equal size; give every process the same devices (e.g. the same --cpu-devices)"
+        )
+    return counts
+
+
+def process_split(spec: MeshSpec, num_processes: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Split each axis into ``(across processes, inside a process)`` sizes.
+
+    The processes go to the leading axes first: axis by axis, in the order written, each
+    takes the largest share of the processes still unplaced that divides its size. So
+    ``data=4,model=2`` over 2 processes is ``data=2`` across x ``data=2,model=2`` inside,
+    and ``fsdp=8`` over 2 processes is ``fsdp=2`` across x ``fsdp=4`` inside. The product
+    of the inside sizes is the number of devices of one process.
+
+    Raises :class:`MeshError` when the axes cannot absorb the processes (e.g. ``data=3``
+    over 2 processes).
+    """
+    axes = parse_mesh_spec(spec)
+    if -1 in axes.values():
+        raise MeshError(f"mesh {format_mesh(axes)}: resolve -1 against the device count first (resolve_mesh_shape)")
+    across: dict[str, int] = {}
+    left = num_processes
+    for name, size in axes.items():
+        across[name] = math.gcd(size, left)
+        left //= across[name]
+    if left != 1:
+        raise MeshError(
+            f"mesh {format_mesh(axes)} cannot be split over {num_processes} processes: each process must "
+            f"hold an equal block of devices, so the axis sizes must multiply to a multiple of {num_processes}"
+        )
+    within = {name: size // across[name] for name, size in axes.items()}
+    return across, within
+
+
+def process_findings(mesh, hosts: Sequence[str] = ()) -> list[str]:
+    """Lint for a mesh over several processes: tensor parallelism that crosses hosts.
+
+    One line per ``model``/``tensor`` axis along which the devices belong to more than one
+    host (read from the mesh's own devices, whoever built it): its collectives run in
+    every layer, over the slow links between hosts. ``hosts`` names each process's host,
+    by process id (``nnxscale.distributed.current().hosts``); without it every process
+    counts as a host. Empty when the mesh is on one host.
+    """
+    owner = np.vectorize(lambda d: hosts[d.process_index] if hosts else d.process_index, otypes=[object])(mesh.devices)
+    per_host: dict = {}
+    for o in owner.flat:
+        per_host[o] = per_host.get(o, 0) + 1
+    if len(per_host) == 1:
+        return []
+    unit = "hosts" if hosts else "processes"
+    findings = []
+    for i, name in enumerate(mesh.axis_names):
+        if name not in TENSOR_PARALLEL_AXES:
+            continue
+        lines = np.moveaxis(owner, i, -1).reshape(-1, owner.shape[i])  # one row per line along the axis
+        spread = max(len(set(row)) for row in lines)
+        if spread > 1:
+            findings.append(
+                f"[slow interconnect] mesh axis {name}={owner.shape[i]} spans {spread} {unit}: tensor parallelism "
+                "across hosts sends every layer's activations over the network between hosts; keep "
+                f"{name} inside one host: at most {min(per_host.values())} (the devices of one) and after the "
+                "data/fsdp axes in --mesh"
+            )
+    return findings
 
 
 def mesh_axis_sizes(mesh) -> dict[str, int]:

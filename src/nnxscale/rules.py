@@ -54,7 +54,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nnxscale.errors import RulesError
 from nnxscale.layout import itemsize
-from nnxscale.mesh import mesh_axis_sizes
+from nnxscale.mesh import TENSOR_PARALLEL_AXES, mesh_axis_sizes
 
 AxisNames = Union[str, tuple[str, ...], None]
 Table = tuple[tuple[str, AxisNames], ...]
@@ -70,7 +70,7 @@ LOGICAL_NAMES = ("batch", "length", "layers", "embed", "mlp", "heads", "kv", "vo
 MIN_SHARD_BYTES = 1 << 20
 
 _BATCH_AXES = ("data", "batch", "fsdp")  # every data-like axis splits the batch
-_TENSOR_AXES = ("model", "tensor")
+_TENSOR_AXES = TENSOR_PARALLEL_AXES
 
 _BATCH: Table = (("batch", _BATCH_AXES),)
 _TENSOR: Table = (

@@ -38,7 +38,8 @@ from nnxscale import data as datalib
 from nnxscale.checkpoint import Checkpointer, checkpoint_dir
 from nnxscale.config import ConfigError, TrainConfig, config_conflicts
 from nnxscale.devices import peak_flops
-from nnxscale.mesh import format_mesh, make_mesh
+from nnxscale.distributed import StopVote, current
+from nnxscale.mesh import format_mesh, make_mesh, process_findings
 from nnxscale.models import gpt2
 from nnxscale.activations import use_rules
 from nnxscale.rules import MeshRules, resolve
@@ -438,7 +439,11 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
         )
     train_tokens, val_tokens = datalib.split(tokens.tokens, cfg.data.val_fraction)
     train_it = datalib.train_batches(
-        train_tokens, seq_len=cfg.data.seq_len, global_batch_size=cfg.data.batch_size, seed=cfg.seed
+        train_tokens,
+        seq_len=cfg.data.seq_len,
+        global_batch_size=cfg.data.batch_size,
+        seed=cfg.seed,
+        sharding=s.batch_sharding,  # each process reads the rows its devices hold
     )
     val_batches = []
     if cfg.eval_every:
@@ -448,12 +453,16 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
                 seq_len=cfg.data.seq_len,
                 global_batch_size=cfg.data.batch_size,
                 max_batches=cfg.data.eval_batches,
+                sharding=s.batch_sharding,
             )
         else:
             log(
                 f"note: the validation split ({len(val_tokens)} tokens) is smaller than one batch "
                 f"({cfg.data.batch_size} x {cfg.data.seq_len + 1}): no validation loss (raise --val-fraction)"
             )
+
+    for finding in process_findings(s.mesh, current().hosts):  # tensor parallelism across hosts
+        log(f"lint: {finding}")
 
     check_run_dir(cfg, run_dir)  # after validating the command itself, before writing anything
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -500,6 +509,8 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
 
         stop = {}
         previous_handlers = _install_stop_handlers(stop)
+        # A signal may reach one process only: every process stops at the step they agree on.
+        vote, stopping = StopVote(lag=MAX_IN_FLIGHT), None
         bar = _progress(progress and is_main, start, cfg.steps)
         last_loss = last_val = tokens_per_s = None
         t_last, s_last = time.perf_counter(), start
@@ -516,11 +527,12 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
                 if len(in_flight) > MAX_IN_FLIGHT:
                     jax.block_until_ready(in_flight.popleft())
                 step += 1
+                stopping = vote(stop.get("signal"), final=step == cfg.steps)
                 if step == start + 1:  # first step includes compilation; time from here on
                     jax.block_until_ready(metrics)
                     t_last, s_last = time.perf_counter(), step
                 do_eval = bool(val_batches) and (step % cfg.eval_every == 0 or step == cfg.steps)
-                if step % cfg.log_every == 0 or step == cfg.steps or do_eval or stop:
+                if step % cfg.log_every == 0 or step == cfg.steps or do_eval or stopping:
                     m = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     now = time.perf_counter()
                     record = {"step": step, **m}
@@ -542,10 +554,10 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
                     bar.update(step, record)
                 else:
                     bar.update(step)
-                if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                if stopping or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                     save(step)
                     t_last = time.perf_counter()  # the host-side part of a save is not step time
-                if stop:
+                if stopping:
                     break
         finally:
             bar.close()
@@ -564,7 +576,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
         val_loss=last_val,
         tokens_per_s=tokens_per_s,
         wall_s=time.perf_counter() - t_start,
-        interrupted_by=stop.get("signal"),
+        interrupted_by=stopping,
     )
 
 

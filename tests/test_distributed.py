@@ -1,0 +1,421 @@
+"""Many processes, one job: real processes on loopback, each job on its own free port.
+
+What a user relies on: 2 processes x 4 devices train exactly like 1 x 8, on every mesh;
+a signal to one process (or to the launcher) stops every process at one step, and the
+run resumes on any number of processes; a process that dies or raises ends the job in
+seconds, with a line naming it, leaving no process behind; bad input is one line.
+
+Every run is the byte-level ``gpt2-tiny`` on ~280 KB of text, batch 16 x 32 tokens, with
+a learning-rate schedule that does not depend on --steps, so runs of different lengths
+share their first steps. Single-process references run in this pytest process (8
+devices); every process a test starts is ended by the test.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from nnxscale import cli, distributed
+from nnxscale.checkpoint import checkpoint_dir
+from nnxscale.errors import JobError, MeshError
+from nnxscale.mesh import process_findings, process_split
+from nnxscale.train import read_metrics
+
+TINY = [
+    "--model", "gpt2-tiny", "--batch-size", "16", "--seq-len", "32", "--log-every", "1", "--eval-every", "0",
+    "--save-every", "0", "--warmup-steps", "2", "--min-lr-ratio", "1.0", "--no-progress",
+]  # fmt: skip
+
+# No inherited job or debug settings: each test says which job its processes form.
+_CLEAN_ENV = {
+    k: v for k, v in os.environ.items() if not k.startswith("NNXSCALE_") and not k.startswith("JAX_COORDINATOR")
+}
+
+
+REF_STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory, text_data):
+    """Metrics of an uninterrupted single-process run on data=8 (in this pytest process)."""
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    assert cli.main(train_args(run_dir, text_data, "data=8", REF_STEPS)) == 0
+    return read_metrics(run_dir)
+
+
+def train_args(run_dir, data, mesh, steps, *extra) -> list[str]:
+    return ["train", *TINY, "--data", str(data), "--run-dir", str(run_dir), "--mesh", mesh, "--steps", str(steps), *extra]
+
+
+def train_here(capsys, run_dir, data, mesh, steps, *extra) -> str:
+    """One process, 8 devices, in this pytest process; returns what it printed."""
+    code = cli.main(train_args(run_dir, data, mesh, steps, *extra))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher(*args, **popen) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "nnxscale", "launch", *args],
+        env=_CLEAN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
+    )  # fmt: skip
+
+
+def children(pid: int) -> dict[int, int]:
+    """``{process id in the job: os pid}`` of the processes a launcher started."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        found[int(env[b"NNXSCALE_PROCESS_ID"])] = int(entry)
+    return found
+
+
+def in_group(pgid: int) -> list[int]:
+    """Processes left in process group ``pgid`` (each launched process leads its own)."""
+    left = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            left.append(int(entry))
+    return left
+
+
+def wait_for_step(run_dir, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Until metrics.jsonl has logged ``step`` (the job is training)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        path = run_dir / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        steps = [json.loads(line)["step"] for line in lines[:-1]]  # the last line may be half written
+        if steps and steps[-1] >= step:
+            return
+        assert proc.poll() is None, f"the job ended before step {step}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"no step {step} within {timeout} s"
+        time.sleep(0.05)
+
+
+def end(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+def assert_same_losses(got: list[dict], want: list[dict], what: str) -> None:
+    want = {r["step"]: r for r in want}
+    assert got, what
+    for r in got:
+        np.testing.assert_allclose(r["loss"], want[r["step"]]["loss"], rtol=1e-5, err_msg=f"{what} step {r['step']}")
+        np.testing.assert_allclose(r["grad_norm"], want[r["step"]]["grad_norm"], rtol=1e-4, err_msg=f"{what} step {r['step']}")
+
+
+# --------------------------------------------------------------------------------------
+# 1. 2 processes x 4 devices train like 1 x 8; a checkpoint moves between process counts
+# --------------------------------------------------------------------------------------
+
+# Runs the nnxscale commands given as JSON, one after the other, in one job: the job is
+# joined once (from the environment), as a real `nnxscale train` does.
+_COMMANDS_WORKER = """
+import json, sys
+from nnxscale import cli
+for argv in json.loads(sys.argv[1]):
+    code = cli.main(argv)
+    assert code == 0, (argv, code)
+"""
+
+
+def run_job(commands: list[list[str]], processes: int, devices: int, timeout: float = 400) -> list[str]:
+    """Run ``commands`` in a job of ``processes`` x ``devices``; returns each process's stderr."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _COMMANDS_WORKER, json.dumps(commands)],
+            env=dict(_CLEAN_ENV, NNXSCALE_COORDINATOR=f"127.0.0.1:{port}", NNXSCALE_NUM_PROCESSES=str(processes),
+                     NNXSCALE_PROCESS_ID=str(i), NNXSCALE_CPU_DEVICES=str(devices)),  # fmt: skip
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for i in range(processes)
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        end(*procs)
+    for i, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"process {i}: {err[-4000:]}"
+    return [out + err for out, err in outputs]
+
+
+def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path, text_data, ref, capsys):
+    # Every mesh gives the losses of data=8 on one process (test_train), so one reference serves.
+    resumed = tmp_path / "resumed"
+    train_here(capsys, resumed, text_data, "data=8", 3)  # saved by 1 process
+
+    meshes = ["fsdp=8", "data=4,model=2", "model=2,data=4"]  # model first: the processes split
+    commands = [train_args(tmp_path / mesh, text_data, mesh, 3) for mesh in meshes]  # the model axis
+    commands.append(train_args(resumed, text_data, "data=8", 6))  # 1 -> 2 processes
+    outputs = run_job(commands, processes=2, devices=4)
+
+    for mesh in meshes:
+        got = read_metrics(tmp_path / mesh)
+        assert [r["step"] for r in got] == [1, 2, 3]
+        assert_same_losses(got, ref, f"2x4 {mesh}")
+    got = read_metrics(resumed)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    assert_same_losses(got[3:], ref, "2x4 data=8, resumed from 1x8")
+    assert "slow interconnect" not in outputs[0]  # the model axis crosses processes, not hosts
+    assert f"resumed {resumed} from step 3" in outputs[0]
+    assert "resumed" not in outputs[1]  # process 1 prints no results
+    step6 = checkpoint_dir(resumed) / "6" / "state"
+    assert (step6 / "ocdbt.process_0").is_dir() and (step6 / "ocdbt.process_1").is_dir()  # both wrote shards
+
+    train_here(capsys, resumed, text_data, "data=8", 8)  # 2 -> 1 process
+    got = read_metrics(resumed)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    assert_same_losses(got, ref, "1 -> 2 -> 1 processes")
+
+
+# --------------------------------------------------------------------------------------
+# 2. a signal to one process, or to the launcher, stops every process at one step
+# --------------------------------------------------------------------------------------
+
+
+def test_a_signal_stops_every_process_at_one_step_and_the_run_resumes_anywhere(tmp_path, text_data, ref, capsys):
+    steps = REF_STEPS
+    run_dir = tmp_path / "run"
+    command = train_args(run_dir, text_data, "data=8", steps)
+
+    # SIGTERM to process 1 alone: both stop at one step and save it.
+    job = launcher("-n", "2", "--cpu-devices", "4", "--", *command)
+    try:
+        wait_for_step(run_dir, 3, job)
+        job_pids = children(job.pid)
+        os.kill(job_pids[1], signal.SIGTERM)
+        out, err = job.communicate(timeout=300)
+    finally:
+        end(job)
+    assert job.returncode == 128 + signal.SIGTERM, err
+    first_stop = read_metrics(run_dir)[-1]["step"]
+    assert 3 <= first_stop < steps
+    assert f"[0] stopped by SIGTERM at step {first_stop}" in out
+    assert sorted(p.name for p in checkpoint_dir(run_dir).iterdir()) == [str(first_stop)]
+    assert "[1] " not in out  # process 1 prints no results
+
+    # Resume on 4 processes x 2 devices; Ctrl-C to the launcher reaches all four.
+    job = launcher("-n", "4", "--cpu-devices", "2", "--", *command)
+    try:
+        wait_for_step(run_dir, first_stop + 1, job)
+        job.send_signal(signal.SIGINT)
+        out, err = job.communicate(timeout=300)
+    finally:
+        end(job)
+    assert job.returncode == 128 + signal.SIGINT, err
+    second_stop = read_metrics(run_dir)[-1]["step"]
+    assert first_stop < second_stop < steps
+    assert f"resumed {run_dir} from step {first_stop}" in out
+    assert f"[0] stopped by SIGINT at step {second_stop}" in out
+    assert str(second_stop) in {p.name for p in checkpoint_dir(run_dir).iterdir()}
+    assert (run_dir / "logs" / "process_3.log").exists()
+
+    # Finish on 1 process; the losses are those of a run that never stopped.
+    train_here(capsys, run_dir, text_data, "data=8", steps)
+    got = read_metrics(run_dir)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))  # every step once
+    assert_same_losses(got, ref, "2 -> 4 -> 1 processes")
+
+
+# --------------------------------------------------------------------------------------
+# 3. failures end the job fast, with a line naming the process, and leave nothing behind
+# --------------------------------------------------------------------------------------
+
+
+def test_a_killed_process_ends_the_job_fast_and_nothing_is_left(tmp_path, text_data, capsys):
+    run_dir = tmp_path / "run"
+    job = launcher("-n", "2", "--cpu-devices", "4", "--", *train_args(run_dir, text_data, "data=8", 1000, "--save-every", "2"))
+    try:
+        wait_for_step(run_dir, 2, job)
+        pids = children(job.pid)
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        out, err = job.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        end(job)
+    assert job.returncode == 128 + signal.SIGKILL
+    assert took < 30, f"the job took {took:.1f} s to end after a process died"
+    header, *lines = [line for line in err.splitlines() if line.startswith("nnxscale launch: ")]
+    assert header.startswith("nnxscale launch: processes 0-1 of 2, 4 CPU devices each")
+    assert lines == [
+        "nnxscale launch: process 1 was killed by SIGKILL; the job is stopped "
+        "(re-run the same command to resume from the last complete checkpoint)"
+    ]
+    for pid in pids.values():
+        assert in_group(pid) == [], f"process group {pid} outlived the launcher"
+
+    # The re-run resumes from the newest complete checkpoint (here on one process).
+    saved = sorted(int(p.name) for p in checkpoint_dir(run_dir).iterdir() if p.name.isdigit())
+    out = train_here(capsys, run_dir, text_data, "data=8", saved[-1] + 1)
+    assert f"from step {saved[-1]}" in out
+
+
+# Process 1 raises as soon as it has joined; process 0 goes on to train, and would wait
+# for process 1 in its first collective.
+_RAISES_WORKER = """
+import os, sys
+import nnxscale.train
+if os.environ["NNXSCALE_PROCESS_ID"] == "1":
+    def train(*args, **kwargs):
+        raise RuntimeError("boom on process 1")
+    nnxscale.train.train = train
+from nnxscale.cli import run
+sys.argv[0] = "nnxscale"
+run()
+"""
+
+
+def test_a_process_that_raises_ends_the_others_with_a_line_naming_it(tmp_path, text_data):
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RAISES_WORKER, *train_args(tmp_path / "run", text_data, "data=8", 100)],
+            env=dict(_CLEAN_ENV, NNXSCALE_COORDINATOR=f"127.0.0.1:{port}", NNXSCALE_NUM_PROCESSES="2",
+                     NNXSCALE_PROCESS_ID=str(i), XLA_FLAGS="--xla_force_host_platform_device_count=4"),  # fmt: skip
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        end(*procs)
+    (_, err0), (_, err1) = outputs
+    assert procs[1].returncode == 1 and "RuntimeError: boom on process 1" in err1
+    assert procs[0].returncode == distributed.EXIT_PEER_FAILED, err0
+    assert "nnxscale: error: process 1 of 2 failed (RuntimeError: boom on process 1); ending process 0 too" in err0
+
+
+# --------------------------------------------------------------------------------------
+# 4. bad input: one line each, before any process starts
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["-n", "0", "--", "train"], "-n 0: give the number of processes"),
+        (["-n", "2", "--", "python", "train.py"], "'python' is not an nnxscale command"),
+        (["-n", "2"], "no command: give the nnxscale command after --"),
+        (["-n", "2", "--", "train", "--process-id", "1"], "the launcher sets --process-id"),
+        (["-n", "2", "--nnodes", "2", "--", "train"], "--nnodes 2 needs --coordinator"),
+        (["-n", "2", "--port", "BUSY", "--", "plan"], "is in use"),
+    ],
+)
+def test_bad_launcher_input_is_one_line(argv, words, busy_port, capsys):
+    argv = [str(busy_port) if a == "BUSY" else a for a in argv]
+    code = cli.main(["launch", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("nnxscale: error: ") and words in err, err
+
+
+# --------------------------------------------------------------------------------------
+# 5. joining: flags and environment; meshes over processes (no processes needed)
+# --------------------------------------------------------------------------------------
+
+
+def test_job_settings_come_from_flags_over_the_environment():
+    env = {"NNXSCALE_COORDINATOR": "10.0.0.1:8476", "NNXSCALE_NUM_PROCESSES": "4", "NNXSCALE_PROCESS_ID": "3",
+           "NNXSCALE_HEARTBEAT_TIMEOUT": "20"}  # fmt: skip
+    spec = distributed.JobSpec.from_flags(env, process_id=2, init_timeout=60)
+    assert spec == distributed.JobSpec("10.0.0.1:8476", 4, 2, heartbeat_timeout=20, init_timeout=60, shutdown_timeout=30)
+    assert distributed.JobSpec.from_flags({}) == distributed.JobSpec()
+
+
+@pytest.mark.parametrize(
+    "env, flags, words",
+    [
+        ({"NNXSCALE_NUM_PROCESSES": "two"}, {}, "NNXSCALE_NUM_PROCESSES='two' is not an integer"),
+        ({}, {"coordinator": "10.0.0.1"}, "--coordinator '10.0.0.1' is not HOST:PORT"),
+        ({}, {"num_processes": 2, "process_id": 2}, "--process-id 2 is not a process of a job of 2"),
+        ({}, {"num_processes": 0}, "--num-processes must be at least 1"),
+        ({}, {"heartbeat_timeout": 0}, "--heartbeat-timeout must be at least 1 second"),
+    ],
+)
+def test_bad_job_settings(env, flags, words):
+    with pytest.raises(JobError, match=words):
+        distributed.JobSpec.from_flags(env, **flags)
+
+
+def test_a_partial_job_is_refused_before_joining(capsys):
+    code = cli.main(["plan", "--model", "gpt2-tiny", "--coordinator", "127.0.0.1:1", "--num-processes", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--process-id missing" in err and err.count("\n") == 1
+    assert not distributed.current().is_multiprocess
+
+
+def test_processes_take_the_leading_mesh_axes():
+    assert process_split("data=4,model=2", 2) == ({"data": 2, "model": 1}, {"data": 2, "model": 2})
+    assert process_split("fsdp=8", 2) == ({"fsdp": 2}, {"fsdp": 4})
+    assert process_split("data=2,model=4", 4) == ({"data": 2, "model": 2}, {"data": 1, "model": 2})
+    assert process_split("data=8", 1) == ({"data": 1}, {"data": 8})
+    with pytest.raises(MeshError, match="mesh data=3 cannot be split over 2 processes"):
+        process_split("data=3", 2)
+
+
+def _fake_mesh(names, shape, devices_per_process):
+    devices = np.array([SimpleNamespace(process_index=i // devices_per_process) for i in range(int(np.prod(shape)))])
+    return SimpleNamespace(devices=devices.reshape(shape), axis_names=names)
+
+
+def test_tensor_parallelism_across_hosts_is_a_finding():
+    assert process_findings(_fake_mesh(("data", "model"), (4, 2), 4)) == []  # model pairs inside a process
+    assert process_findings(_fake_mesh(("data", "model"), (4, 2), 8)) == []  # one process
+    (finding,) = process_findings(_fake_mesh(("data", "model"), (2, 4), 2))  # model=4 over processes of 2
+    assert finding.startswith("[slow interconnect] mesh axis model=4 spans 2 processes")
+    assert "at most 2" in finding
+    (finding,) = process_findings(_fake_mesh(("model", "data"), (2, 4), 4))  # model first: across
+    assert "mesh axis model=2 spans 2 processes" in finding
+    # One process per device, 4 per host (JAX under SLURM): model=4 stays on one host.
+    one_each = _fake_mesh(("data", "model"), (4, 4), 1)
+    assert process_findings(one_each, hosts=["a"] * 4 + ["b"] * 4 + ["c"] * 4 + ["d"] * 4) == []
+    assert process_findings(one_each, hosts=["a"] * 8 + ["b"] * 8) == []  # each model row on one host
+    (finding,) = process_findings(one_each, hosts=["a", "a", "b", "b"] * 4)
+    assert finding.startswith("[slow interconnect] mesh axis model=4 spans 2 hosts")
