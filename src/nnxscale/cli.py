@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--sweep", action="store_true", help="plan every mesh x remat policy for the mesh's device count, sorted by peak")
     pl.add_argument("--compile", choices=("auto", "never", "always"), default=None,
                     help="auto: compile up to --max-compile-devices, estimate beyond (default; --sweep: never)")  # fmt: skip
-    pl.add_argument("--max-compile-devices", type=int, default=None, help="largest mesh to compile (default: 64)")
+    pl.add_argument("--max-compile-devices", type=int, default=None, help="largest mesh to compile; larger ones are estimated (default: 1024)")
     pl.add_argument("--table", action="store_true", help="also print the per-Variable sharding table")
     pl.add_argument("--json", action="store_true", help="end with one JSON line: the plan (a list of plans with --sweep)")
     _add_common(pl)

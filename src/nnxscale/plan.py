@@ -44,8 +44,9 @@ from nnxscale.mesh import format_mesh, resolve_mesh_shape
 KNOWN_DEVICES = MEMORY
 
 #: Meshes up to this many devices are compiled (in a child process when larger than this
-#: machine); larger ones are estimated.
-MAX_COMPILE_DEVICES = 64
+#: machine); larger ones are estimated. Measured on 2 CPU cores: gpt2's step for 64, 256
+#: and 1024 simulated devices compiles in 8.6, 8.9 and 7.2 s.
+MAX_COMPILE_DEVICES = 1024
 
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
