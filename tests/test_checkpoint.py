@@ -244,7 +244,7 @@ def test_an_interrupted_save_is_ignored_and_reported(tmp_path, mesh8, monkeypatc
     _save_steps(directory, mesh8, (1,))
     _hold_step_finalization(monkeypatch, directory, fail=True)
     ckpt = Checkpointer(directory, async_save=async_save)
-    with pytest.raises(CheckpointError, match=r"saving checkpoint step 2 .* failed: .*complete checkpoints: 1$"):
+    with pytest.raises(CheckpointError, match=r"saving checkpoint step 2 .* failed: .*complete checkpoints: 1 \(the same command resumes from step 1\)$"):
         ckpt.save(np.int64(2), place(host_state(2), SAVE_SPECS, mesh8), {"step": 2})
         ckpt.wait()
     assert ckpt.steps() == [1]

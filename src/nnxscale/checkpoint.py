@@ -133,10 +133,11 @@ class Checkpointer:
         """Start saving ``state`` and ``extras`` as ``step``; returns whether a save started.
 
         Returns ``False`` (and writes nothing) when ``step`` is not newer than the latest
-        checkpoint, unless ``force``. The arrays are copied to host memory before this
-        returns, so the caller may donate or overwrite them at once; the write continues in
-        the background until :meth:`wait` (or the next ``save``, which waits first). The
-        step is listed by :meth:`steps` only once it is complete on disk.
+        checkpoint, unless ``force``. Before this returns, every array's checksum is
+        computed on its devices and the arrays are copied to host memory, so the caller may
+        donate or overwrite them at once; the write continues in the background until
+        :meth:`wait` (or the next ``save``, which waits first). The step is listed by
+        :meth:`steps` only once it is complete on disk.
 
         Raises :class:`CheckpointError` if ``step`` already has a checkpoint (it is never
         overwritten) or if the previous asynchronous save failed.
@@ -416,9 +417,11 @@ class Checkpointer:
         # re-read the directory so that the list matches the disk again.
         self._manager.reload()
         reason = os_reason(error)
+        complete = self.steps()
+        resume = f" (the same command resumes from step {complete[-1]})" if complete else ""
         return CheckpointError(
             f"saving checkpoint step {step} in {self.directory} failed: {reason or _cause(error)}; "
-            f"complete checkpoints: {_steps_text(self.steps())}"
+            f"complete checkpoints: {_steps_text(complete)}{resume}"
         )
 
     def _unreadable(self, step: int, available: Sequence[int], error: BaseException) -> CheckpointError:

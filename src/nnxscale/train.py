@@ -520,15 +520,15 @@ class _StopSignals:
             os._exit(128 + signum)
         self.signal = signum
         name = signal.Signals(signum).name
-        os.write(2, f"\nnnxscale: {name}: stopping after this step; {name} again stops at once, unsaved\n".encode())
+        os.write(2, f"\nnnxscale: {name}: stopping as soon as it is safe; {name} again stops at once, unsaved\n".encode())
 
 
 class _SkipCounter:
     """The host's half of the divergence guard: counts the steps that the jitted step
     skipped (:func:`skip_nonfinite`); :meth:`check` stops the run after ``limit`` in a row."""
 
-    def __init__(self, limit: int, total: int, lr: float):
-        self.limit, self.total, self.lr = limit, total, lr
+    def __init__(self, limit: int, total: int, lr: float, run_dir: Path):
+        self.limit, self.total, self.lr, self.run_dir = limit, total, lr, run_dir
         self.streak = 0
         self.last_bad: tuple[int, dict] = (0, {})
 
@@ -541,18 +541,19 @@ class _SkipCounter:
         self.streak += 1
         self.last_bad = (step, metrics)
 
-    def check(self) -> None:
+    def check(self, latest_checkpoint: Callable[[], Optional[int]]) -> None:
         """Raise DivergenceError if the last ``limit`` steps accounted for were all skipped."""
         if self.streak < self.limit:
             return
         step, metrics = self.last_bad
         bad = [f"{name} {metrics[key]}" for key, name in (("loss", "loss"), ("grad_norm", "gradient norm"))
                if not math.isfinite(metrics[key])]  # fmt: skip
+        latest = latest_checkpoint()
+        restart = f" (--init-from {self.run_dir} starts from its step {latest})" if latest is not None else ""
         raise DivergenceError(
             f"training diverged at step {step}: {' and '.join(bad)}, non-finite for {self.streak} steps in a row "
             f"(steps {step - self.streak + 1}-{step}), each skipped, so no parameter or checkpoint holds them; "
-            f"try a lower --lr (this run: {self.lr:g}), more --warmup-steps or a --grad-clip in a new --run-dir "
-            "(--init-from this run directory starts from its latest checkpoint)"
+            f"try a lower --lr (this run: {self.lr:g}), more --warmup-steps or a --grad-clip in a new --run-dir{restart}"
         )
 
 
@@ -662,7 +663,7 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, progress: bool, mesh, log: C
         flops_per_token = s.model_cfg.flops_per_token(cfg.data.seq_len)
         peak = peak_flops(jax.devices()[0])
         peak_total = peak * jax.device_count() if peak else None
-        skips = _SkipCounter(cfg.max_bad_steps, skipped_before, cfg.optim.lr)
+        skips = _SkipCounter(cfg.max_bad_steps, skipped_before, cfg.optim.lr, run_dir)
 
         def evaluate(params) -> Optional[float]:
             if not val_batches:
@@ -675,9 +676,13 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, progress: bool, mesh, log: C
             while in_flight:
                 skips.seen(*jax.device_get(in_flight.popleft()))
 
+        def latest_saved() -> Optional[int]:
+            ckpt.wait()
+            return ckpt.latest_step()
+
         def save(step: int) -> None:
             settle()
-            skips.check()
+            skips.check(latest_saved)
             extras = {"data": train_it.get_state(), "data_fingerprint": tokens.fingerprint, "config": cfg.to_dict(),
                       "skipped_steps": skips.total}  # fmt: skip
             ckpt.save(step, state, extras, force=True)
@@ -724,7 +729,7 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, progress: bool, mesh, log: C
                     bar.update(step, record)
                 else:
                     bar.update(step)
-                skips.check()  # nothing is saved, or run, once the run has diverged
+                skips.check(latest_saved)  # nothing is saved, or run, once the run has diverged
                 if stop or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                     save(step)
                     t_last = time.perf_counter()  # the host-side part of a save is not step time
