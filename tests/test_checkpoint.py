@@ -3,6 +3,7 @@
 import gc
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -397,19 +398,23 @@ def test_two_processes_write_their_own_shards_and_restore_onto_another_mesh(tmp_
 # --------------------------------------------------------------------------------------
 
 
-def test_flipped_bytes_are_found_and_the_newest_intact_step_restored(tmp_path, mesh8):
-    """Flipped bytes in a data file restore without any error from Orbax: the checksums
-    recorded on data=8 catch them on data=2,model=4, and the fallback names the step."""
+# Flipped bytes in a compressed chunk make Orbax abandon its other reads (see above).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_damaged_data_is_found_and_the_newest_intact_step_restored(tmp_path, mesh8):
+    """Data that reads without any error from Orbax but is not what was saved: the
+    checksums recorded on data=8 catch it on data=2,model=4, and the fallback names it."""
     directory = checkpoint_dir(tmp_path)
     _save_steps(directory, mesh8, (1, 2, 3))
-    flip_bytes(directory / "3")
+    # Step 2's arrays under step 3's name: every file is intact, only the values are wrong.
+    shutil.rmtree(directory / "3" / "state")
+    shutil.copytree(directory / "2" / "state", directory / "3" / "state")
     target = abstract(host_state(0), RESTORE_SPECS, make_mesh("data=2,model=4"))
 
     with Checkpointer(directory) as ckpt:
         with pytest.raises(CheckpointError) as err:
             ckpt.restore(target)
         message = str(err.value)
-        assert str(directory / "3") in message and "does not match its checksum" in message
+        assert str(directory / "3") in message and "the data of opt.mu (and 7 more) does not match its checksum" in message
         assert "step=2" in message  # how to restore an older one
 
         warnings = []
@@ -424,6 +429,7 @@ def test_flipped_bytes_are_found_and_the_newest_intact_step_restored(tmp_path, m
         ckpt.wait()
         assert ckpt.restore(target)[1] == {"step": 3}
 
+    # 256 flipped bytes: Orbax either fails to decompress a chunk or reads garbage.
     for s in (1, 2, 3):
         flip_bytes(directory / str(s))
     before = files_under(directory)
@@ -431,6 +437,7 @@ def test_flipped_bytes_are_found_and_the_newest_intact_step_restored(tmp_path, m
         with pytest.raises(CheckpointError, match=r"every checkpoint in .* is damaged \(steps 1, 2, 3;"):
             ckpt.restore_intact(target, warn=warnings.append, set_aside=True)
     assert files_under(directory) == before  # refused: nothing renamed or deleted
+    gc.collect()  # the ignored exceptions surface here, under this test's filter
 
 
 def test_a_checkpoint_saved_without_checksums_still_restores(tmp_path, mesh8):

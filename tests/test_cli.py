@@ -3,6 +3,7 @@ and nothing already saved in the run directory lost. Plus ``plan`` and ``train -
 
 import argparse
 import dataclasses
+import gc
 import hashlib
 import inspect
 import json
@@ -225,6 +226,9 @@ def test_bad_resume_settings_keep_the_run(saved_run, text_data, capsys, extra, w
     assert snapshot(saved_run) == before
 
 
+# A chunk that no longer decompresses makes Orbax abandon its other reads, whose coroutines
+# Python reports as "exception ignored" once they are garbage collected.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(saved_run, text_data, tmp_path, capsys):
     """Flipped bytes in step 4's data: sample and train warn and use step 2; train sets step 4
     aside and trains on; with every step damaged, train refuses in one line and touches nothing."""
@@ -255,6 +259,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(saved_run
     )  # fmt: skip
     assert_one_error_line(proc.returncode, proc.stderr, f"every checkpoint in {root} is damaged (steps 2, 4, 6")
     assert snapshot(run_dir) == before  # refused: nothing renamed, deleted or rewritten
+    gc.collect()  # the ignored exceptions surface here, under this test's filter
 
 
 def test_init_refuses_a_run_directory_with_checkpoints(saved_run, capsys):

@@ -456,32 +456,46 @@ def _sync(name: str) -> None:
 
 
 class _QuietOrbaxErrors(logging.Filter):
-    """Hold back Orbax's own ERROR log records (with tracebacks) while a Checkpointer is open.
+    """Hold back the echoes of a failed save while a Checkpointer is open.
 
-    A failed asynchronous save (a full disk) makes each of Orbax's background threads log
-    the same error with a traceback, hundreds of lines in all; the error itself is raised
-    again by :meth:`Checkpointer.wait` and reported there in one line. ``NNXSCALE_DEBUG=1``
-    lets the records through.
+    When an asynchronous save fails (a full disk), Orbax's background threads each log the
+    error with a traceback (absl), its abandoned writes log "Task exception was never
+    retrieved" (asyncio), and their late callbacks raise "Event loop is closed" into a loop
+    that is gone (reported through ``sys.unraisablehook``): hundreds of lines in all. The
+    error itself is raised again by :meth:`Checkpointer.wait`, which reports it in one
+    line, so these are dropped. ``NNXSCALE_DEBUG=1`` lets them through.
     """
 
     def __init__(self):
         super().__init__()
         self._users = 0
+        self._previous_hook = None
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR or os.environ.get("NNXSCALE_DEBUG"):
             return True
+        if record.name == "asyncio":  # an abandoned write: its future names orbax's coroutine
+            return "orbax" not in record.getMessage()
         return f"{os.sep}orbax{os.sep}" not in record.pathname
+
+    def _unraisable(self, info) -> None:
+        closed = isinstance(info.exc_value, RuntimeError) and str(info.exc_value) == "Event loop is closed"
+        if not closed or os.environ.get("NNXSCALE_DEBUG"):
+            self._previous_hook(info)
 
     def acquire(self) -> None:
         if self._users == 0:
-            logging.getLogger("absl").addFilter(self)
+            for name in ("absl", "asyncio"):
+                logging.getLogger(name).addFilter(self)
+            self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         self._users += 1
 
     def release(self) -> None:
         self._users -= 1
         if self._users == 0:
-            logging.getLogger("absl").removeFilter(self)
+            for name in ("absl", "asyncio"):
+                logging.getLogger(name).removeFilter(self)
+            sys.unraisablehook = self._previous_hook
 
 
 _quiet_orbax_errors = _QuietOrbaxErrors()
