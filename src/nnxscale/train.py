@@ -267,7 +267,11 @@ def skip_nonfinite(state, new_state, metrics):
     parameters and the optimizer state (its moments and its count) stay as they were, so
     a NaN or Inf never reaches them or a checkpoint. The step counter advances either way
     (the batch is used up), and ``metrics["skipped"]`` is 1 for a skipped step, else 0.
-    A select per array: no host round trip, and XLA fuses it into the update.
+
+    A select per array, with no host round trip (``lax.cond`` would read the predicate on
+    the host on GPUs). Measured for gpt2 on data=8, batch 8 x 1024: the parameters' select
+    fuses into the update for free; the optimizer state's keeps one moment's worth of
+    temporary memory per device (step temp 2.76 -> 3.28 GiB).
     """
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
     kept = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, state)
