@@ -5,8 +5,10 @@ A checkpoint is two items, written by one ``orbax.checkpoint.CheckpointManager``
     run_dir/checkpoints/
       300/                        a finalized step
         state/                    the array state: each process writes its own shards
-        extras/metadata           the JSON extras: data iterator state, run config
+        extras/metadata           the JSON extras: data iterator state, run config, and
+                                  a checksum of every array (nnxscale.integrity)
       400.orbax-checkpoint-tmp/   a save in progress, or one killed mid-way: never listed
+      200.damaged/                a step whose data failed its checksum, set aside
 
 Orbax writes each step into ``<step>.orbax-checkpoint-tmp`` and renames it to ``<step>``
 once every process has written its shards (on GCS a ``commit_success.txt`` file marks
@@ -19,12 +21,21 @@ saved chunks that its shard of the target needs, so moving from ``data=8`` to
 ``data=2,model=4`` never gathers a whole array anywhere. Every process must call
 :meth:`Checkpointer.save`, :meth:`~Checkpointer.restore`, :meth:`~Checkpointer.wait` and
 :meth:`~Checkpointer.close` (orbax synchronizes the processes inside them).
+
+Integrity: :meth:`Checkpointer.save` records a checksum of every array, computed on the
+devices that hold it (:mod:`nnxscale.integrity`: the same value on any mesh), and
+:meth:`Checkpointer.restore` recomputes it on the restored arrays: damaged data raises
+:class:`DamagedCheckpointError` naming the step instead of restoring garbage.
+:meth:`Checkpointer.restore_intact` falls back to the newest step that is intact.
+Checkpoints saved before checksums existed restore unverified.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import logging
 import operator
 import os
 import sys
@@ -32,17 +43,34 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
-from nnxscale.errors import CheckpointError
+from nnxscale import integrity
+from nnxscale.errors import CheckpointError, os_reason
 
 _STATE = "state"
 _EXTRAS = "extras"
+#: Key of the checksums inside the extras item (hidden from callers).
+_CHECKSUMS = "nnxscale.checksums"
+#: Suffix of a step directory set aside as damaged: ``<step>.damaged``.
+DAMAGED_SUFFIX = ".damaged"
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint whose files cannot be read or whose data fails its checksums.
+
+    ``step`` is the damaged step, ``what`` what is wrong with it (part of the message).
+    """
+
+    def __init__(self, message: str, step: int, what: str):
+        super().__init__(message)
+        self.step = step
+        self.what = what
 
 
 def checkpoint_dir(run_dir) -> Path:
@@ -64,11 +92,15 @@ class Checkpointer:
         save has finished.
       async_save: write in background threads (``save`` returns once the arrays are copied
         to host memory); ``False`` makes ``save`` return only when the step is on disk.
+      remove_unfinished: delete the unfinished saves (``<step>.orbax-checkpoint-tmp``) that
+        a crash left behind, freeing their space. Only for the one writer of the directory
+        (a trainer holding the run's lock): another writer's save in progress looks the same.
     """
 
-    def __init__(self, directory, *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory, *, keep: int = 3, async_save: bool = True, remove_unfinished: bool = False):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint")
+        self.keep = keep
         text = os.fspath(directory)
         self.directory = epath.Path(text if "://" in text else os.path.abspath(os.path.expanduser(text)))
 
@@ -82,11 +114,18 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(keep),
             enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=remove_unfinished,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        _quiet_orbax_errors.acquire()
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        except BaseException:
+            _quiet_orbax_errors.release()
+            raise
         # The manager's own step naming (no prefix, no padding), used to list finalized steps.
         self._names = ocp.step.standard_name_format()
         self._pending: Optional[int] = None
+        self._closed = False
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -94,10 +133,11 @@ class Checkpointer:
         """Start saving ``state`` and ``extras`` as ``step``; returns whether a save started.
 
         Returns ``False`` (and writes nothing) when ``step`` is not newer than the latest
-        checkpoint, unless ``force``. The arrays are copied to host memory before this
-        returns, so the caller may donate or overwrite them at once; the write continues in
-        the background until :meth:`wait` (or the next ``save``, which waits first). The
-        step is listed by :meth:`steps` only once it is complete on disk.
+        checkpoint, unless ``force``. Before this returns, every array's checksum is
+        computed on its devices and the arrays are copied to host memory, so the caller may
+        donate or overwrite them at once; the write continues in the background until
+        :meth:`wait` (or the next ``save``, which waits first). The step is listed by
+        :meth:`steps` only once it is complete on disk.
 
         Raises :class:`CheckpointError` if ``step`` already has a checkpoint (it is never
         overwritten) or if the previous asynchronous save failed.
@@ -110,6 +150,8 @@ class Checkpointer:
             raise ValueError(f"checkpoint step must be a non-negative integer, got {step!r}")
         if not isinstance(extras, Mapping):
             raise TypeError(f"extras must be a dict of JSON-able values, got {type(extras).__name__}")
+        if _CHECKSUMS in extras:
+            raise ValueError(f"extras key {_CHECKSUMS!r} is reserved for the checkpoint's own checksums")
         try:
             json.dumps(extras)
         except (TypeError, ValueError) as e:
@@ -117,8 +159,11 @@ class Checkpointer:
             raise TypeError(f"extras for step {step} are not JSON-serializable: {e}") from None
 
         self.wait()
+        leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+        sums = integrity.checksums([leaf for _, leaf in leaves])
+        recorded = {"algorithm": integrity.ALGORITHM, "arrays": {_key_text(p): c for (p, _), c in zip(leaves, sums)}}
         args = ocp.args.Composite(
-            **{_STATE: ocp.args.StandardSave(state), _EXTRAS: ocp.args.JsonSave(dict(extras))}
+            **{_STATE: ocp.args.StandardSave(state), _EXTRAS: ocp.args.JsonSave({**extras, _CHECKSUMS: recorded})}
         )
         try:
             started = self._manager.save(step, args=args, force=force)
@@ -147,10 +192,16 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the pending save, then release orbax's threads and files."""
+        if self._closed:
+            return
         try:
             self.wait()
         finally:
-            self._manager.close()
+            self._closed = True
+            try:
+                self._manager.close()
+            finally:
+                _quiet_orbax_errors.release()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -192,10 +243,13 @@ class Checkpointer:
           ``(state, extras)``: ``state`` with the structure of ``target``.
 
         Raises:
-          CheckpointError: no complete checkpoint (or none for ``step``); the target's
+          CheckpointError: no complete checkpoint (or none for ``step``); or the target's
             structure, shapes or dtypes differ from the saved state (naming the path and
-            both shapes); or the checkpoint's files cannot be read (naming its directory
-            and the older steps that can be passed as ``step``). Nothing is deleted.
+            both shapes).
+          DamagedCheckpointError: the checkpoint's files cannot be read, or the restored
+            arrays differ from the checksums recorded when they were saved (naming its
+            directory, the first damaged array and the older steps that can be passed
+            as ``step``). Nothing is deleted.
         """
         self.wait()
         available = self.steps()
@@ -230,7 +284,101 @@ class Checkpointer:
             except Exception as e:
                 raise self._unreadable(step, available, e) from e
             succeeded()
-        return restored[_STATE], restored[_EXTRAS]
+        state, extras = restored[_STATE], dict(restored[_EXTRAS])
+        self._verify(step, available, state, extras.pop(_CHECKSUMS, None))
+        return state, extras
+
+    def restore_intact(
+        self, target, *, warn: Callable[[str], None], set_aside: bool = False
+    ) -> tuple[int, Any, dict]:
+        """Restore the newest checkpoint that is intact: ``(step, state, extras)``.
+
+        Newer steps that are damaged (unreadable, or failing their checksums) are skipped
+        with a ``warn`` line each. With ``set_aside`` (only for the writer of the
+        directory) each of them is then renamed to ``<step>.damaged`` (:meth:`set_aside`),
+        so that ``keep`` does not count it and a new save of that step is not refused.
+
+        Raises:
+          CheckpointError: there is no complete checkpoint; none is intact (naming every
+            damaged step; nothing is renamed then, so a re-run refuses the same way); or
+            the target does not fit the saved state.
+        """
+        damaged: list[DamagedCheckpointError] = []
+        for step in reversed(self.steps()):
+            try:
+                state, extras = self.restore(target, step=step)
+            except DamagedCheckpointError as e:
+                damaged.append(e)
+                continue
+            for e in damaged:
+                moved = f"; moved it to {self.set_aside(e.step)}" if set_aside else ""
+                warn(
+                    f"warning: checkpoint step {e.step} at {self._step_dir(e.step)} is damaged ({e.what}): "
+                    f"using step {step}, the newest intact one{moved}"
+                )
+            return step, state, extras
+        if not damaged:
+            self.restore(target)  # raises "no complete checkpoint", naming the directory
+        raise CheckpointError(
+            f"every checkpoint in {self.directory} is damaged (steps {_steps_text(sorted(e.step for e in damaged))}; "
+            f"step {damaged[0].step}: {damaged[0].what}): nothing intact to restore; start over in another "
+            "--run-dir, or move the damaged steps aside to restart this one"
+        )
+
+    def set_aside(self, step: int) -> epath.Path:
+        """Rename the finalized ``step`` to ``<step>.damaged`` (``.damaged.2``, ... if taken).
+
+        Nothing is deleted: the files stay for inspection, but the step is no longer listed,
+        restored, counted by ``keep``, or in the way of a new save of the same step. Every
+        process calls this; process 0 renames.
+        """
+        source = self._step_dir(step)
+        target = epath.Path(f"{source}{DAMAGED_SUFFIX}")
+        for n in itertools.count(2):
+            if not target.exists():
+                break
+            target = epath.Path(f"{source}{DAMAGED_SUFFIX}.{n}")
+        if jax.process_index() == 0:
+            source.rename(target)
+        _sync(f"set_aside_{step}")
+        self._manager.reload()
+        return target
+
+    def remove_surplus(self) -> list[int]:
+        """Delete the oldest complete steps beyond ``keep``; returns the steps deleted.
+
+        A save deletes the old steps only after it is finalized, so a crash in between
+        leaves ``keep + 1``; a run that resumes already at its last step saves nothing, so
+        its own saves never remove them. The writer of the directory calls this at start.
+        """
+        self.wait()
+        surplus = self.steps()[: -self.keep]
+        for step in surplus:
+            self._manager.delete(step)
+        return surplus
+
+    def _verify(self, step: int, available: Sequence[int], state, recorded: Optional[dict]) -> None:
+        """Compare the restored arrays with the checksums recorded at save time."""
+        if recorded is None:
+            return  # saved before checkpoints had checksums
+        if recorded.get("algorithm") != integrity.ALGORITHM:
+            raise CheckpointError(
+                f"checkpoint step {step} at {self._step_dir(step)} has checksums of kind "
+                f"{recorded.get('algorithm')!r}, which this nnxscale does not know ({integrity.ALGORITHM}): "
+                "restore it with the nnxscale version that saved it"
+            )
+        leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+        paths = [_key_text(p) for p, _ in leaves]
+        sums = recorded["arrays"]
+        missing = [p for p in paths if p not in sums]
+        if missing:
+            raise self._damaged(step, available, f"no checksum recorded for {_shown(missing[0])}{_more(len(missing) - 1)}")
+        got = integrity.checksums([leaf for _, leaf in leaves])
+        bad = [p for p, c in zip(paths, got) if sums[p] != c]
+        if bad:
+            raise self._damaged(
+                step, available, f"the data of {_shown(bad[0])}{_more(len(bad) - 1)} does not match its checksum"
+            )
 
     def _check_matches(self, step: int, saved_tree, target) -> None:
         saved = _leaf_layouts(saved_tree)
@@ -268,12 +416,18 @@ class Checkpointer:
         # Orbax drops the failed step (and the old steps it meant to delete) from its list;
         # re-read the directory so that the list matches the disk again.
         self._manager.reload()
+        reason = os_reason(error)
+        complete = self.steps()
+        resume = f" (the same command resumes from step {complete[-1]})" if complete else ""
         return CheckpointError(
-            f"saving checkpoint step {step} in {self.directory} failed ({_cause(error)}); "
-            f"complete checkpoints: {_steps_text(self.steps())}"
+            f"saving checkpoint step {step} in {self.directory} failed: {reason or _cause(error)}; "
+            f"complete checkpoints: {_steps_text(complete)}{resume}"
         )
 
     def _unreadable(self, step: int, available: Sequence[int], error: BaseException) -> CheckpointError:
+        return self._damaged(step, available, f"it cannot be read ({_cause(error)})")
+
+    def _damaged(self, step: int, available: Sequence[int], what: str) -> DamagedCheckpointError:
         older = [s for s in available if s < step]
         if older:
             advice = (
@@ -282,13 +436,69 @@ class Checkpointer:
             )
         else:
             advice = f"there is no older checkpoint in {self.directory}"
-        return CheckpointError(
-            f"checkpoint step {step} at {self._step_dir(step)} cannot be read, it may be damaged or "
-            f"incomplete ({_cause(error)}); nothing was deleted, and {advice}"
+        return DamagedCheckpointError(
+            f"checkpoint step {step} at {self._step_dir(step)} is damaged: {what}; nothing was deleted, and {advice}",
+            step,
+            what,
         )
 
     def _step_dir(self, step: int) -> epath.Path:
         return ocp.step.build_step_path(self.directory, self._names, step)
+
+
+_barriers = itertools.count()
+
+
+def _sync(name: str) -> None:
+    """Wait until every process gets here (nothing to wait for in one process)."""
+    if jax.process_count() > 1:
+        ocp.multihost.sync_global_processes(f"nnxscale_{name}_{next(_barriers)}")
+
+
+class _QuietOrbaxErrors(logging.Filter):
+    """Hold back the echoes of a failed save while a Checkpointer is open.
+
+    When an asynchronous save fails (a full disk), Orbax's background threads each log the
+    error with a traceback (absl), its abandoned writes log "Task exception was never
+    retrieved" (asyncio), and their late callbacks raise "Event loop is closed" into a loop
+    that is gone (reported through ``sys.unraisablehook``): hundreds of lines in all. The
+    error itself is raised again by :meth:`Checkpointer.wait`, which reports it in one
+    line, so these are dropped. ``NNXSCALE_DEBUG=1`` lets them through.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._users = 0
+        self._previous_hook = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or os.environ.get("NNXSCALE_DEBUG"):
+            return True
+        if record.name == "asyncio":  # an abandoned write: its future names orbax's coroutine
+            return "orbax" not in record.getMessage()
+        return f"{os.sep}orbax{os.sep}" not in record.pathname
+
+    def _unraisable(self, info) -> None:
+        closed = isinstance(info.exc_value, RuntimeError) and str(info.exc_value) == "Event loop is closed"
+        if not closed or os.environ.get("NNXSCALE_DEBUG"):
+            self._previous_hook(info)
+
+    def acquire(self) -> None:
+        if self._users == 0:
+            for name in ("absl", "asyncio"):
+                logging.getLogger(name).addFilter(self)
+            self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+        self._users += 1
+
+    def release(self) -> None:
+        self._users -= 1
+        if self._users == 0:
+            for name in ("absl", "asyncio"):
+                logging.getLogger(name).removeFilter(self)
+            sys.unraisablehook = self._previous_hook
+
+
+_quiet_orbax_errors = _QuietOrbaxErrors()
 
 
 @contextlib.contextmanager

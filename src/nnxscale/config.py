@@ -4,17 +4,30 @@ Precedence: defaults < config file (``--config run.toml`` or ``.json``) < comman
 flags. The resolved config is written to ``RUN_DIR/config.json``; re-running on the same
 run directory must not change any field that would make the resumed run a different
 experiment (see :data:`RESUMABLE_FIELDS` for the ones that may change).
+
+Every field is checked, from flags and files alike: its type when a config is read from a
+dict (:meth:`TrainConfig.from_dict`: ``steps = "ten"`` or ``steps = 10.5`` are refused,
+naming the field; a whole float such as ``1e3`` is taken as an integer), and its range in
+:meth:`TrainConfig.validate`. Field ``optim.min_lr_ratio`` has the flag ``--min-lr-ratio``:
+the last part of its name, with dashes (:func:`flag`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, Optional
 
 from nnxscale.errors import ConfigError
+
+#: Most steps a run can have: the train state counts steps in an int32.
+MAX_STEPS = 2**31 - 1
+#: Largest seed: ``jax.random.key`` takes 32 bits (``key(2**32)`` is ``key(0)`` again).
+MAX_SEED = 2**32 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +74,7 @@ class TrainConfig:
     eval_every: int = 100
     save_every: int = 100
     keep: int = 3
+    max_bad_steps: int = 5  # consecutive steps with a non-finite loss or gradient norm before stopping
     init_from: Optional[str] = None
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
@@ -73,47 +87,126 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def validate(self) -> None:
-        """Check the fields that need no devices, data or model; raise ConfigError."""
-        checks = [
-            (self.steps >= 1, f"--steps must be at least 1, got {self.steps}"),
-            (self.log_every >= 1, f"--log-every must be at least 1, got {self.log_every}"),
-            (self.eval_every >= 0, f"--eval-every must be 0 (never) or positive, got {self.eval_every}"),
-            (self.save_every >= 0, f"--save-every must be 0 (only at the end) or positive, got {self.save_every}"),
-            (self.keep >= 1, f"--keep must be at least 1, got {self.keep}"),
-            (self.optim.grad_accum >= 1, f"--grad-accum must be at least 1, got {self.optim.grad_accum}"),
-            (self.data.batch_size >= 1, f"--batch-size must be at least 1, got {self.data.batch_size}"),
-            (self.data.seq_len >= 1, f"--seq-len must be at least 1, got {self.data.seq_len}"),
-            (0 <= self.data.val_fraction < 1, f"--val-fraction must be in [0, 1), got {self.data.val_fraction}"),
-            (0 <= self.dropout < 1, f"--dropout must be in [0, 1), got {self.dropout}"),
-            (self.optim.lr > 0, f"--lr must be positive, got {self.optim.lr}"),
-            (self.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16, got {self.dtype!r}"),
-            (self.remat in ("none", "full", "dots"), f"--remat must be none, full or dots, got {self.remat!r}"),
-            (self.min_shard_bytes >= 0, f"--min-shard-bytes must be 0 or positive, got {self.min_shard_bytes}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
+        """Check every field's type and range (no devices, data or model needed); raise ConfigError."""
+        fields = flatten(self.to_dict())
+        for path, value in fields.items():
+            _typed(path, value, _FIELD_TYPES[path], strict=True)
+        at_least = lambda low: (lambda v: v >= low, f"at least {low}")  # noqa: E731
+        below_one = (lambda v: 0 <= v < 1, "in [0, 1)")
+        steps = (lambda v: 1 <= v <= MAX_STEPS, f"in [1, {MAX_STEPS}]")
+        ranges = {
+            "steps": steps,
+            "seed": (lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]"),
+            "dropout": below_one,
+            "log_every": at_least(1),
+            "eval_every": (lambda v: v >= 0, "0 (never) or positive"),
+            "save_every": (lambda v: v >= 0, "0 (only at the end) or positive"),
+            "keep": at_least(1),
+            "max_bad_steps": at_least(1),
+            "optim.lr": (lambda v: v > 0, "positive"),
+            "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+            "optim.warmup_steps": at_least(0),
+            "optim.weight_decay": at_least(0),
+            "optim.beta1": below_one,
+            "optim.beta2": below_one,
+            "optim.grad_clip": (lambda v: v >= 0, "0 (off) or positive"),
+            "optim.grad_accum": at_least(1),
+            "optim.decay_steps": (lambda v: v is None or steps[0](v), steps[1]),
+            "data.seq_len": at_least(1),
+            "data.batch_size": at_least(1),
+            "data.val_fraction": below_one,
+            "data.eval_batches": at_least(1),
+            "min_shard_bytes": at_least(0),
+        }
+        for path, (ok, wanted) in ranges.items():
+            if not ok(fields[path]):
+                raise ConfigError(f"{_label(path)} must be {wanted}, got {fields[path]}")
+        for path in ("model", "mesh", "rules", "run_dir", "data.data", "init_from"):
+            if fields[path] is not None and not fields[path].strip():
+                raise ConfigError(f"{_label(path)} is empty")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"{_label('dtype')} must be float32 or bfloat16, got {self.dtype!r}")
+        if self.remat not in ("none", "full", "dots"):
+            raise ConfigError(f"{_label('remat')} must be none, full or dots, got {self.remat!r}")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
-        d = dict(d)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ConfigError(f"unknown config fields {sorted(unknown)}; valid fields are {sorted(known)}")
-        optim = _sub(OptimConfig, d.pop("optim", {}), "optim")
-        data = _sub(DataConfig, d.pop("data", {}), "data")
-        return cls(**d, optim=optim, data=data)
+    def from_dict(cls, d: dict[str, Any], *, source: Optional[str] = None) -> "TrainConfig":
+        """A config from a nested dict (a config file, ``config.json``), each field type-checked.
+
+        ``source`` (e.g. ``"config file run.toml"``) starts every error message.
+        """
+        try:
+            return _build(cls, d, "")
+        except ConfigError as e:
+            if source is None:
+                raise
+            raise ConfigError(f"{source}: {e}") from None
 
 
-def _sub(cls, d, name):
+def flag(path: str) -> str:
+    """The command-line flag of a field: ``"optim.min_lr_ratio"`` -> ``"--min-lr-ratio"``."""
+    return "--" + path.rsplit(".", 1)[-1].replace("_", "-")
+
+
+def _label(path: str) -> str:
+    """How errors name a field: ``--steps``, ``--min-lr-ratio (optim.min_lr_ratio)``."""
+    return flag(path) if "." not in path else f"{flag(path)} ({path})"
+
+
+def _build(cls, d, prefix: str):
+    """``cls`` (a config dataclass) from a dict, recursively, each field type-checked."""
     if isinstance(d, cls):
         return d
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - known
+    where = f"[{prefix[:-1]}]" if prefix else "the config"
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} must be a table of fields, got {d!r}")
+    hints = typing.get_type_hints(cls)
+    known = sorted(f.name for f in dataclasses.fields(cls))
+    unknown = sorted(set(d) - set(known))
     if unknown:
-        raise ConfigError(f"unknown fields {sorted(unknown)} in [{name}]; valid fields are {sorted(known)}")
-    return cls(**d)
+        raise ConfigError(f"unknown fields {unknown} in {where}; valid fields are {known}")
+    values = {}
+    for name, value in d.items():
+        hint = hints[name]
+        if prefix + name == "remat" and isinstance(value, bool):  # remat = true: full rematerialization
+            value = "full" if value else "none"
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            values[name] = _typed(prefix + name, value, hint, strict=False)
+    return cls(**values)
+
+
+def _typed(path: str, value, hint, *, strict: bool):
+    """``value`` as the field's type (``int``, ``float``, ``str``, ``bool``, ``Optional[...]``).
+
+    Not ``strict`` (values read from a file): a whole float (``1e3``) becomes an ``int``
+    and an ``int`` in a float field a ``float``. Floats must be finite. Raises ConfigError
+    naming the field and what it got.
+    """
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if optional:
+        if value is None:
+            return None
+        (hint,) = (a for a in args if a is not type(None))
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and not isinstance(value, bool):
+        if isinstance(value, int):
+            return value
+        if not strict and isinstance(value, float) and value.is_integer():
+            return int(value)
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"{_label(path)} must be a finite number, got {value}")
+        return value if strict else float(value)
+    if hint is str and isinstance(value, str):
+        return value
+    wanted = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}[hint]
+    raise ConfigError(
+        f"{_label(path)} must be {wanted}{' or unset' if optional else ''}, got {value!r} ({type(value).__name__})"
+    )
 
 
 #: Fields that may differ between a run directory's config and a resuming command:
@@ -123,7 +216,7 @@ def _sub(cls, d, name):
 #: takes the run's own, so growing ``--steps`` does not restart warmup.
 RESUMABLE_FIELDS = frozenset(
     {"steps", "mesh", "rules", "run_dir", "log_every", "eval_every", "save_every", "keep", "remat", "init_from",
-     "min_shard_bytes", "data.eval_batches"}
+     "min_shard_bytes", "max_bad_steps", "data.eval_batches"}
 )
 
 
@@ -174,3 +267,17 @@ def config_conflicts(saved: dict, new: dict) -> list[str]:
         if a.get(key) != b.get(key):
             out.append(f"{key}: run directory has {a.get(key)!r}, this command has {b.get(key)!r}")
     return out
+
+
+def _field_types(cls, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            out.update(_field_types(hint, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = hint
+    return out
+
+
+#: Dotted field name -> its type, for every field of :class:`TrainConfig`.
+_FIELD_TYPES = _field_types(TrainConfig)

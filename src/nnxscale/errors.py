@@ -11,6 +11,11 @@ Each class also derives from the built-in exception a Python caller would expect
 
 from __future__ import annotations
 
+import errno
+import os
+import re
+from typing import Optional
+
 
 class NnxscaleError(Exception):
     """Base class of nnxscale's user-facing errors."""
@@ -50,3 +55,55 @@ class CheckpointError(NnxscaleError, RuntimeError):
 
 class JobError(NnxscaleError, ValueError):
     """A multi-process job that cannot be joined or launched as asked (flags, ports, processes)."""
+
+
+class StorageError(NnxscaleError, OSError):
+    """A run file or checkpoint that cannot be written or read: the disk is full, read only, ..."""
+
+
+class RunFileError(NnxscaleError, ValueError):
+    """A file of a run directory (``config.json``, ``metrics.jsonl``) that is not what it should be."""
+
+
+class RunLockedError(NnxscaleError, RuntimeError):
+    """Another trainer holds the run directory."""
+
+
+class DivergenceError(NnxscaleError, FloatingPointError):
+    """Training stopped: the loss or gradient norm stayed non-finite for too many steps."""
+
+
+#: errno -> what a user would call it (others: the system's own text, ``os.strerror``).
+_OS_REASONS = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.EFBIG: "file too large for the file system or the process's file-size limit",
+}
+
+
+def os_reason(error: BaseException) -> Optional[str]:
+    """What went wrong in a failed file operation, in words (``"disk full"``), or ``None``.
+
+    Reads ``errno`` from an ``OSError``, or the ``os_error_code`` that TensorStore (Orbax's
+    storage layer) puts in its messages, from ``error`` or the errors it wraps.
+    """
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        code = getattr(error, "errno", None)
+        if code is None:
+            found = re.search(r"os_error_code='?(\d+)", str(error))
+            code = int(found.group(1)) if found else None
+        if code is not None:
+            return _OS_REASONS.get(code) or os.strerror(code).lower()
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def storage_error(action: str, path, error: BaseException, advice: str = "") -> StorageError:
+    """One line for a failed file operation: ``writing /run/metrics.jsonl failed: disk full``."""
+    reason = os_reason(error) or f"{type(error).__name__}: {error}"
+    return StorageError(f"{action} {path} failed: {reason}" + (f"; {advice}" if advice else ""))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -11,32 +12,38 @@ import numpy as np
 from flax import nnx
 
 from nnxscale.checkpoint import Checkpointer, checkpoint_dir
-from nnxscale.config import ConfigError, TrainConfig, with_overrides
+from nnxscale.config import MAX_SEED, ConfigError, TrainConfig, with_overrides
 from nnxscale.mesh import make_mesh
-from nnxscale.train import setup
+from nnxscale.train import saved_config, setup
 
 
-def load_model(run_dir) -> nnx.Module:
-    """The model of a run's latest checkpoint, on one device (of this process, in a job)."""
+def load_model(run_dir, *, warn: Callable[[str], None] = print) -> nnx.Module:
+    """The model of a run's newest intact checkpoint, on one device (of this process, in a job).
+
+    Damaged newer checkpoints are skipped, each with a ``warn`` line.
+    """
     run_dir = Path(run_dir)
-    config_path = run_dir / "config.json"
-    if not config_path.exists():
+    saved = saved_config(run_dir)
+    if saved is None:
         raise ConfigError(f"{run_dir} is not an nnxscale run directory (no config.json)")
-    cfg = TrainConfig.from_dict(json.loads(config_path.read_text())["train"])
+    cfg = TrainConfig.from_dict(saved)
     s = setup(with_overrides(cfg, {"mesh": "data=1"}), mesh=make_mesh("data=1", devices=jax.local_devices()[:1]))
-    ckpt = Checkpointer(checkpoint_dir(run_dir), async_save=False)
-    try:
-        state, _ = ckpt.restore(s.abstract)
-    finally:
-        ckpt.close()
+    with Checkpointer(checkpoint_dir(run_dir), async_save=False) as ckpt:
+        _, state, _ = ckpt.restore_intact(s.abstract, warn=warn)
     return nnx.merge(s.graphdef, state["params"])
 
 
-def sample(run_dir, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> str:
+def sample(
+    run_dir, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
+    warn: Callable[[str], None] = print,
+) -> str:  # fmt: skip
     """Continue ``prompt`` with ``max_new_tokens`` sampled bytes; returns prompt + continuation."""
-    if max_new_tokens < 1 or temperature < 0 or top_k < 0:
-        raise ConfigError("--max-new-tokens must be positive, --temperature and --top-k non-negative")
-    model = load_model(run_dir)
+    if max_new_tokens < 1 or not 0 <= temperature < math.inf or top_k < 0 or not 0 <= seed <= MAX_SEED:
+        raise ConfigError(
+            f"--max-new-tokens must be positive (got {max_new_tokens}), --temperature finite and non-negative "
+            f"(got {temperature}), --top-k non-negative (got {top_k}), --seed in [0, {MAX_SEED}] (got {seed})"
+        )
+    model = load_model(run_dir, warn=warn)
     cfg = model.config
     if cfg.vocab_size > 256:
         raise ConfigError(f"sample decodes byte-level models (vocab 256); this model has vocab {cfg.vocab_size}")

@@ -18,9 +18,12 @@ the keys an uninterrupted one would.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import errno
 import functools
 import json
+import math
 import os
 import signal
 import time
@@ -37,12 +40,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from nnxscale import data as datalib
 from nnxscale.checkpoint import Checkpointer, checkpoint_dir
 from nnxscale.config import ConfigError, TrainConfig, config_conflicts
+from nnxscale.activations import use_rules
 from nnxscale.devices import peak_flops
 from nnxscale.distributed import StopVote, current
+from nnxscale.errors import DivergenceError, RunFileError, storage_error
 from nnxscale.mesh import format_mesh, make_mesh, process_findings
 from nnxscale.models import gpt2
-from nnxscale.activations import use_rules
 from nnxscale.rules import MeshRules, resolve
+from nnxscale.runlock import RunLock
 from nnxscale.sharding import abstract_state, layout_bytes, sharded_init
 
 #: Training steps dispatched ahead of the host (see the loop).
@@ -242,7 +247,7 @@ def make_train_step(s: Setup):
             "key": state["key"],
         }
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
-        return new_state, metrics
+        return skip_nonfinite(state, new_state, metrics)
 
     return jax.jit(
         _under_rules(step, s.rules),
@@ -250,6 +255,25 @@ def make_train_step(s: Setup):
         out_shardings=(s.state_shardings, None),
         donate_argnums=0,
     )
+
+
+def skip_nonfinite(state, new_state, metrics):
+    """The divergence guard, inside the jitted step: ``(state, metrics)`` to return.
+
+    When the loss or the gradient norm is not finite, the step's update is skipped: the
+    parameters and the optimizer state (its moments and its count) stay as they were, so
+    a NaN or Inf never reaches them or a checkpoint. The step counter advances either way
+    (the batch is used up), and ``metrics["skipped"]`` is 1 for a skipped step, else 0.
+
+    A select per array, with no host round trip (``lax.cond`` would read the predicate on
+    the host on GPUs). Measured for gpt2 on data=8, batch 8 x 1024: the parameters' select
+    fuses into the update for free; the optimizer state's keeps one moment's worth of
+    temporary memory per device (step temp 2.76 -> 3.28 GiB).
+    """
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    kept = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, state)
+    kept["step"] = new_state["step"]
+    return kept, {**metrics, "skipped": jnp.where(ok, 0, 1).astype(jnp.int32)}
 
 
 def make_eval_step(s: Setup):
@@ -276,21 +300,37 @@ def _under_rules(fn: Callable, rules: MeshRules) -> Callable:
 # --------------------------------------------------------------------------------------
 
 
-def _write_json_atomic(path: Path, obj) -> None:
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file, then a rename."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise storage_error("writing", path, e) from None
 
 
-def _saved_config(run_dir: Path) -> Optional[dict]:
-    path = run_dir / "config.json"
+def saved_config(run_dir) -> Optional[dict]:
+    """The ``train`` config a run directory's ``config.json`` holds (a dict), or ``None``.
+
+    Raises RunFileError naming the file if it cannot be read or is not a config.
+    """
+    path = Path(run_dir) / "config.json"
     if not path.exists():
         return None
     try:
         saved = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        raise ConfigError(f"{path} is not valid JSON; fix or remove it") from None
-    return saved.get("train", saved)
+    except OSError as e:
+        raise storage_error("reading", path, e) from None
+    except ValueError:  # not JSON, or not text at all
+        raise RunFileError(f"{path} is not valid JSON; fix or remove it") from None
+    saved = saved.get("train", saved) if isinstance(saved, dict) else saved
+    try:
+        TrainConfig.from_dict(saved, source=str(path))
+    except ConfigError as e:
+        raise RunFileError(f"{e}; fix or remove it") from None
+    return saved
 
 
 def _fix_schedule_length(cfg: TrainConfig, run_dir: Path) -> TrainConfig:
@@ -301,14 +341,14 @@ def _fix_schedule_length(cfg: TrainConfig, run_dir: Path) -> TrainConfig:
     """
     if cfg.optim.decay_steps is not None:
         return cfg
-    saved = _saved_config(run_dir)
+    saved = saved_config(run_dir)
     length = (saved or {}).get("optim", {}).get("decay_steps") or cfg.steps
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=length))
 
 
 def check_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
     """Refuse a run directory whose saved config makes this a different experiment."""
-    saved = _saved_config(run_dir)
+    saved = saved_config(run_dir)
     if saved is None:
         return
     conflicts = config_conflicts(saved, cfg.to_dict())
@@ -323,8 +363,8 @@ def check_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
 def plot_metrics(run_dir: Path) -> Optional[Path]:
     """Draw ``loss.png`` (train and validation loss against step) from ``metrics.jsonl``."""
     rows = read_metrics(run_dir)
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]  # null: a skipped step
+    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
     if not train:
         return None
     import matplotlib
@@ -343,24 +383,90 @@ def plot_metrics(run_dir: Path) -> Optional[Path]:
     ax.legend()
     fig.tight_layout()
     out = run_dir / "loss.png"
-    fig.savefig(out)
-    plt.close(fig)
+    try:
+        fig.savefig(out)
+    except OSError as e:
+        raise storage_error("writing", out, e) from None
+    finally:
+        plt.close(fig)
+    return out
+
+
+def _json_line(record: dict) -> str:
+    """One strict JSON line: NaN and Inf become ``null`` (bare ``NaN`` is not JSON)."""
+    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
+
+
+def _append_metrics(path: Path, record: dict) -> None:
+    """Append one record to ``metrics.jsonl``.
+
+    A write that fails part-way (a full disk) is cut back off, so the file holds whole
+    lines only; a crash in the middle of the write leaves at most a partial last line,
+    which :func:`_repair_metrics` removes when the run resumes.
+    """
+    data = memoryview(_json_line(record).encode())
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise storage_error("writing", path, e) from None
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            while data:  # a short write is followed by one that reports why (ENOSPC, EFBIG, ...)
+                written = os.write(fd, data)
+                if not written:
+                    raise OSError(errno.EIO, "nothing written")
+                data = data[written:]
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise storage_error("writing", path, e) from None
+    finally:
+        os.close(fd)
+
+
+def _metrics_lines(path: Path) -> list[tuple[str, Optional[dict]]]:
+    """``(line, record)`` per line of ``metrics.jsonl``; a partial last line has record ``None``.
+
+    Raises RunFileError naming the file and line for any other line that is not a record.
+    """
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        raise storage_error("reading", path, e) from None
+    lines = text.splitlines()
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a record with a step")
+        except ValueError as e:
+            if number == len(lines) and not text.endswith("\n"):
+                out.append((line, None))  # cut off by a crash while it was written
+                break
+            raise RunFileError(f"{path} line {number} is not a metrics record ({e}); fix or remove that line") from None
+        out.append((line, record))
     return out
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of ``metrics.jsonl``, oldest first (a partial last line is left out)."""
+    return [r for _, r in _metrics_lines(Path(run_dir) / "metrics.jsonl") if r is not None]
 
 
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop records past the checkpoint being resumed from: they are logged again."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-    path.write_text("".join(line + "\n" for line in keep))
+def _repair_metrics(path: Path, last_step: int) -> None:
+    """Drop records past the checkpoint being resumed from (they are logged again), and a
+    partial last line left by a crash. Rewrites the file atomically, and only if needed."""
+    lines = _metrics_lines(path)
+    keep = [line for line, r in lines if r is not None and r["step"] <= last_step]
+    if len(keep) < len(lines):
+        _write_atomic(path, "".join(line + "\n" for line in keep))
 
 
 # --------------------------------------------------------------------------------------
@@ -368,8 +474,11 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def load_init_params(s: Setup, source: str):
-    """Parameters from a seed checkpoint (``nnxscale init``) or a Hugging Face GPT-2 dir."""
+def load_init_params(s: Setup, source: str, *, warn: Callable[[str], None] = print):
+    """Parameters from a seed checkpoint (``nnxscale init``) or a Hugging Face GPT-2 dir.
+
+    From a run directory: its newest intact checkpoint (``warn`` names damaged newer ones).
+    """
     path = Path(source)
     if (path / "config.json").exists() and (path / "model.safetensors").exists() and not (path / "checkpoints").exists():
         model = gpt2.from_pretrained(path, mesh=s.mesh, rules=s.rules)
@@ -384,25 +493,80 @@ def load_init_params(s: Setup, source: str):
             f"--init-from {path}: neither a Hugging Face GPT-2 directory (config.json + model.safetensors) "
             "nor an nnxscale run directory with checkpoints"
         )
-    ckpt = Checkpointer(ckpt_root, async_save=False)
-    try:
-        restored, _ = ckpt.restore({"params": s.abstract["params"]})
-    finally:
-        ckpt.close()
+    with Checkpointer(ckpt_root, async_save=False) as ckpt:
+        _, restored, _ = ckpt.restore_intact({"params": s.abstract["params"]}, warn=warn)
     return restored["params"]
 
 
-def _install_stop_handlers(flag: dict):
-    def handler(signum, _frame):
-        flag["signal"] = signum
+class _StopSignals:
+    """SIGTERM and SIGINT (Ctrl-C) ask the run to stop cleanly: it saves, then returns.
 
-    previous = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            previous[sig] = signal.signal(sig, handler)
-        except ValueError:  # not the main thread: the caller handles interruption
-            pass
-    return previous
+    Installed first thing in :func:`train`, so a signal during the sharded init or the
+    first compilation is a request like any other: Python's default, a KeyboardInterrupt
+    raised inside XLA's compiler, ended the process in a segmentation fault at exit. A
+    second signal stops at once, without saving (exit code 128 + signal): like ``kill
+    -9``, after which a resume continues from the last complete checkpoint.
+    """
+
+    def __init__(self):
+        self.signal: Optional[int] = None
+        self._previous = {}
+
+    def __bool__(self) -> bool:
+        return self.signal is not None
+
+    def __enter__(self) -> _StopSignals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: the caller handles interruption
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, _frame) -> None:
+        if self.signal is not None:
+            os._exit(128 + signum)
+        self.signal = signum
+        name = signal.Signals(signum).name
+        os.write(2, f"\nnnxscale: {name}: stopping as soon as it is safe; {name} again stops at once, unsaved\n".encode())
+
+
+class _SkipCounter:
+    """The host's half of the divergence guard: counts the steps that the jitted step
+    skipped (:func:`skip_nonfinite`); :meth:`check` stops the run after ``limit`` in a row."""
+
+    def __init__(self, limit: int, total: int, lr: float, run_dir: Path):
+        self.limit, self.total, self.lr, self.run_dir = limit, total, lr, run_dir
+        self.streak = 0
+        self.last_bad: tuple[int, dict] = (0, {})
+
+    def seen(self, step: int, metrics: dict) -> None:
+        """Account for ``step``'s metrics (host values)."""
+        if not metrics["skipped"]:
+            self.streak = 0
+            return
+        self.total += 1
+        self.streak += 1
+        self.last_bad = (step, metrics)
+
+    def check(self, latest_checkpoint: Callable[[], Optional[int]]) -> None:
+        """Raise DivergenceError if the last ``limit`` steps accounted for were all skipped."""
+        if self.streak < self.limit:
+            return
+        step, metrics = self.last_bad
+        bad = [f"{name} {metrics[key]}" for key, name in (("loss", "loss"), ("grad_norm", "gradient norm"))
+               if not math.isfinite(metrics[key])]  # fmt: skip
+        latest = latest_checkpoint()
+        restart = f" (--init-from {self.run_dir} starts from its step {latest})" if latest is not None else ""
+        raise DivergenceError(
+            f"training diverged at step {step}: {' and '.join(bad)}, non-finite for {self.streak} steps in a row "
+            f"(steps {step - self.streak + 1}-{step}), each skipped, so no parameter or checkpoint holds them; "
+            f"try a lower --lr (this run: {self.lr:g}), more --warmup-steps or a --grad-clip in a new --run-dir{restart}"
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -420,10 +584,21 @@ class TrainResult:
     tokens_per_s: Optional[float]
     wall_s: float
     interrupted_by: Optional[int] = None  # signal number when stopped by SIGTERM/SIGINT
+    skipped_steps: int = 0  # steps whose update was skipped (non-finite loss or gradient norm)
 
 
 def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[str], None] = print) -> TrainResult:
-    """Train (or resume) the run in ``cfg.run_dir``. Everything ``nnxscale train`` does."""
+    """Train (or resume) the run in ``cfg.run_dir``. Everything ``nnxscale train`` does.
+
+    Raises NnxscaleError subclasses for what a user can fix: bad settings
+    (ConfigError), another trainer on the run directory (RunLockedError), a full or
+    read-only disk (StorageError, CheckpointError), a run that diverged (DivergenceError).
+    """
+    with _StopSignals() as stop:
+        return _train(cfg, stop, progress=progress, mesh=mesh, log=log)
+
+
+def _train(cfg: TrainConfig, stop: _StopSignals, *, progress: bool, mesh, log: Callable[[str], None]) -> TrainResult:
     t_start = time.perf_counter()
     run_dir = Path(cfg.run_dir)
     cfg = _fix_schedule_length(cfg, run_dir)
@@ -465,30 +640,42 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
         log(f"lint: {finding}")
 
     check_run_dir(cfg, run_dir)  # after validating the command itself, before writing anything
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpointer(checkpoint_dir(run_dir), keep=cfg.keep)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise storage_error("creating the run directory", run_dir, e) from None
+    # One trainer per run directory, from before its first write until after its last. As
+    # the only writer, it deletes the saves that a crash left unfinished (freeing their
+    # space) and the steps beyond --keep that a crash left behind.
+    lock = RunLock(run_dir, warn=log)
+    lock.acquire()
+    try:
+        ckpt = Checkpointer(checkpoint_dir(run_dir), keep=cfg.keep, remove_unfinished=True)
+    except BaseException:
+        lock.release()
+        raise
     try:  # the checkpointer's background threads must be closed on every path
         metrics_path = run_dir / "metrics.jsonl"
-        start = ckpt.latest_step()
-        if start is not None:
-            state, extras = ckpt.restore(s.abstract)
+        skipped_before = 0
+        if ckpt.steps():
+            start, state, extras = ckpt.restore_intact(s.abstract, warn=log, set_aside=True)
+            ckpt.remove_surplus()
             train_it.set_state(extras["data"])
             if extras.get("data_fingerprint") not in (None, tokens.fingerprint):
                 raise ConfigError(f"the data in {tokens.description} changed since this run was saved")
+            skipped_before = extras.get("skipped_steps", 0)
             if is_main:
-                _truncate_metrics(metrics_path, start)
+                _repair_metrics(metrics_path, start)
             log(f"resumed {run_dir} from step {start} on mesh {format_mesh(s.mesh.shape)}")
         else:
             start = 0
-            params = load_init_params(s, cfg.init_from) if cfg.init_from else None
+            params = load_init_params(s, cfg.init_from, warn=log) if cfg.init_from else None
             state = init_state(s, params)
             if is_main:
                 metrics_path.unlink(missing_ok=True)
         if is_main:
-            _write_json_atomic(
-                run_dir / "config.json",
-                {"train": cfg.to_dict(), "model": s.model_cfg.to_dict(), "data": tokens.description},
-            )
+            saved = {"train": cfg.to_dict(), "model": s.model_cfg.to_dict(), "data": tokens.description}
+            _write_atomic(run_dir / "config.json", json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
         step_fn = make_train_step(s)
         eval_fn = make_eval_step(s)
@@ -496,6 +683,7 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
         flops_per_token = s.model_cfg.flops_per_token(cfg.data.seq_len)
         peak = peak_flops(jax.devices()[0])
         peak_total = peak * jax.device_count() if peak else None
+        skips = _SkipCounter(cfg.max_bad_steps, skipped_before, cfg.optim.lr, run_dir)
 
         def evaluate(params) -> Optional[float]:
             if not val_batches:
@@ -503,12 +691,22 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
             losses = [eval_fn(params, datalib.to_global(b, s.batch_sharding)) for b in val_batches]
             return float(np.mean(jax.device_get(losses)))
 
+        def settle() -> None:
+            """Account for every step dispatched so far (they are done or nearly)."""
+            while in_flight:
+                skips.seen(*jax.device_get(in_flight.popleft()))
+
+        def latest_saved() -> Optional[int]:
+            ckpt.wait()
+            return ckpt.latest_step()
+
         def save(step: int) -> None:
-            extras = {"data": train_it.get_state(), "data_fingerprint": tokens.fingerprint, "config": cfg.to_dict()}
+            settle()
+            skips.check(latest_saved)
+            extras = {"data": train_it.get_state(), "data_fingerprint": tokens.fingerprint, "config": cfg.to_dict(),
+                      "skipped_steps": skips.total}  # fmt: skip
             ckpt.save(step, state, extras, force=True)
 
-        stop = {}
-        previous_handlers = _install_stop_handlers(stop)
         # A signal may reach one process only: every process stops at the step they agree on.
         vote, stopping = StopVote(lag=MAX_IN_FLIGHT), None
         bar = _progress(progress and is_main, start, cfg.steps)
@@ -517,25 +715,26 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
         step = start
         # At most MAX_IN_FLIGHT steps are queued on the devices: enough to overlap host and
         # device, and XLA:CPU's in-process collectives deadlock with ~100 queued steps.
-        in_flight: collections.deque = collections.deque()
+        in_flight: collections.deque = collections.deque()  # (step, metrics) not yet accounted for
         try:
-            while step < cfg.steps:
+            while step < cfg.steps and not stopping:
                 batch = datalib.to_global(next(train_it), s.batch_sharding)
                 with jax.set_mesh(s.mesh):
                     state, metrics = step_fn(state, batch)
-                in_flight.append(metrics["loss"])
-                if len(in_flight) > MAX_IN_FLIGHT:
-                    jax.block_until_ready(in_flight.popleft())
                 step += 1
-                stopping = vote(stop.get("signal"), final=step == cfg.steps)
+                in_flight.append((step, metrics))
+                if len(in_flight) > MAX_IN_FLIGHT:
+                    skips.seen(*jax.device_get(in_flight.popleft()))
+                stopping = vote(stop.signal, final=step == cfg.steps)
                 if step == start + 1:  # first step includes compilation; time from here on
                     jax.block_until_ready(metrics)
                     t_last, s_last = time.perf_counter(), step
                 do_eval = bool(val_batches) and (step % cfg.eval_every == 0 or step == cfg.steps)
                 if step % cfg.log_every == 0 or step == cfg.steps or do_eval or stopping:
-                    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    settle()
+                    m = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "skipped"}
                     now = time.perf_counter()
-                    record = {"step": step, **m}
+                    record = {"step": step, **m, "skipped_steps": skips.total}
                     if step > s_last:
                         dt = (now - t_last) / (step - s_last)
                         tokens_per_s = tokens_per_step / dt
@@ -549,23 +748,22 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
                         t_last = time.perf_counter()  # evaluation is not step time
                     last_loss = m["loss"]
                     if is_main:
-                        with metrics_path.open("a") as f:
-                            f.write(json.dumps(record) + "\n")
+                        _append_metrics(metrics_path, record)
                     bar.update(step, record)
                 else:
                     bar.update(step)
+                skips.check(latest_saved)  # nothing is saved, or run, once the run has diverged
                 if stopping or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                     save(step)
                     t_last = time.perf_counter()  # the host-side part of a save is not step time
-                if stopping:
-                    break
         finally:
             bar.close()
             ckpt.wait()
-            for sig, h in previous_handlers.items():
-                signal.signal(sig, h)
     finally:
-        ckpt.close()
+        try:
+            ckpt.close()
+        finally:
+            lock.release()
     if is_main:
         plot_metrics(run_dir)
     return TrainResult(
@@ -576,7 +774,8 @@ def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[
         val_loss=last_val,
         tokens_per_s=tokens_per_s,
         wall_s=time.perf_counter() - t_start,
-        interrupted_by=stopping,
+        interrupted_by=stopping if step < cfg.steps else None,  # a signal after the last step stops nothing
+        skipped_steps=skips.total,
     )
 
 
@@ -640,12 +839,12 @@ def init_run(model: str, mesh_spec, run_dir, *, rules="auto", seed: int = 0, min
     per_device, total = layout_bytes(created, mesh, resolved)
     params = _pure(nnx.state(created))
     del created
-    ckpt = Checkpointer(root, async_save=False)
     try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise storage_error("creating the run directory", run_dir, e) from None
+    with RunLock(run_dir), Checkpointer(root, async_save=False) as ckpt:
         ckpt.save(0, {"params": params}, {"kind": "seed", "model": model, "seed": seed}, force=True)
-        ckpt.wait()
-    finally:
-        ckpt.close()
     return {
         "num_params": mcfg.num_params(),
         "total_bytes": total,
