@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 from fault_injection import can_mount, small_filesystem
-from test_train import PINNED_SCHEDULE, quiet_train, text_data, tiny_cfg  # noqa: F401 (text_data: a fixture)
+from test_train import PINNED_SCHEDULE, quiet_train, tiny_cfg
 
 from nnxscale.checkpoint import Checkpointer, checkpoint_dir
 from nnxscale.cli import main
