@@ -394,27 +394,26 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
 #: :func:`features`, in bytes; ``shared`` applies under every remat policy.
 COEFFICIENTS: dict[str, dict[str, float]] = {
     "shared": {
-        "work_res": 11.45,
-        "work_tp": 7.835,
-        "work_att": 2.517,
-        "logits": 1.625,
-        "grads": 1.216,
-        "grads_sum": 1.636,
-        "gathered": 0.9429,
-        "one": 1382000.0,
+        "work_res": 12.46,
+        "work_tp": 9.896,
+        "work_att": 2.189,
+        "logits": 1.621,
+        "grads": 2.257,
+        "grads_sum": 0.8634,
+        "gathered": 1.205,
     },
     "none": {
-        "saved_res": 7.615,
-        "saved_tp": 23.75,
-        "saved_att": 2.229,
+        "saved_res": 7.546,
+        "saved_tp": 24.0,
+        "saved_att": 2.158,
     },
     "full": {
-        "saved_res": 1.151,
+        "saved_res": 1.154,
     },
     "dots": {
-        "saved_res": 2.163,
-        "saved_tp": 5.031,
-        "saved_att": 0.08333,
+        "saved_res": 1.971,
+        "saved_tp": 5.435,
+        "saved_att": 0.09378,
     },
     "collectives": {
         "coll_replicated": 1.129,
