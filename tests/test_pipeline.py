@@ -184,6 +184,49 @@ def test_gpt2_runs_pipelined_without_changing_the_model():
     assert _max_rel(grads, grads_ref) < 1e-6
 
 
+def test_checkpoints_move_in_and_out_of_a_circular_pipeline(tmp_path):
+    """Saved on data=8, one step on stage=2,data=4 (circular), saved, resumed on data=8:
+    the numbers of that step taken on data=8, because a checkpoint is always in layer order."""
+    from nnxscale.checkpoint import Checkpointer
+
+    graphdef, host = nnx.split(stack_layers(lambda r: Block(D, r), L, rngs=nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.key(1), (B, T, D))
+
+    def setup(spec):
+        mesh = nnxscale.make_mesh(spec)
+        rules = nnxscale.resolve("auto", mesh, min_shard_bytes=0)
+        params = nnx.to_pure_dict(nnxscale.place(host, mesh, rules))
+        return mesh, rules, {"params": params, "mu": jax.tree.map(jnp.zeros_like, params)}
+
+    def step(rules, pipeline):  # momentum SGD: the moments live in stage order too
+        def update(state, x):
+            def loss(params):
+                with nnxscale.use_rules(rules), use_pipeline(pipeline):
+                    return jnp.sum(scan_layers(nnx.merge(graphdef, params), x, SCALE) ** 2)
+
+            value, grads = jax.value_and_grad(loss)(state["params"])
+            mu = jax.tree.map(lambda m, g: 0.9 * m + g, state["mu"], grads)
+            return {"params": jax.tree.map(lambda p, m: p - 1e-3 * m, state["params"], mu), "mu": mu}, value
+
+        return jax.jit(update)
+
+    def target(state):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+
+    _, dp_rules, dp_state = setup("data=8")
+    expected, dp_loss = step(dp_rules, None)(dp_state, x)
+    pp_mesh, pp_rules, pp_like = setup("stage=2,data=4")
+    pipe = Pipeline.for_mesh(pp_mesh, microbatches=2, repeats=2)
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(0, dp_state, {})
+        restored, _ = ckpt.restore(target(pp_like))  # data=8 -> stage=2,data=4, layer order
+        trained, pp_loss = step(pp_rules, pipe)(to_stage_order(restored, pipe, donate=True), x)
+        ckpt.save(1, to_layer_order(trained, pipe), {})
+        resumed, _ = ckpt.restore(target(expected), step=1)  # and back onto data=8
+    assert _rel(pp_loss, dp_loss) < 1e-6
+    assert _max_rel(resumed, expected) < 1e-6
+
+
 def test_stage_order_holds_each_stages_circular_groups():
     mesh = nnxscale.make_mesh("stage=4,data=2")
     pipe = Pipeline.for_mesh(mesh, microbatches=4, repeats=3)
