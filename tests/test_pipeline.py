@@ -3,7 +3,10 @@
 Every pipelined program here is compiled once and checked three ways: its outputs and
 gradients against the unpipelined scan (float32, 1e-6 relative), its stacked parameters
 held one stage per device, and its collective-permutes against the analytical
-:func:`nnxscale.pipeline.pipeline_cost`.
+:func:`nnxscale.pipeline.pipeline_cost`. Then: how dropout keys are drawn, GPT-2 pipelined
+without a change to its code, a checkpoint moving into a circular pipeline and out again,
+stage order and what moving into it costs, memory that does not grow with iterations, and
+bad input.
 """
 
 import jax
@@ -267,6 +270,15 @@ def test_bubble_and_cost_figures():
     assert cost.boundary_bytes == 2 * 8 * microbatch  # the whole batch, forward and backward
     forward = pipeline_cost(pipe, 12, (32, 1024, 768), "bfloat16", batch_shards=2, backward=False)
     assert forward.permute_bytes == 27 * microbatch // 2
+
+
+def test_lint_reports_a_stage_axis_that_holds_no_stacked_layers():
+    stage_mesh = {"stage": 2, "data": 4}
+    unstacked = [f.kind for f in nnxscale.lint(Block(D, nnx.Rngs(0)), stage_mesh, "auto")]
+    assert unstacked == ["unused-rule"]  # the preset's layers -> stage: nothing to split by stage
+    assert nnxscale.lint(Block(D, nnx.Rngs(0)), {"data": 8}, "auto") == []  # no stage axis: nothing to say
+    stacked = stack_layers(lambda r: Block(D, r), L, rngs=nnx.Rngs(0))
+    assert nnxscale.lint(stacked, stage_mesh, "auto") == []
 
 
 def _one_line(excinfo, *fragments):
