@@ -424,10 +424,11 @@ def to_stage_order(tree, pipeline: Pipeline, shardings=None, *, donate: bool = F
     ``donate=True`` lets the result reuse the stacked leaves' memory (after a restore);
     otherwise the move needs about 1.25x the device's stacked bytes of temporary memory.
 
-    The identity for GPipe, at no cost. Otherwise one program of ``collective-permute``
-    over the stage axis: a device sends ``ceil(R/S)`` groups of each stacked leaf to each
-    of the ``S - 1`` other stages (:func:`stage_order_bytes`); run once after init or
-    restore, never per step. :func:`to_layer_order` undoes it exactly.
+    The identity for GPipe, at no cost. Otherwise one program of collective-permutes over
+    the stage axis, one per shift around the ring that some group takes, each of at most
+    ``ceil(R/S)`` groups of every stacked leaf (:func:`stage_order_bytes`); run once after
+    init or restore, never per step. :func:`to_layer_order` undoes it exactly, at the same
+    cost.
     """
     return _regroup(tree, pipeline, shardings, donate, _LAYER_ORDER, _STAGE_ORDER)
 
