@@ -90,3 +90,16 @@ def test_async_pairs_reduce_scatter_and_replica_group_formats():
     # ring algorithms: gathers and scatters send (n-1)/n, an all-reduce twice that
     wire = hlo.wire_bytes(hlo.collectives(GPU_STYLE))
     assert wire == int(5 * 4096 * 3 / 4 + 5 * 1024 * 3 / 4 + (4096 + 256) * 2 * 1 / 2 + 2048)
+
+
+def test_mesh_replica_groups_with_a_device_order():
+    """A manual shard_map's all-reduce names its mesh axes after a device order."""
+    text = """HloModule m
+
+ENTRY %main (x: f32[256]) -> f32[256] {
+  %x = f32[256]{0} parameter(0)
+  ROOT %ar = f32[256]{0} all-reduce(%x), channel_id=2, replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, use_global_device_ids=true, to_apply=%add
+}
+"""
+    (op,) = hlo.collectives(text)
+    assert (op.kind, op.bytes, op.group) == ("all-reduce", 1024, 4)

@@ -188,7 +188,8 @@ def test_rule_strings_address_one_table_and_include_presets():
     assert rules.params == (("layers", ("stage",)),) + fsdp.params
     assert rules.activations == (("layers", ("stage",)),) + fsdp.activations
     assert spec(("layers", "embed"), rules, {"stage": 2, "fsdp": 4}) == ("stage", "fsdp")
-    assert spec(("layers", "embed"), "fsdp", {"stage": 2, "fsdp": 4}) == (None, "fsdp")
+    assert spec(("layers", "embed"), "fsdp", {"stage": 2, "fsdp": 4}) == ("stage", "fsdp")  # presets split layers too
+    assert spec(("layers", "embed"), "layers=,fsdp", {"stage": 2, "fsdp": 4}) == (None, "fsdp")  # unless overridden
     # and the string form prints back to something that parses to the same rules
     assert nnxscale.get_rules(str(nnxscale.get_rules("batch=data,mlp=model"))) == nnxscale.get_rules("batch=data,mlp=model")
 

@@ -43,6 +43,13 @@ _EXPORTS = {
     "use_rules": "nnxscale.activations",
     "stack_layers": "nnxscale.stack",
     "scan_layers": "nnxscale.stack",
+    # pipeline parallelism
+    "Pipeline": "nnxscale.pipeline",
+    "use_pipeline": "nnxscale.pipeline",
+    "pipeline_layers": "nnxscale.pipeline",
+    "pipeline_cost": "nnxscale.pipeline",
+    "to_stage_order": "nnxscale.pipeline",
+    "to_layer_order": "nnxscale.pipeline",
     # state sharding
     "state_specs": "nnxscale.sharding",
     "state_shardings": "nnxscale.sharding",

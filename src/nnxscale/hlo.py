@@ -88,7 +88,7 @@ def _split_type(rhs: str) -> tuple[str, str]:
 
 def _group_size(line: str) -> int:
     """Devices per replica group, from any of XLA's three ways of writing the groups."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\S+)?\s*\{([^}]*)\}", line)
     if m:
         sizes = {k.strip("'\" "): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))}
         named = [a.strip("'\" ") for a in m.group(2).split(",") if a.strip()]

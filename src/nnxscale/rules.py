@@ -79,6 +79,7 @@ _TENSOR: Table = (
     ("vocab", _TENSOR_AXES),  # embedding / output head split by vocabulary
 )
 _FSDP_PARAMS: Table = (("embed", "fsdp"),)  # ZeRO-3: parameters split along their embedding
+_STAGES: Table = (("layers", "stage"),)  # pipeline stages: each holds its own stacked layers
 
 
 def _norm_axes(v) -> AxisNames:
@@ -131,13 +132,14 @@ def _preset(params: Table, activations: Table) -> AxisRules:
 #: decide (``data``/``batch`` split the batch, ``fsdp`` splits parameters and the batch,
 #: ``model``/``tensor`` split heads, MLP and vocabulary for parameters and activations).
 #: Each preset names every logical axis in :data:`LOGICAL_NAMES` in both tables; those it
-#: does not shard are replicated explicitly.
+#: does not shard are replicated explicitly. On a mesh with a ``stage`` axis every preset
+#: splits stacked layers (``layers``) over it, so each pipeline stage holds only its own.
 PRESETS: dict[str, AxisRules] = {
-    "auto": _preset(_BATCH + _TENSOR + _FSDP_PARAMS, _BATCH + _TENSOR),
-    "dp": _preset(_BATCH, _BATCH),
-    "fsdp": _preset(_BATCH + _FSDP_PARAMS, _BATCH),
-    "tp": _preset(_BATCH + _TENSOR, _BATCH + _TENSOR),
-    "fsdp_tp": _preset(_BATCH + _TENSOR + _FSDP_PARAMS, _BATCH + _TENSOR),
+    "auto": _preset(_BATCH + _TENSOR + _FSDP_PARAMS + _STAGES, _BATCH + _TENSOR),
+    "dp": _preset(_BATCH + _STAGES, _BATCH),
+    "fsdp": _preset(_BATCH + _FSDP_PARAMS + _STAGES, _BATCH),
+    "tp": _preset(_BATCH + _TENSOR + _STAGES, _BATCH + _TENSOR),
+    "fsdp_tp": _preset(_BATCH + _TENSOR + _FSDP_PARAMS + _STAGES, _BATCH + _TENSOR),
 }
 
 PRESET_HELP = {

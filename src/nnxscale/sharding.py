@@ -320,7 +320,9 @@ def lint(
     """Check a (model, rules, mesh) combination before training on it.
 
     Reports: parameter rules whose logical name is on no Variable, typically a typo
-    (``unused-rule``), logical names with no rule (``no-rule``), a mesh axis asked for
+    (``unused-rule``; not for a rule none of whose axes this mesh has, such as every
+    preset's ``layers`` -> ``stage`` on a mesh without stages: it does nothing here),
+    logical names with no rule (``no-rule``), a mesh axis asked for
     twice in one spec (``axis-reused``, naming the dimension that lost it), dimensions
     that do not divide by their shard count (``indivisible``), Variables that used the
     fallback (``unannotated``), and replicated tensors larger than
@@ -366,6 +368,8 @@ def lint(
     for name, axes in resolved.rules.params:
         if axes is None or name in names_in_model or name in ACTIVATION_NAMES:
             continue  # an explicit "replicate" rule that matches nothing is harmless
+        if not any(a in resolved.sizes for a in ((axes,) if isinstance(axes, str) else axes)):
+            continue  # none of its axes is on this mesh: it would replicate anyway
         findings.append(Finding("unused-rule", "", f"rule {name!r} -> {axes!r} matches no Variable of this model"))
     for record in activations:
         where = "activation (" + ", ".join(str(n) for n in record.names) + f") {record.shape}"

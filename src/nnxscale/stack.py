@@ -101,12 +101,51 @@ def scan_layers(layers: nnx.Module, x, *args, keys=None, remat: Union[str, bool,
 
     The scan's state is one layer's input, so ``remat="full"`` keeps ``n`` residual-stream
     tensors for the backward pass and recomputes everything else one layer at a time.
+
+    Within :func:`nnxscale.pipeline.use_pipeline` the layers run as a pipeline over the
+    mesh's ``stage`` axis instead (:func:`nnxscale.pipeline.pipeline_layers`), with the
+    same arguments: model code does not change.
+    """
+    from nnxscale import pipeline  # it builds on this module, so it is imported on use
+
+    active = pipeline.current_pipeline()
+    if active is not None:
+        return pipeline.pipeline_layers(layers, x, *args, pipeline=active, keys=keys, remat=remat)
+    graphdef, state = nnx.split(layers)
+    return scan_state(graphdef, state, x, *args, keys=keys, remat=remat)
+
+
+_MOVES = frozenset(
+    (jax.lax.dynamic_slice_p, jax.lax.slice_p, jax.lax.reshape_p, jax.lax.squeeze_p,
+     jax.lax.broadcast_in_dim_p, jax.lax.convert_element_type_p, jax.lax.transpose_p)
+)  # fmt: skip
+
+
+def _all_but_moves(prim, *_, **__) -> bool:
+    """Remat policy: keep every result but data movement (slices, reshapes, casts), which the
+    backward pass recomputes from what it came from: a picked layer is read from the stack
+    again instead of being kept per call (``"none"`` for a body that picks)."""
+    return prim not in _MOVES
+
+
+def scan_state(graphdef, state, x, *args, keys=None, remat: Union[str, bool, None] = "none", pick=None):
+    """:func:`scan_layers` on a split stack: ``state`` holds the layers' stacked values.
+
+    The one scan every stacked run goes through, whole (:func:`scan_layers`) or one
+    pipeline stage's group of layers at a time (:mod:`nnxscale.pipeline`). With ``pick``
+    (an index), every leaf of ``state`` is ``(n, k, ...)``: ``k`` alternatives for each
+    layer, of which layer ``i`` uses ``[i, pick]``. The choice is made inside the
+    rematerialized body and is recomputed, not saved, for the backward pass, so the
+    chosen layers are never copied per call: a pipeline stage picks its repeat this way.
     """
     policy = REMAT_POLICIES[remat_policy(remat)]
-    graphdef, state = nnx.split(layers)
+    if pick is not None and policy is None:
+        policy = _all_but_moves
 
     def body(h, xs):
         layer_state, key = xs
+        if pick is not None:
+            layer_state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, pick, keepdims=False), layer_state)
         layer = nnx.merge(graphdef, layer_state)
         out = layer(h, *args) if keys is None else layer(h, *args, key=key)
         return out, None
