@@ -9,8 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnxscale
-from nnxscale import data
-from nnxscale.data import DataError
+from nnxscale import _data as data
+from nnxscale._data import DataError
 
 T = 8  # seq_len of the synthetic streams
 W = T + 1  # window

@@ -7,10 +7,10 @@ import math
 import jax
 import pytest
 
-from nnxscale import plan as planlib
+from nnxscale import _plan as planlib
 from nnxscale.cli import main
-from nnxscale.config import ConfigError, TrainConfig, with_overrides
-from nnxscale.train import init_state, setup
+from nnxscale._config import ConfigError, TrainConfig, with_overrides
+from nnxscale._train import init_state, setup
 
 
 def tiny(mesh: str, **fields) -> TrainConfig:

@@ -100,7 +100,7 @@ def _add_remat(p: argparse.ArgumentParser) -> None:
 
 
 def _defaults():
-    from nnxscale.config import TrainConfig, flatten
+    from nnxscale._config import TrainConfig, flatten
 
     return flatten(TrainConfig().to_dict())
 
@@ -241,8 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> int:
-    from nnxscale.config import TrainConfig, load_config_file, with_overrides
-    from nnxscale.train import train
+    from nnxscale._config import TrainConfig, load_config_file, with_overrides
+    from nnxscale._train import train
 
     cfg = TrainConfig()
     if args.config:
@@ -288,7 +288,7 @@ def _merge(base: dict, override: dict) -> dict:
 
 
 def _sample(args) -> int:
-    from nnxscale.generate import sample
+    from nnxscale._generate import sample
 
     text = sample(
         args.run_dir,
@@ -304,8 +304,8 @@ def _sample(args) -> int:
 
 
 def _init(args) -> int:
-    from nnxscale.layout import format_bytes
-    from nnxscale.train import init_run
+    from nnxscale._layout import format_bytes
+    from nnxscale._train import init_run
 
     info = init_run(args.model, args.mesh, args.run_dir, rules=args.rules, seed=args.seed)
     print(
@@ -317,7 +317,7 @@ def _init(args) -> int:
 
 
 def _known_devices() -> list[str]:
-    from nnxscale.devices import MEMORY  # plain data: jax must not start before --cpu-devices is set
+    from nnxscale._devices import MEMORY  # plain data: jax must not start before --cpu-devices is set
 
     return list(MEMORY)
 
@@ -327,10 +327,10 @@ def _plan(args) -> int:
 
     from flax import nnx
 
-    from nnxscale import plan as planlib
-    from nnxscale.config import TrainConfig, with_overrides
+    from nnxscale import _plan as planlib
+    from nnxscale._config import TrainConfig, with_overrides
     from nnxscale.models import gpt2
-    from nnxscale.sharding import lint, sharding_table
+    from nnxscale._sharding import lint, sharding_table
 
     model_cfg = gpt2.preset(args.model)
     fields = {
@@ -392,7 +392,7 @@ def group_findings(findings) -> list[str]:
 
 
 def _launch(args) -> int:
-    from nnxscale.launch import COMMANDS, launch
+    from nnxscale._launch import COMMANDS, launch
 
     command = args.child[1:] if args.child[:1] == ["--"] else args.child
     log_dir = args.log_dir
@@ -416,7 +416,7 @@ def _run_dir(args) -> Optional[str]:
     """The run directory a parsed device command writes to (``None`` for plan)."""
     if getattr(args, "run_dir", None) is not None or args.command != "train":
         return getattr(args, "run_dir", None)
-    from nnxscale.config import TrainConfig, load_config_file
+    from nnxscale._config import TrainConfig, load_config_file
 
     from_file = load_config_file(args.config).get("run_dir") if args.config else None
     return from_file or TrainConfig().run_dir

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxscale.checkpoint import Checkpointer, checkpoint_dir
-from nnxscale.config import MAX_SEED, ConfigError, TrainConfig, with_overrides
-from nnxscale.mesh import make_mesh
-from nnxscale.train import saved_config, setup
+from nnxscale._checkpoint import Checkpointer, checkpoint_dir
+from nnxscale._config import MAX_SEED, ConfigError, TrainConfig, with_overrides
+from nnxscale._mesh import make_mesh
+from nnxscale._train import saved_config, setup
 
 
 def load_model(run_dir, *, warn: Callable[[str], None] = print) -> nnx.Module:

@@ -8,7 +8,7 @@ where it comes from:
 - ``compiler``: the real train step compiled ahead of time for the mesh, nothing
   allocated (``make_train_step(setup(cfg)).lower(s.abstract, s.abstract_batch).compile()``):
   peak and temporary memory from ``memory_analysis()``, collectives counted in the
-  compiled HLO (:mod:`nnxscale.hlo`). A mesh larger than this machine is compiled in a
+  compiled HLO (:mod:`nnxscale._hlo`). A mesh larger than this machine is compiled in a
   child process with that many simulated CPU devices, up to ``max_compile_devices``.
   These are XLA:CPU's figures; a GPU's compiler fuses differently, so treat them as close,
   not exact.
@@ -35,10 +35,10 @@ import sys
 import time
 from typing import Any, Optional
 
-from nnxscale.config import ConfigError, TrainConfig, with_overrides
-from nnxscale.devices import MEMORY
-from nnxscale.layout import format_bytes, full_bytes, shard_bytes
-from nnxscale.mesh import format_mesh, resolve_mesh_shape
+from nnxscale._config import ConfigError, TrainConfig, with_overrides
+from nnxscale._devices import MEMORY
+from nnxscale._layout import format_bytes, full_bytes, shard_bytes
+from nnxscale._mesh import format_mesh, resolve_mesh_shape
 
 #: Memory of one device, by name (``--device``), in bytes.
 KNOWN_DEVICES = MEMORY
@@ -88,7 +88,7 @@ class StepPlan:
     """What one training step needs per device and moves per step.
 
     Bytes are per device; collective bytes per device and per step, by kind (see
-    :mod:`nnxscale.hlo` for the convention). ``sources`` says, per figure, ``layout``,
+    :mod:`nnxscale._hlo` for the convention). ``sources`` says, per figure, ``layout``,
     ``compiler ...`` or ``estimate``.
     """
 
@@ -277,7 +277,7 @@ def plan(
 
 def mesh_sizes(spec, devices: Optional[int] = None) -> dict[str, int]:
     """``{axis: size}`` of a mesh spec; ``-1`` takes ``devices`` (default: this job's)."""
-    from nnxscale.mesh import parse_mesh_spec
+    from nnxscale._mesh import parse_mesh_spec
 
     axes = parse_mesh_spec(spec)
     if -1 in axes.values():
@@ -305,9 +305,9 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
     from jax.sharding import PartitionSpec as P
 
     from nnxscale.models import gpt2
-    from nnxscale.rules import resolve
-    from nnxscale.sharding import layouts, state_specs
-    from nnxscale.train import check_shapes, make_optimizer, model_config
+    from nnxscale._rules import resolve
+    from nnxscale._sharding import layouts, state_specs
+    from nnxscale._train import check_shapes, make_optimizer, model_config
 
     mcfg = model_config(cfg)
     rules = resolve(cfg.rules, sizes, min_shard_bytes=cfg.min_shard_bytes)
@@ -522,7 +522,7 @@ def compile_step(cfg: TrainConfig, mesh=None):
     """``(setup, compiled step)``: the real train step of ``cfg`` compiled, nothing allocated."""
     import jax
 
-    from nnxscale.train import make_train_step, setup
+    from nnxscale._train import make_train_step, setup
 
     s = setup(cfg, mesh)
     with jax.set_mesh(s.mesh):
@@ -532,7 +532,7 @@ def compile_step(cfg: TrainConfig, mesh=None):
 
 def measure(compiled) -> dict[str, Any]:
     """The compiler's own figures for a compiled step, per device."""
-    from nnxscale import hlo
+    from nnxscale import _hlo as hlo
 
     ma = compiled.memory_analysis()
     peak = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
@@ -556,8 +556,8 @@ def compiled_figures(cfg: TrainConfig, n: int) -> dict[str, Any]:
 def _compile_here(cfg: TrainConfig, n: int) -> dict[str, Any]:
     import jax
 
-    from nnxscale.activations import record_activations
-    from nnxscale.mesh import make_mesh
+    from nnxscale._activations import record_activations
+    from nnxscale._mesh import make_mesh
 
     mesh = make_mesh(cfg.mesh, devices=jax.devices()[:n])
     t = time.perf_counter()
@@ -581,7 +581,7 @@ def _compile_in_child(cfg: TrainConfig, n: int) -> dict[str, Any]:
     env["JAX_PLATFORMS"] = "cpu"
     env["NNXSCALE_PLAN_CHILD"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "nnxscale.plan"],
+        [sys.executable, "-m", "nnxscale._plan"],
         input=json.dumps(cfg.to_dict()),
         capture_output=True,
         text=True,
@@ -638,7 +638,7 @@ def sweep(
     Sorted by peak memory per device. ``compile="never"`` (the default) uses the estimate:
     quick, and each plan says so; ``"auto"`` compiles each.
     """
-    from nnxscale.train import model_config
+    from nnxscale._train import model_config
 
     heads = model_config(cfg).n_head
     plans = []

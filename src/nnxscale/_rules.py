@@ -53,8 +53,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nnxscale.errors import RulesError
-from nnxscale.layout import itemsize
-from nnxscale.mesh import TENSOR_PARALLEL_AXES, mesh_axis_sizes
+from nnxscale._layout import itemsize
+from nnxscale._mesh import TENSOR_PARALLEL_AXES, mesh_axis_sizes
 
 AxisNames = Union[str, tuple[str, ...], None]
 Table = tuple[tuple[str, AxisNames], ...]

@@ -37,18 +37,18 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nnxscale import data as datalib
-from nnxscale.checkpoint import Checkpointer, checkpoint_dir
-from nnxscale.config import ConfigError, TrainConfig, config_conflicts
-from nnxscale.activations import use_rules
-from nnxscale.devices import peak_flops
+from nnxscale import _data as datalib
+from nnxscale._checkpoint import Checkpointer, checkpoint_dir
+from nnxscale._config import ConfigError, TrainConfig, config_conflicts
+from nnxscale._activations import use_rules
+from nnxscale._devices import peak_flops
 from nnxscale.distributed import StopVote, current
 from nnxscale.errors import DivergenceError, RunFileError, storage_error
-from nnxscale.mesh import format_mesh, make_mesh, process_findings
+from nnxscale._mesh import format_mesh, make_mesh, process_findings
 from nnxscale.models import gpt2
-from nnxscale.rules import MeshRules, resolve
-from nnxscale.runlock import RunLock
-from nnxscale.sharding import abstract_state, layout_bytes, sharded_init
+from nnxscale._rules import MeshRules, resolve
+from nnxscale._runlock import RunLock
+from nnxscale._sharding import abstract_state, layout_bytes, sharded_init
 
 #: Training steps dispatched ahead of the host (see the loop).
 MAX_IN_FLIGHT = 2
@@ -91,7 +91,7 @@ class Setup:
     This is also the ahead-of-time path: ``make_train_step(s).lower(s.abstract,
     s.abstract_batch).compile()`` compiles the real step for this mesh without allocating
     it, and the compiled program's ``memory_analysis()`` and ``as_text()`` say what it
-    needs per device and what it communicates (see :mod:`nnxscale.plan`).
+    needs per device and what it communicates (see :mod:`nnxscale._plan`).
     """
 
     cfg: TrainConfig
