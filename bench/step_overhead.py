@@ -60,10 +60,10 @@ def xent(logits, targets):
 
 
 def same_transform(s):
-    """``s.tx`` (clip + AdamW + schedule) with a decay mask that also reads ``nnx.State`` paths.
-
-    nnxscale's own mask expects plain dicts (the last path entry a dict key); an nnx.State
-    of Variables ends its paths in the Variable's attribute instead.
+    """``s.tx`` (clip + AdamW + schedule) for the other two steps, with the decay of nnxscale's
+    ``s.decay_mask`` (for gpt2: every parameter but the biases and LayerNorm parameters),
+    written as a function of paths so that it also serves an ``nnx.State``, whose paths end
+    in the Variable's attribute.
     """
     o = s.cfg.optim
 

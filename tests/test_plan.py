@@ -43,7 +43,7 @@ def test_layout_figures_are_what_the_devices_really_hold(mesh):
     assert p.batch_bytes == shard_bytes_on_device0(batch)
     if mesh != "data=8":
         assert p.param_bytes < p.full_param_bytes  # the layout is really split
-    assert p.num_params == s.model_cfg.num_params() and p.full_param_bytes == 4 * p.num_params
+    assert p.num_params == s.model.config.num_params() == s.num_params and p.full_param_bytes == 4 * p.num_params
 
 
 def test_compiled_figures_come_from_the_compiler():

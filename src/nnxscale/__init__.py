@@ -78,6 +78,8 @@ _EXPORTS = {
     "to_global": "nnxscale._data",
     "batch_rows": "nnxscale._data",
     "TokenData": "nnxscale._data",
+    "load_tokenizer": "nnxscale._text",
+    "tokenize": "nnxscale._text",
     # checkpoints
     "Checkpointer": "nnxscale._checkpoint",
     "checkpoint_dir": "nnxscale._checkpoint",

@@ -151,13 +151,15 @@ PRESET_HELP = {
 _PREFIXES = {"param.": "params", "act.": "activations"}
 
 
-def logical(initializer, *names: Optional[str]):
+def logical(initializer, *names: Optional[str], **metadata):
     """Wrap an initializer so the Variable it creates carries logical axis names.
 
     ``logical(init, "embed", "mlp")`` for a ``(embed, mlp)`` kernel; ``None`` for an axis
     that is never sharded. The names are metadata only: nothing is sharded at creation.
+    Other ``metadata`` goes on the Variable too, e.g. ``weight_decay=False`` (the trainer's
+    decay mask reads it).
     """
-    return nnx.with_metadata(initializer, **{LOGICAL_KEY: tuple(names)})
+    return nnx.with_metadata(initializer, **metadata, **{LOGICAL_KEY: tuple(names)})
 
 
 def get_rules(rules: Union[str, Sequence, Mapping, AxisRules, "MeshRules", None] = None) -> AxisRules:
