@@ -40,6 +40,7 @@ from typing import Optional, Union
 
 import numpy as np
 
+from nnxscale._progress import ProgressBar
 from nnxscale.errors import DataError, storage_error
 
 #: Token placed between two documents (files) of byte-level text: byte 0, never in text.
@@ -362,12 +363,12 @@ def tokenize(tokenizer, source: TextSource, out, *, progress: bool = True) -> di
     raw = out.with_name(out.name + ".tokens.tmp")
     stats = EncodeStats()
     started = time.perf_counter()
-    bar = _TokenizeProgress(progress, total)
+    bar = ProgressBar(progress, "tokenize", total, in_bytes=True)
     try:
         with open(raw, "wb") as f:
             for tokens in encode_corpus(corpus, tok, stats):
                 f.write(tokens.astype(dtype, copy=False).tobytes())
-                bar.update(stats)
+                bar.update(stats.read_bytes, f"{stats.tokens:,} tokens, {stats.used:,} documents")
         bar.close()
         if suffix == ".bin":
             os.replace(raw, out)
@@ -398,33 +399,3 @@ def _raw_to_npy(raw: Path, out: Path, dtype: np.dtype, count: int) -> None:
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-class _TokenizeProgress:
-    """A rich progress bar over the corpus's bytes, with tokens and documents so far."""
-
-    def __init__(self, enabled: bool, total: int):
-        self.bar = None
-        if not enabled:
-            return
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
-        self.bar = Progress(
-            TextColumn("[bold]tokenize"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TextColumn("{task.fields[info]}"),
-            TimeRemainingColumn(),
-        )
-        self.task = self.bar.add_task("tokenize", total=total, info="")
-        self.bar.start()
-
-    def update(self, stats: EncodeStats) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=stats.read_bytes, info=f"{stats.tokens:,} tokens, {stats.used:,} documents")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None

@@ -49,6 +49,7 @@ from nnxscale._config import ConfigError, TrainConfig, config_conflicts, flag
 from nnxscale._devices import peak_flops
 from nnxscale._layout import format_bytes
 from nnxscale._mesh import format_mesh, make_mesh, process_findings
+from nnxscale._progress import ProgressBar
 from nnxscale._rules import MeshRules, resolve
 from nnxscale._runlock import RunLock
 from nnxscale._sharding import abstract_state, layout_bytes, sharded_init, variable_logical_axes
@@ -961,7 +962,7 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool,
 
         # A signal may reach one process only: every process stops at the step they agree on.
         vote, stopping = StopVote(lag=MAX_IN_FLIGHT), None
-        bar = _progress(progress and is_main, start, cfg.steps)
+        bar = ProgressBar(progress and is_main, "train", cfg.steps, completed=start)
         last_loss = last_val = tokens_per_s = None
         t_last, s_last = time.perf_counter(), start
         step = start
@@ -1001,7 +1002,7 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool,
                     last_loss = m["loss"]
                     if is_main:
                         _append_metrics(metrics_path, record)
-                    bar.update(step, record)
+                    bar.update(step, _progress_info(record))
                 else:
                     bar.update(step)
                 skips.check(latest_saved)  # nothing is saved, or run, once the run has diverged
@@ -1031,42 +1032,14 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool,
     )
 
 
-class _progress:
-    """A rich progress bar showing the latest loss, or nothing when disabled."""
-
-    def __init__(self, enabled: bool, start: int, total: int):
-        self.bar = None
-        if not enabled:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.bar = Progress(
-            TextColumn("[bold]train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"),
-            TimeRemainingColumn(),
-        )
-        self.task = self.bar.add_task("train", total=total, completed=start, info="")
-        self.bar.start()
-
-    def update(self, step: int, record: Optional[dict] = None) -> None:
-        if self.bar is None:
-            return
-        if record is None:
-            self.bar.update(self.task, completed=step)
-            return
-        info = f"loss {record['loss']:.3f}"
-        if "val_loss" in record:
-            info += f"  val {record['val_loss']:.3f}"
-        if "tokens_per_s" in record:
-            info += f"  {record['tokens_per_s']:,.0f} tok/s"
-        self.bar.update(self.task, completed=step, info=info)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
+def _progress_info(record: dict) -> str:
+    """The progress bar's text for a logged step: its loss, validation loss and speed."""
+    info = f"loss {record['loss']:.3f}"
+    if "val_loss" in record:
+        info += f"  val {record['val_loss']:.3f}"
+    if "tokens_per_s" in record:
+        info += f"  {record['tokens_per_s']:,.0f} tok/s"
+    return info
 
 
 # --------------------------------------------------------------------------------------
