@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 from jax.sharding import PartitionSpec as P
+from test_cli import assert_one_error_line, run_main
 
 import nnxscale
 
@@ -32,7 +33,7 @@ def run_example(code: str, cwd: Path) -> str:
     return proc.stdout
 
 
-def test_the_readme_example_trains_samples_and_resumes(tmp_path):
+def test_the_readme_example_trains_samples_and_resumes(tmp_path, capsys):
     code = readme_example()
     out = run_example(code, tmp_path).splitlines()
     assert out[0].startswith("weight decay 0.1 on 9 of 22 parameter arrays"), out
@@ -42,6 +43,9 @@ def test_the_readme_example_trains_samples_and_resumes(tmp_path):
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["20", "40"]
     losses = [r["loss"] for r in nnxscale.read_metrics(run_dir)]
     assert losses[-1] < losses[0] - 1.0  # it learns
+    # The command line cannot rebuild a module of your own: it says how to sample it.
+    exit_code, _, err = run_main(capsys, ["sample", "--run-dir", str(run_dir)])
+    assert_one_error_line(exit_code, err, "a module of your own", "model=factory")
 
     more = code.replace("steps=40,", "steps=50,")
     assert more != code

@@ -834,9 +834,9 @@ def train(
       model: your own module instead of the preset ``cfg.model``: a function ``rngs ->
         nnx.Module`` (``lambda rngs: MyLM(..., rngs=rngs)``), called with ``nnx.Rngs(cfg.seed)``.
         The module maps ``(B, T)`` int tokens to ``(B, T, V)`` logits; ``cfg.model`` names it
-        in the run directory. Checkpoints, resume (on any mesh) and ``--init-from`` a seed
-        checkpoint work as for a preset; ``cfg``'s dropout, dtype and remat are a preset's
-        options and must stay at their defaults.
+        in the run directory. Checkpoints, resume (on any mesh) and ``cfg.init_from``
+        another run of the module work as for a preset; ``cfg``'s dropout, dtype and remat
+        are a preset's options and must stay at their defaults.
       loss: ``loss(model, inputs, targets, *, rngs) -> scalar`` instead of
         :func:`nnxscale.models.next_token_loss` (``rngs``: ``nnx.Rngs(dropout=key)`` in a
         training step, ``None`` in evaluation).
