@@ -368,9 +368,9 @@ def loss_fn(graphdef, params, inputs, targets, key, loss: Callable):
 
 def make_train_step(s: Setup):
     """The jitted step: ``(state, batch) -> (state, metrics)``; donates the old state."""
-    graphdef, tx, schedule, loss = s.graphdef, s.tx, s.schedule, s.model.loss
+    graphdef, tx, schedule, objective = s.graphdef, s.tx, s.schedule, s.model.loss
     accum = s.cfg.optim.grad_accum
-    grad_fn = jax.value_and_grad(lambda p, x, y, k: loss_fn(graphdef, p, x, y, k, loss))
+    grad_fn = jax.value_and_grad(lambda p, x, y, k: loss_fn(graphdef, p, x, y, k, objective))
 
     def step(state, batch):
         params = state["params"]
@@ -430,9 +430,9 @@ def skip_nonfinite(state, new_state, metrics):
 
 
 def make_eval_step(s: Setup):
-    graphdef, loss = s.graphdef, s.model.loss
+    graphdef, objective = s.graphdef, s.model.loss
     return jax.jit(
-        _under_rules(lambda params, batch: loss_fn(graphdef, params, batch["inputs"], batch["targets"], None, loss), s.rules),
+        _under_rules(lambda params, batch: loss_fn(graphdef, params, batch["inputs"], batch["targets"], None, objective), s.rules),
         in_shardings=(s.param_shardings, s.batch_sharding),
     )
 
