@@ -104,3 +104,26 @@ def test_your_own_module_must_hold_parameters_only():
         nnxscale.setup(nnxscale.TrainConfig(model="mine", mesh="data=8"), model=lambda rngs: WithRngs(rngs))
     with pytest.raises(nnxscale.ConfigError, match="--dropout 0.1: these set a family preset's options"):
         nnxscale.setup(nnxscale.TrainConfig(model="mine", mesh="data=8", dropout=0.1), model=lambda rngs: WithRngs(rngs))
+
+
+def test_a_second_family_is_found_planned_and_checked_like_the_first(monkeypatch, tmp_path):
+    """The trainer and the planner name no model: a family registered beside GPT-2 (here GPT-2's
+    own module under another name, without dropout) is found, planned and checked as its own."""
+    gpt2_family = FAMILIES["gpt2"]
+    toy = dataclasses.replace(gpt2_family, name="toy", presets={"toy-tiny": gpt2.preset("gpt2-tiny")},
+                              hf_model_types=("toy",), run_options=("dtype", "remat"))  # fmt: skip
+    monkeypatch.setitem(FAMILIES, "toy", toy)
+    assert find_preset("toy-tiny")[0] is toy
+
+    cfg = nnxscale.TrainConfig(model="toy-tiny", mesh="fsdp=8", min_shard_bytes=0,
+                               data=nnxscale.DataConfig(seq_len=64, batch_size=16))  # fmt: skip
+    plan = nnxscale.plan(cfg, compile="never")
+    assert plan.num_params == gpt2.preset("gpt2-tiny").num_params()
+    assert any("fitted to gpt2's step" in note and "for a toy model" in note for note in plan.notes), plan.notes
+    assert not any("fitted to" in note for note in nnxscale.plan(dataclasses.replace(cfg, model="gpt2-tiny"), compile="never").notes)
+
+    with pytest.raises(nnxscale.ConfigError, match="--dropout 0.1: toy-tiny \\(toy\\) has no such option; it takes dtype, remat"):
+        nnxscale.setup(dataclasses.replace(cfg, dropout=0.1))
+    gpt2.save_pretrained(gpt2.GPT2(gpt2.preset("gpt2-tiny"), rngs=nnx.Rngs(0)), tmp_path / "hf")
+    with pytest.raises(nnxscale.ConfigError, match="holds a gpt2 model, but --model toy-tiny is a toy preset"):
+        _train.load_init_params(nnxscale.setup(cfg), str(tmp_path / "hf"))
