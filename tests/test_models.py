@@ -12,6 +12,7 @@ from test_cli import assert_one_error_line, run_main, train_args
 
 import nnxscale
 from nnxscale import _train
+from nnxscale._sharding import variable_logical_axes
 from nnxscale.models import FAMILIES, ModelDims, find_preset, gpt2, pretrained_family
 from nnxscale.errors import ModelError
 
@@ -30,6 +31,14 @@ def test_every_preset_of_every_family_builds_with_its_dimensions():
             assert dims.heads % dims.kv_heads == 0 and dims.width % dims.heads == 0, name
             assert family.flops_per_token(config, dims.context) >= 4 * config.num_params(), name
             assert set(family.run_options) <= {f.name for f in dataclasses.fields(config)}, name
+        # Weight decay from the metadata: the matrices decay, vectors (norm scales, biases) do not.
+        smallest = min(family.presets.values(), key=lambda c: c.num_params())
+        state = nnx.state(nnx.eval_shape(lambda: family.build(smallest, rngs=nnx.Rngs(0))), nnx.Param)
+        variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        decayed = [v for v in variables if _train.decays(v)]
+        assert all(len([n for n in variable_logical_axes(v) or () if n != "layers"]) >= 2 for v in decayed), family.name
+        size = lambda vs: sum(math.prod(v.get_value().shape) for v in vs)  # noqa: E731
+        assert size(decayed) > 0.9 * size(variables), family.name  # embeddings and projections are most of a model
 
 
 def test_an_unknown_preset_lists_every_family():
