@@ -41,7 +41,7 @@ from typing import Optional, Union
 import numpy as np
 
 from nnxscale._progress import ProgressBar
-from nnxscale.errors import DataError, storage_error
+from nnxscale.errors import DataError, StorageError, storage_error
 
 #: Token placed between two documents (files) of byte-level text: byte 0, never in text.
 SEPARATOR = 0
@@ -374,6 +374,8 @@ def tokenize(tokenizer, source: TextSource, out, *, progress: bool = True) -> di
             os.replace(raw, out)
         else:
             _raw_to_npy(raw, out, dtype, stats.tokens)
+    except StorageError:  # a corpus file that cannot be read: already named
+        raise
     except OSError as e:
         raise storage_error("writing", out, e) from None
     finally:
