@@ -116,9 +116,10 @@ FAMILIES: dict[str, ModelFamily] = {
         save_pretrained=gpt2.save_pretrained,
         hf_model_types=("gpt2",),
     ),
-    # A family registers here, in the same few lines: its module's PRESETS, model class,
-    # from_pretrained and save_pretrained, config.json's model_type, the config fields
-    # behind ModelDims, and the run options its config has.
+    # Another family, Llama (nnxscale.models.llama) first, registers here in the same few
+    # lines: its module's PRESETS, model class, from_pretrained and save_pretrained,
+    # config.json's model_type, the config fields behind ModelDims, and the run options
+    # its config has.
 }
 
 
@@ -172,7 +173,8 @@ def architecture_differences(family: ModelFamily, a, b) -> list[str]:
     """
     ignored = set(family.run_options) | {"param_dtype"}
     da, db = dataclasses.asdict(a), dataclasses.asdict(b)
-    return [f"{k}: {da.get(k)!r} vs {db.get(k)!r}" for k in sorted(set(da) | set(db)) if k not in ignored and da.get(k) != db.get(k)]
+    differ = [k for k in sorted(set(da) | set(db)) if k not in ignored and da.get(k) != db.get(k)]
+    return [f"{k}: {da.get(k)!r} vs {db.get(k)!r}" for k in differ]
 
 
 __all__ = [
