@@ -4,7 +4,7 @@
 
 The state is the one ``nnxscale train`` saves: parameters, AdamW moments, step and key
 (``setup`` + ``init_state``; for gpt2 float32, 373M numbers, 1.49 GB), laid out on the mesh
-of simulated CPU devices. Each round saves it with :class:`nnxscale.checkpoint.Checkpointer`
+of simulated CPU devices. Each round saves it with :class:`nnxscale.Checkpointer`
 and restores it onto the same layout, once with checksums (as shipped) and once without
 (the checksum function replaced by a constant, which is also how a checkpoint saved before
 checksums restores: unverified). The two are interleaved and each figure is the median over
@@ -38,10 +38,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from nnxscale import integrity  # noqa: E402
-from nnxscale.checkpoint import Checkpointer  # noqa: E402
-from nnxscale.config import TrainConfig  # noqa: E402
-from nnxscale.train import init_state, setup  # noqa: E402
+from nnxscale import _integrity as integrity  # noqa: E402
+from nnxscale._checkpoint import Checkpointer  # noqa: E402
+from nnxscale._config import TrainConfig  # noqa: E402
+from nnxscale._train import init_state, setup  # noqa: E402
 
 
 def one_round(state, target, directory: str, checksums: bool) -> dict[str, float]:

@@ -13,7 +13,7 @@ the figures come from XLA's own ``memory_analysis()`` of the init program.
                 ``nnx.with_partitioning(init, (None, "model"))``.
 
 nnxscale creates the model in groups of Variables (one compiled program each, see
-``nnxscale.sharding.InitProgram``); its per-device peak is the largest of (outputs of the
+``nnxscale.compile_init``); its per-device peak is the largest of (outputs of the
 earlier groups + one group's temp + output). Flax's is its one program's temp + output.
 Shard bytes = the bytes of the sharded
 state one device holds (from the compiled program's output shardings). The last line is
@@ -36,7 +36,7 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import nnxscale  # noqa: E402
-from nnxscale.layout import format_bytes  # noqa: E402
+from nnxscale._layout import format_bytes  # noqa: E402
 
 N_LAYERS, D_IN, D_OUT = 4, 4096, 16384
 N_DEVICES = 8

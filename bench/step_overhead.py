@@ -9,7 +9,7 @@ transform (nnxscale's AdamW + warmup/cosine + global-norm clipping), the same pa
 and optimizer-state shardings and one fixed global batch (the first-step losses printed
 must agree):
 
-  nnxscale   ``nnxscale.train.make_train_step(setup(cfg))`` on ``init_state``'s state: a
+  nnxscale   ``nnxscale.make_train_step(setup(cfg))`` on ``init_state``'s state: a
              ``jax.jit`` over plain dicts of arrays, donating the state.
   hand       what a careful user writes: ``jax.jit`` over the ``nnx.split`` state,
              ``nnx.merge`` inside, ``donate_argnums``, explicit in/out shardings.
@@ -22,7 +22,7 @@ noisy neighbour on a 2-core machine does not decide the result. Within a round
 steps queued, XLA:CPU's in-process all-reduce deadlocks in jaxlib 0.10.2 (rendezvous
 timeout, then abort). ``host us/call`` is the time spent inside the step calls; on 8
 simulated devices sharing 2 cores much of it is XLA's own work, not Python.
-``nnxscale (as train)`` is the same step called as ``nnxscale.train.train`` calls it,
+``nnxscale (as train)`` is the same step called as ``nnxscale.train`` calls it,
 inside ``jax.set_mesh`` (informational).
 
 The last line is JSON: ``{"nnxscale": ratio, "nnx_jit": ratio}``, each the median step time
@@ -48,9 +48,9 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from nnxscale import data as datalib  # noqa: E402
-from nnxscale.config import TrainConfig, with_overrides  # noqa: E402
-from nnxscale.train import init_state, make_train_step, setup  # noqa: E402
+from nnxscale import _data as datalib  # noqa: E402
+from nnxscale._config import TrainConfig, with_overrides  # noqa: E402
+from nnxscale._train import init_state, make_train_step, setup  # noqa: E402
 
 MODEL, MESH, SEQ, BATCH = "gpt2-tiny", "data=8", 32, 8
 
@@ -60,10 +60,10 @@ def xent(logits, targets):
 
 
 def same_transform(s):
-    """``s.tx`` (clip + AdamW + schedule) with a decay mask that also reads ``nnx.State`` paths.
-
-    nnxscale's own mask expects plain dicts (the last path entry a dict key); an nnx.State
-    of Variables ends its paths in the Variable's attribute instead.
+    """``s.tx`` (clip + AdamW + schedule) for the other two steps, with the decay of nnxscale's
+    ``s.decay_mask`` (for gpt2: every parameter but the biases and LayerNorm parameters),
+    written as a function of paths so that it also serves an ``nnx.State``, whose paths end
+    in the Variable's attribute.
     """
     o = s.cfg.optim
 

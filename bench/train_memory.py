@@ -28,10 +28,10 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from nnxscale.config import TrainConfig, with_overrides  # noqa: E402
-from nnxscale.layout import format_bytes  # noqa: E402
-from nnxscale.plan import estimate, layout_figures, measure, mesh_sizes  # noqa: E402
-from nnxscale.train import make_train_step, setup  # noqa: E402
+from nnxscale._config import TrainConfig, with_overrides  # noqa: E402
+from nnxscale._layout import format_bytes  # noqa: E402
+from nnxscale._plan import estimate, layout_figures, measure, mesh_sizes  # noqa: E402
+from nnxscale._train import make_train_step, setup  # noqa: E402
 
 CONFIGS = [
     ("data=8", "gpt2", "data=8", "none"),
@@ -76,7 +76,7 @@ def main() -> None:
             flush=True,
         )
     print("collectives: bytes per device per step over the parameter bytes; estimate: the analytical")
-    print("estimate's peak against the compiler's (nnxscale.plan.estimate)")
+    print("estimate's peak against the compiler's (nnxscale._plan.estimate)")
     setups = {m: setup(config(m, "fsdp=8", "none")) for m in ("gpt2", "gpt2-large")}
     best = {m: float("inf") for m in setups}
     for _ in range(3):

@@ -33,3 +33,23 @@ def text_data(tmp_path_factory):
     path.write_text("\n".join(parts))
     assert path.stat().st_size > 200_000
     return path
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer(tmp_path_factory, text_data):
+    """A byte-level BPE ``tokenizer.json`` of 512 tokens trained here on ``text_data`` with the
+    ``tokenizers`` trainer (GPT-2's design: ByteLevel pre-tokenizer and decoder, an
+    ``<|endoftext|>`` token), and a ``tokenizer_config.json`` naming it; nothing downloaded."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train([str(text_data)], trainer)
+    directory = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}\n')
+    return directory / "tokenizer.json"

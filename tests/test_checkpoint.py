@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscale import make_mesh
-from nnxscale.checkpoint import CheckpointError, Checkpointer, checkpoint_dir
+from nnxscale._checkpoint import CheckpointError, Checkpointer, checkpoint_dir
 
 # Saved layout on data=8, and the layout a data=2,model=4 run restores into.
 SAVE_SPECS = {
@@ -345,7 +345,7 @@ jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from nnxscale import make_mesh
-from nnxscale.checkpoint import Checkpointer
+from nnxscale._checkpoint import Checkpointer
 
 host = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
 def put(mesh, spec):

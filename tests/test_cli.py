@@ -13,7 +13,7 @@ import pytest
 
 from fault_injection import flip_bytes
 
-from nnxscale.checkpoint import checkpoint_dir
+from nnxscale._checkpoint import checkpoint_dir
 from nnxscale.cli import main
 
 
@@ -332,7 +332,7 @@ def test_user_errors_are_one_line_but_a_bug_keeps_its_traceback(monkeypatch, cap
 
 def test_remat_takes_a_policy_and_a_bare_flag_means_full():
     from nnxscale.cli import build_parser
-    from nnxscale.config import TrainConfig
+    from nnxscale._config import TrainConfig
 
     parse = build_parser().parse_args
     assert parse(train_args("r", "d", "--remat")).remat == "full"

@@ -9,8 +9,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnxscale
-from nnxscale import data
-from nnxscale.data import DataError
+from nnxscale import _data as data
+from nnxscale import _text as text
+from nnxscale._data import DataError
 
 T = 8  # seq_len of the synthetic streams
 W = T + 1  # window
@@ -47,8 +48,8 @@ def stdlib():
 
 
 def test_stdlib_corpus_is_real_and_deterministic(stdlib):
-    files = data.stdlib_files()
-    assert files == sorted(files, key=lambda p: p.relative_to(data.stdlib_root()).as_posix())
+    files = text.stdlib_files()
+    assert files == sorted(files, key=lambda p: p.relative_to(text.stdlib_root()).as_posix())
     assert not any("site-packages" in p.parts or "__pycache__" in p.parts for p in files)
     texts = [p.read_bytes() for p in files]
     texts = [t for t in texts if t]  # empty files (bare __init__.py) add nothing
@@ -56,7 +57,7 @@ def test_stdlib_corpus_is_real_and_deterministic(stdlib):
     assert len(stdlib.tokens) > 1_000_000
     # the documents, in order, joined by exactly one separator each
     assert len(stdlib.tokens) == sum(map(len, texts)) + len(texts) - 1
-    assert int((stdlib.tokens == data.SEPARATOR).sum()) == len(texts) - 1
+    assert int((stdlib.tokens == text.SEPARATOR).sum()) == len(texts) - 1
     assert stdlib.tokens[: len(texts[0])].tobytes() == texts[0]
     assert stdlib.tokens[-len(texts[-1]) :].tobytes() == texts[-1]
     assert f"{len(texts)} .py files" in stdlib.description

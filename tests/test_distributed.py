@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 from nnxscale import cli, distributed
-from nnxscale.checkpoint import checkpoint_dir
+from nnxscale._checkpoint import checkpoint_dir
 from nnxscale.errors import JobError, MeshError
-from nnxscale.mesh import process_findings, process_split
-from nnxscale.train import read_metrics
+from nnxscale._mesh import process_findings, process_split
+from nnxscale._train import read_metrics
 
 TINY = [
     "--model", "gpt2-tiny", "--batch-size", "16", "--seq-len", "32", "--log-every", "1", "--eval-every", "0",
@@ -295,11 +295,11 @@ def test_a_killed_process_ends_the_job_fast_and_nothing_is_left(tmp_path, text_d
 # for process 1 in its first collective.
 _RAISES_WORKER = """
 import os, sys
-import nnxscale.train
+import nnxscale._train
 if os.environ["NNXSCALE_PROCESS_ID"] == "1":
     def train(*args, **kwargs):
         raise RuntimeError("boom on process 1")
-    nnxscale.train.train = train
+    nnxscale._train.train = train
 from nnxscale.cli import run
 sys.argv[0] = "nnxscale"
 run()

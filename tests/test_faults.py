@@ -24,11 +24,11 @@ import pytest
 from fault_injection import can_mount, small_filesystem
 from test_train import PINNED_SCHEDULE, quiet_train, tiny_cfg
 
-from nnxscale.checkpoint import Checkpointer, checkpoint_dir
+from nnxscale._checkpoint import Checkpointer, checkpoint_dir
 from nnxscale.cli import main
-from nnxscale.config import TrainConfig
+from nnxscale._config import TrainConfig
 from nnxscale.errors import RunFileError
-from nnxscale.train import read_metrics, setup
+from nnxscale._train import read_metrics, setup
 
 
 def cli_command(run_dir, data, *extra) -> list[str]:
@@ -198,7 +198,7 @@ def test_a_failed_metrics_write_leaves_whole_lines(tmp_path):
 import resource, signal
 from pathlib import Path
 from nnxscale.errors import StorageError
-from nnxscale.train import _append_metrics
+from nnxscale._train import _append_metrics
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, ({path.stat().st_size + 20}, resource.RLIM_INFINITY))
 try:

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 import gpt2_reference
 import nnxscale
 from nnxscale.models.gpt2 import GPT2, PRESETS, GPT2Config, from_pretrained, preset, save_pretrained
-from nnxscale.rules import batch_spec
+from nnxscale._rules import batch_spec
 
 TINY = preset("gpt2-tiny")  # vocab 256, 2 layers, 8 heads, 64 wide, context 128
 
@@ -307,7 +307,7 @@ ACTIVATIONS = {
 
 @pytest.mark.parametrize("spec", ACTIVATIONS)
 def test_activations_take_the_layout_of_the_activation_rules(spec, tokens):
-    from nnxscale.activations import record_activations
+    from nnxscale._activations import record_activations
 
     mesh = nnxscale.make_mesh(spec)
     model = nnxscale.sharded_init(lambda: GPT2(TINY, rngs=nnx.Rngs(0)), mesh, rules=rules_for(mesh))

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import nnxscale
-from nnxscale import hlo
+from nnxscale import _hlo as hlo
 from nnxscale.errors import ConfigError, NnxscaleError
 from nnxscale.models import gpt2
 from nnxscale.pipeline import (
@@ -30,7 +30,7 @@ from nnxscale.pipeline import (
     to_stage_order,
     use_pipeline,
 )
-from nnxscale.rules import logical
+from nnxscale._rules import logical
 from nnxscale.stack import scan_layers, stack_layers
 
 L, D, B, T = 8, 32, 16, 4  # layers, width, batch, length
@@ -190,7 +190,7 @@ def test_gpt2_runs_pipelined_without_changing_the_model():
 def test_checkpoints_move_in_and_out_of_a_circular_pipeline(tmp_path):
     """Saved on data=8, one step on stage=2,data=4 (circular), saved, resumed on data=8:
     the numbers of that step taken on data=8, because a checkpoint is always in layer order."""
-    from nnxscale.checkpoint import Checkpointer
+    from nnxscale._checkpoint import Checkpointer
 
     graphdef, host = nnx.split(stack_layers(lambda r: Block(D, r), L, rngs=nnx.Rngs(0)))
     x = jax.random.normal(jax.random.key(1), (B, T, D))

@@ -7,10 +7,10 @@ import math
 import jax
 import pytest
 
-from nnxscale import plan as planlib
+from nnxscale import _plan as planlib
 from nnxscale.cli import main
-from nnxscale.config import ConfigError, TrainConfig, with_overrides
-from nnxscale.train import init_state, setup
+from nnxscale._config import ConfigError, TrainConfig, with_overrides
+from nnxscale._train import init_state, setup
 
 
 def tiny(mesh: str, **fields) -> TrainConfig:
@@ -43,7 +43,7 @@ def test_layout_figures_are_what_the_devices_really_hold(mesh):
     assert p.batch_bytes == shard_bytes_on_device0(batch)
     if mesh != "data=8":
         assert p.param_bytes < p.full_param_bytes  # the layout is really split
-    assert p.num_params == s.model_cfg.num_params() and p.full_param_bytes == 4 * p.num_params
+    assert p.num_params == s.model.config.num_params() == s.num_params and p.full_param_bytes == 4 * p.num_params
 
 
 def test_compiled_figures_come_from_the_compiler():

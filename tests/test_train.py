@@ -21,14 +21,14 @@ import optax
 import pytest
 from flax import nnx
 
-import nnxscale.train as train_mod
+import nnxscale._train as train_mod
 from nnxscale import cli
-from nnxscale import data as datalib
-from nnxscale.checkpoint import checkpoint_dir
-from nnxscale.config import TrainConfig, with_overrides
-from nnxscale.generate import sample
+from nnxscale import _data as datalib
+from nnxscale._checkpoint import checkpoint_dir
+from nnxscale._config import TrainConfig, with_overrides
+from nnxscale._generate import sample
 from nnxscale.models import gpt2
-from nnxscale.train import init_state, make_train_step, read_metrics, setup, train
+from nnxscale._train import init_state, make_train_step, read_metrics, setup, train
 
 # The learning-rate schedule below does not depend on --steps (2 warmup steps, then a
 # constant peak), so runs of different lengths share their first steps exactly. With the

@@ -53,13 +53,16 @@ def configure_cpu_devices(n: Optional[int]) -> None:
 
 # field in TrainConfig (dotted) -> (flag, type, help)
 _TRAIN_FLAGS = [
-    ("model", "--model", str, "model preset: gpt2-tiny, gpt2-mini (byte-level), gpt2, gpt2-medium, gpt2-large, gpt2-xl"),
+    ("model", "--model", str, "model preset of any family, e.g. gpt2-tiny, gpt2-mini (byte-level), gpt2, gpt2-xl; "
+     "an unknown name lists them all"),
     ("mesh", "--mesh", str, "device mesh, e.g. data=8, fsdp=-1, data=2,model=4"),
     ("rules", "--rules", str, "logical axis rules: auto, dp, fsdp, tp, fsdp_tp, or 'batch=data,mlp=model,...'"),
     ("steps", "--steps", int, "total number of optimizer steps (a resumed run continues up to it)"),
     ("data.batch_size", "--batch-size", int, "global batch size in sequences, over all devices and processes"),
     ("data.seq_len", "--seq-len", int, "tokens per sequence (at most the model's context)"),
     ("data.data", "--data", str, "text file or directory, .bin (uint16) or .npy token file; default: Python's stdlib source"),
+    ("data.tokenizer", "--tokenizer", str, "tokenizer.json (or a directory holding one) for text data; "
+     "default: bytes, or the one in an --init-from Hugging Face directory"),
     ("data.val_fraction", "--val-fraction", float, "fraction of the tokens held out for validation (the tail)"),
     ("data.eval_batches", "--eval-batches", int, "validation batches per evaluation"),
     ("run_dir", "--run-dir", str, "run directory: config, metrics.jsonl, loss.png, checkpoints"),
@@ -82,7 +85,7 @@ _TRAIN_FLAGS = [
     ("dropout", "--dropout", float, "dropout rate"),
     ("dtype", "--dtype", str, "compute dtype: float32 or bfloat16 (parameters stay float32)"),
     ("min_shard_bytes", "--min-shard-bytes", int, "parameters smaller than this are not split over FSDP axes"),
-    ("init_from", "--init-from", str, "start from a seed checkpoint (nnxscale init) or a Hugging Face GPT-2 directory"),
+    ("init_from", "--init-from", str, "start from a seed checkpoint (nnxscale init) or a Hugging Face directory of the model's family"),
 ]
 
 
@@ -100,7 +103,7 @@ def _add_remat(p: argparse.ArgumentParser) -> None:
 
 
 def _defaults():
-    from nnxscale.config import TrainConfig, flatten
+    from nnxscale._config import TrainConfig, flatten
 
     return flatten(TrainConfig().to_dict())
 
@@ -153,10 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser(
         "train",
-        help="train GPT-2 on a mesh (no arguments: the quick start)",
-        description="Train GPT-2 in its sharded layout. Re-running the same command on the same --run-dir resumes "
-        "from its latest checkpoint (on any mesh). Defaults: the quick start, a small byte-level GPT-2 on "
-        "Python's standard library source, on 8 simulated CPU devices as a data x model mesh.",
+        help="train a model on a mesh (no arguments: the quick start)",
+        description="Train a model preset of any family in its sharded layout. Re-running the same command on the "
+        "same --run-dir resumes from its latest checkpoint (on any mesh). Defaults: the quick start, a small "
+        "byte-level GPT-2 on Python's standard library source, on 8 simulated CPU devices as a data x model mesh.",
     )
     for field, flag, typ, help_text in _TRAIN_FLAGS:
         t.add_argument(flag, dest=field, type=typ, default=None, help=f"{help_text} (default: {defaults[field]})")
@@ -172,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.8)
     s.add_argument("--top-k", type=int, default=40)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--tokenizer", help="tokenizer.json to decode with (default: the run's own, or bytes)")
     _add_common(s)
 
     i = sub.add_parser(
@@ -180,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Create a model in its sharded layout (no device ever holds a full tensor) and save it as a "
         "checkpoint that nnxscale train --init-from can start from.",
     )
-    i.add_argument("--model", required=True)
+    i.add_argument("--model", required=True, help="model preset of any family")
     i.add_argument("--mesh", required=True)
     i.add_argument("--rules", default="auto")
     i.add_argument("--run-dir", required=True)
@@ -197,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compiled in a child process with that many simulated CPU devices, or estimated beyond "
         "--max-compile-devices. --table prints the per-Variable sharding table.",
     )
-    pl.add_argument("--model", default="gpt2", help="model preset (default: gpt2)")
+    pl.add_argument("--model", default="gpt2", help="model preset of any family (default: gpt2)")
     pl.add_argument("--mesh", default="data=2,model=4", help="device mesh, e.g. fsdp=8, data=64,model=16 (default: data=2,model=4)")
     pl.add_argument("--rules", default="auto", help="logical axis rules (default: auto)")
     pl.add_argument("--batch-size", type=int, default=8, help="global batch in sequences (default: 8)")
@@ -216,6 +220,19 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--table", action="store_true", help="also print the per-Variable sharding table")
     pl.add_argument("--json", action="store_true", help="end with one JSON line: the plan (a list of plans with --sweep)")
     _add_common(pl)
+
+    tk = sub.add_parser(
+        "tokenize",
+        help="encode a text corpus once into a token file train reads (.bin uint16 or .npy)",
+        description="Encode a text corpus (a file, a directory of text files, or stdlib) with a tokenizer.json into "
+        "a token file that nnxscale train --data reads: FILE.bin (uint16, vocabularies up to 65,536) or FILE.npy "
+        "(uint16, or int32 for larger vocabularies). Each file is one document, documents joined by the "
+        "tokenizer's end-of-text token; groups of files are encoded in parallel on every core.",
+    )
+    tk.add_argument("--tokenizer", required=True, help="tokenizer.json, or a directory holding one (read locally)")
+    tk.add_argument("--data", default="stdlib", help="text file or directory (default: Python's stdlib source)")
+    tk.add_argument("--out", required=True, help="token file to write: FILE.bin or FILE.npy")
+    tk.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     la = sub.add_parser(
         "launch",
@@ -241,8 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> int:
-    from nnxscale.config import TrainConfig, load_config_file, with_overrides
-    from nnxscale.train import train
+    from nnxscale._config import TrainConfig, load_config_file, with_overrides
+    from nnxscale._train import train
 
     cfg = TrainConfig()
     if args.config:
@@ -288,7 +305,7 @@ def _merge(base: dict, override: dict) -> dict:
 
 
 def _sample(args) -> int:
-    from nnxscale.generate import sample
+    from nnxscale._generate import sample
 
     text = sample(
         args.run_dir,
@@ -297,15 +314,30 @@ def _sample(args) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         seed=args.seed,
+        tokenizer=args.tokenizer,
         warn=lambda line: print(line, file=sys.stderr),  # stdout is the text alone
     )
     print(text)
     return 0
 
 
+def _tokenize(args) -> int:
+    from nnxscale._layout import format_bytes
+    from nnxscale._text import tokenize
+
+    info = tokenize(args.tokenizer, args.data, args.out, progress=not args.no_progress)
+    skipped = f" ({info['skipped']} empty or binary files skipped)" if info["skipped"] else ""
+    print(
+        f"{info['path']}: {info['tokens']:,} tokens ({info['dtype']}, vocab {info['vocab_size']:,}) from "
+        f"{info['documents']:,} documents{skipped}, {format_bytes(info['bytes'])} of text in {info['seconds']:.1f} s; "
+        f"train on it with --data {info['path']}"
+    )
+    return 0
+
+
 def _init(args) -> int:
-    from nnxscale.layout import format_bytes
-    from nnxscale.train import init_run
+    from nnxscale._layout import format_bytes
+    from nnxscale._train import init_run
 
     info = init_run(args.model, args.mesh, args.run_dir, rules=args.rules, seed=args.seed)
     print(
@@ -317,7 +349,7 @@ def _init(args) -> int:
 
 
 def _known_devices() -> list[str]:
-    from nnxscale.devices import MEMORY  # plain data: jax must not start before --cpu-devices is set
+    from nnxscale._devices import MEMORY  # plain data: jax must not start before --cpu-devices is set
 
     return list(MEMORY)
 
@@ -325,17 +357,15 @@ def _known_devices() -> list[str]:
 def _plan(args) -> int:
     import json
 
-    from flax import nnx
+    from nnxscale import _plan as planlib
+    from nnxscale._config import TrainConfig, with_overrides
+    from nnxscale._sharding import lint, sharding_table
+    from nnxscale.models import find_preset
 
-    from nnxscale import plan as planlib
-    from nnxscale.config import TrainConfig, with_overrides
-    from nnxscale.models import gpt2
-    from nnxscale.sharding import lint, sharding_table
-
-    model_cfg = gpt2.preset(args.model)
+    family, preset = find_preset(args.model)
     fields = {
         "model": args.model, "mesh": args.mesh, "rules": args.rules, "dtype": args.dtype,
-        "data.batch_size": args.batch_size, "data.seq_len": args.seq_len or model_cfg.n_positions,
+        "data.batch_size": args.batch_size, "data.seq_len": args.seq_len or family.dims(preset).context,
         "optim.grad_accum": args.grad_accum, "remat": args.remat or "none",
     }  # fmt: skip
     if args.min_shard_bytes is not None:
@@ -361,8 +391,8 @@ def _plan(args) -> int:
         print("\nactivations (logical names -> the activation rules' layout, per call):")
         for a in step.activations:
             print(f"  ({', '.join(a['names'])}) {tuple(a['shape'])}: {a['spec']}")
-    model = nnx.eval_shape(lambda: gpt2.GPT2(model_cfg, rngs=nnx.Rngs(0)))
-    rules = planlib.layout_figures(cfg, sizes)["rules"]
+    lay = planlib.layout_figures(cfg, sizes)
+    model, rules = lay["abstract"], lay["rules"]
     if args.table:
         print()
         print(sharding_table(model, sizes, rules))
@@ -392,7 +422,7 @@ def group_findings(findings) -> list[str]:
 
 
 def _launch(args) -> int:
-    from nnxscale.launch import COMMANDS, launch
+    from nnxscale._launch import COMMANDS, launch
 
     command = args.child[1:] if args.child[:1] == ["--"] else args.child
     log_dir = args.log_dir
@@ -416,7 +446,7 @@ def _run_dir(args) -> Optional[str]:
     """The run directory a parsed device command writes to (``None`` for plan)."""
     if getattr(args, "run_dir", None) is not None or args.command != "train":
         return getattr(args, "run_dir", None)
-    from nnxscale.config import TrainConfig, load_config_file
+    from nnxscale._config import TrainConfig, load_config_file
 
     from_file = load_config_file(args.config).get("run_dir") if args.config else None
     return from_file or TrainConfig().run_dir
@@ -441,9 +471,9 @@ def main(argv=None) -> int:
         return 2
     from nnxscale.errors import NnxscaleError
 
-    if args.command == "launch":  # starts processes; never touches devices itself
+    if args.command in ("launch", "tokenize"):  # never touch devices (launch starts processes that do)
         try:
-            return _launch(args)
+            return {"launch": _launch, "tokenize": _tokenize}[args.command](args)
         except NnxscaleError as e:
             print(f"nnxscale: error: {e}", file=sys.stderr)
             return 2

@@ -98,12 +98,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from nnxscale.activations import current_rules
+from nnxscale._activations import current_rules
 from nnxscale.errors import ConfigError
-from nnxscale.layout import itemsize, spec_entry_axes
-from nnxscale.mesh import format_mesh, mesh_axis_sizes
-from nnxscale.parallel import _context_mesh
-from nnxscale.sharding import state_specs
+from nnxscale._layout import itemsize, spec_entry_axes
+from nnxscale._mesh import format_mesh, mesh_axis_sizes
+from nnxscale._parallel import _context_mesh
+from nnxscale._sharding import state_specs
 from nnxscale.stack import num_layers, scan_state
 
 #: The mesh axis pipeline stages run on, unless a :class:`Pipeline` names another.

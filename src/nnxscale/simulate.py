@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from nnxscale.layout import LayoutError, shard_shape
+from nnxscale._layout import LayoutError, shard_shape
 
 
 def _positive(name: str, value: float) -> int:

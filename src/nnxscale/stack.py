@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxscale.errors import ConfigError
-from nnxscale.rules import LOGICAL_KEY
+from nnxscale._rules import LOGICAL_KEY
 
 #: Logical name of the stacked layers' leading axis.
 LAYERS = "layers"

@@ -1,1 +1,191 @@
-"""Models written for one device, annotated with logical axis names only."""
+"""Model families: what the trainer, ``init``, ``plan`` and ``sample`` know about a model.
+
+Models are written for one device, annotated with logical axis names only
+(``nnxscale.models.gpt2``). A *family* describes one of them to the rest of nnxscale in one
+small explicit record, :class:`ModelFamily` (torchtitan's ``ModelSpec``): how to build a
+module from a config, its presets, its loss, its FLOPs per token, its Hugging Face import
+and export, the run options it takes and the dimensions the planner needs. The trainer
+names no model: it asks the family.
+
+Families live in the plain dict :data:`FAMILIES`. ``--model NAME`` finds the preset ``NAME``
+in whichever family has it (:func:`find_preset`); ``--init-from DIR`` finds the family of a
+Hugging Face directory by the ``model_type`` of its ``config.json`` (:func:`pretrained_family`).
+
+A model of your own needs no family: ``nnxscale.train(cfg, model=factory)`` trains it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+import jax.numpy as jnp
+import optax
+
+from nnxscale.errors import ModelError
+from nnxscale.models import gpt2
+
+
+def next_token_loss(model, inputs, targets, *, rngs=None):
+    """Mean next-token cross-entropy: the default loss of every family and of your own module.
+
+    ``model(inputs)`` maps ``(B, T)`` int tokens to ``(B, T, V)`` logits; ``targets`` are the
+    ``(B, T)`` next tokens. In a training step ``rngs`` (``nnx.Rngs(dropout=key)``, a new
+    key every step) is passed on as ``model(inputs, rngs=rngs)`` when the model's
+    ``__call__`` takes an ``rngs`` argument (for dropout); evaluation passes ``None``.
+
+    A loss of your own has this signature and returns a scalar; it may call the model any
+    way it likes.
+    """
+    if rngs is not None and "rngs" in inspect.signature(model.__call__).parameters:
+        logits = model(inputs, rngs=rngs)
+    else:
+        logits = model(inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDims:
+    """A model's shape in the few numbers the planner needs."""
+
+    layers: int
+    width: int  # the residual stream, d_model
+    heads: int  # query heads
+    kv_heads: int  # key/value heads (= heads without grouped-query attention)
+    mlp_width: int  # the MLP's hidden width
+    vocab_size: int
+    context: int  # the longest sequence it takes
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """One family of language models, described for the trainer.
+
+    A config is the family's own frozen dataclass (``GPT2Config``); it has ``num_params()``
+    (exact) and ``flops_per_token(seq_len)``.
+
+    Attributes:
+      name: the family's name, e.g. ``"gpt2"``.
+      presets: preset name -> config. Preset names are unique across families.
+      build: ``build(config, rngs=nnx.Rngs)`` -> the module; it is called as
+        ``model(tokens)`` -> logits (see ``loss``).
+      dims: config -> :class:`ModelDims`, for the planner and the trainer's checks.
+      from_pretrained: ``from_pretrained(path, *, mesh=None, rules=None, dtype=None)`` -> a
+        module (with its ``config``) from a Hugging Face directory, created in the layout
+        the rules give on ``mesh``; ``dtype`` is the compute dtype.
+      save_pretrained: ``save_pretrained(model, path)`` writes a Hugging Face directory.
+      hf_model_types: the ``model_type`` values of ``config.json`` this family loads.
+      run_options: the :class:`~nnxscale.TrainConfig` fields that are also fields of the
+        family's config (``dropout``, ``dtype``, ``remat``): a run sets them on the preset.
+      loss: ``loss(model, inputs, targets, *, rngs)`` -> scalar; default
+        :func:`next_token_loss`.
+    """
+
+    name: str
+    presets: Mapping[str, Any]
+    build: Callable[..., Any]
+    dims: Callable[[Any], ModelDims]
+    from_pretrained: Callable[..., Any]
+    save_pretrained: Callable[[Any, Any], None]
+    hf_model_types: tuple[str, ...]
+    run_options: tuple[str, ...] = ("dropout", "dtype", "remat")
+    loss: Callable[..., Any] = next_token_loss
+
+    def flops_per_token(self, config, seq_len: int) -> int:
+        """Training FLOPs per token at ``seq_len`` (the config's own formula)."""
+        return int(config.flops_per_token(seq_len))
+
+
+def _gpt2_dims(c: gpt2.GPT2Config) -> ModelDims:
+    return ModelDims(layers=c.n_layer, width=c.n_embd, heads=c.n_head, kv_heads=c.n_head, mlp_width=4 * c.n_embd,
+                     vocab_size=c.vocab_size, context=c.n_positions)  # fmt: skip
+
+
+#: Every registered family, by name.
+FAMILIES: dict[str, ModelFamily] = {
+    "gpt2": ModelFamily(
+        name="gpt2",
+        presets=gpt2.PRESETS,
+        build=gpt2.GPT2,
+        dims=_gpt2_dims,
+        from_pretrained=gpt2.from_pretrained,
+        save_pretrained=gpt2.save_pretrained,
+        hf_model_types=("gpt2",),
+    ),
+    # Another family, Llama (nnxscale.models.llama) first, registers here in the same few
+    # lines: its module's PRESETS, model class, from_pretrained and save_pretrained,
+    # config.json's model_type, the config fields behind ModelDims, and the run options
+    # its config has.
+}
+
+
+def preset_names() -> dict[str, list[str]]:
+    """Family name -> its preset names."""
+    return {name: list(f.presets) for name, f in FAMILIES.items()}
+
+
+def find_preset(name: str) -> tuple[ModelFamily, Any]:
+    """``(family, config)`` of the preset ``name``, in whichever family has it.
+
+    Raises ModelError listing every family's presets when none has it.
+    """
+    for family in FAMILIES.values():
+        if name in family.presets:
+            return family, family.presets[name]
+    known = "; ".join(f"{family}: {', '.join(names)}" for family, names in preset_names().items())
+    raise ModelError(f"unknown model preset {name!r}: choose one of {known}")
+
+
+def is_pretrained_dir(path) -> bool:
+    """Whether ``path`` is a Hugging Face model directory: ``config.json`` and safetensors
+    weights (``model.safetensors`` or a sharded set's ``model.safetensors.index.json``)."""
+    path = Path(path)
+    weights = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    return (path / "config.json").is_file() and weights
+
+
+def pretrained_family(path) -> ModelFamily:
+    """The family of the Hugging Face directory ``path``, from its ``config.json``'s ``model_type``.
+
+    Raises ModelError naming the model type when no registered family loads it.
+    """
+    config_file = Path(path) / "config.json"
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelError(f"cannot read {config_file} as a Hugging Face config ({e})") from None
+    for family in FAMILIES.values():
+        if model_type in family.hf_model_types:
+            return family
+    known = ", ".join(f"{t!r} ({f.name})" for f in FAMILIES.values() for t in f.hf_model_types)
+    raise ModelError(f"{config_file} has model_type {model_type!r}, which no model family loads: known types {known}")
+
+
+def architecture_differences(family: ModelFamily, a, b) -> list[str]:
+    """Fields in which configs ``a`` and ``b`` describe different networks, as ``name: a vs b``.
+
+    Run options and the parameters' storage dtype (``param_dtype``) do not count: the
+    same weights serve either.
+    """
+    ignored = set(family.run_options) | {"param_dtype"}
+    da, db = dataclasses.asdict(a), dataclasses.asdict(b)
+    differ = [k for k in sorted(set(da) | set(db)) if k not in ignored and da.get(k) != db.get(k)]
+    return [f"{k}: {da.get(k)!r} vs {db.get(k)!r}" for k in differ]
+
+
+__all__ = [
+    "FAMILIES",
+    "ModelDims",
+    "ModelFamily",
+    "architecture_differences",
+    "find_preset",
+    "gpt2",
+    "is_pretrained_dir",
+    "next_token_loss",
+    "pretrained_family",
+    "preset_names",
+]

@@ -4,7 +4,7 @@ Module and parameter names follow the Hugging Face checkpoint (``wte``, ``h.attn
 ``ln_f``), so :func:`from_pretrained` loads weights by name. Every parameter carries
 logical axis names only (``"vocab"``, ``"embed"``, ``"heads"``, ``"kv"``, ``"mlp"``), and
 activations are constrained by logical name at block boundaries (``"batch"``,
-``"length"``, ...); rules map both to mesh axes elsewhere (:mod:`nnxscale.rules`).
+``"length"``, ...); rules map both to mesh axes elsewhere (:func:`nnxscale.resolve`).
 
 The blocks are stacked (:func:`nnxscale.stack_layers`): ``h`` holds every block's
 parameters with a leading ``layers`` axis, and :func:`nnxscale.scan_layers` runs them, so
@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxscale.activations import constrain
+from nnxscale._activations import constrain
 from nnxscale.errors import ModelError, ModelFileNotFoundError
-from nnxscale.rules import logical
+from nnxscale._rules import logical
 from nnxscale.stack import REMAT_POLICIES, scan_layers, stack_layers
 
 _DTYPES = ("float32", "bfloat16")
@@ -415,7 +415,7 @@ def from_pretrained(path, *, mesh=None, rules=None, dtype: Optional[str] = None)
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             shardings = jax.tree.map(lambda v: device, abstract, is_leaf=_is_var)
         else:
-            from nnxscale.sharding import state_shardings
+            from nnxscale._sharding import state_shardings
 
             shardings = state_shardings(abstract, mesh, rules)
 

@@ -6,7 +6,7 @@ A checkpoint is two items, written by one ``orbax.checkpoint.CheckpointManager``
       300/                        a finalized step
         state/                    the array state: each process writes its own shards
         extras/metadata           the JSON extras: data iterator state, run config, and
-                                  a checksum of every array (nnxscale.integrity)
+                                  a checksum of every array (nnxscale._integrity)
       400.orbax-checkpoint-tmp/   a save in progress, or one killed mid-way: never listed
       200.damaged/                a step whose data failed its checksum, set aside
 
@@ -23,7 +23,7 @@ saved chunks that its shard of the target needs, so moving from ``data=8`` to
 :meth:`~Checkpointer.close` (orbax synchronizes the processes inside them).
 
 Integrity: :meth:`Checkpointer.save` records a checksum of every array, computed on the
-devices that hold it (:mod:`nnxscale.integrity`: the same value on any mesh), and
+devices that hold it (:mod:`nnxscale._integrity`: the same value on any mesh), and
 :meth:`Checkpointer.restore` recomputes it on the restored arrays: damaged data raises
 :class:`DamagedCheckpointError` naming the step instead of restoring garbage.
 :meth:`Checkpointer.restore_intact` falls back to the newest step that is intact.
@@ -50,7 +50,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
-from nnxscale import integrity
+from nnxscale import _integrity as integrity
 from nnxscale.errors import CheckpointError, os_reason
 
 _STATE = "state"

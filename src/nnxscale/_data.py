@@ -1,17 +1,14 @@
-"""Token data for GPT-2 training: a source -> one token stream -> each process's batches.
+"""Token data for training: a source -> one token stream -> each process's batches.
 
 Sources (:func:`load_tokens`):
 
-- ``None`` or ``"stdlib"``: the default corpus, the running Python's own standard library
-  source (every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` except ``site-packages``
-  and ``__pycache__``), about 30 MB of real text on every machine, nothing downloaded.
-- a text file, or a directory (every regular file recursively; files containing a NUL byte
-  are taken for binary and skipped): the bytes are the tokens, vocabulary 256.
+- text: ``None`` or ``"stdlib"`` (the default corpus, the running Python's standard library
+  source), a text file, or a directory of text files, each file one document
+  (``nnxscale._text``). Its tokens are its bytes (vocabulary 256, documents joined by byte 0),
+  or with a tokenizer (``tokenizer.json``) the tokenizer's ids, documents joined by its
+  end-of-text token.
 - ``.bin`` (uint16, nanoGPT's layout) or ``.npy`` (1-D integer array) token files, memory
-  mapped; vocabulary = largest token + 1 unless given.
-
-Documents (files) are joined by one separator token, byte 0 (:data:`SEPARATOR`). NUL never
-occurs in text, so the separator is unambiguous and the model can learn a document boundary.
+  mapped; vocabulary = largest token + 1 unless given. ``nnxscale tokenize`` writes them.
 
 Batches (:func:`train_batches`): the train stream is cut into non-overlapping windows of
 ``seq_len + 1`` tokens (``inputs = w[:-1]``, ``targets = w[1:]``), the window order is a
@@ -32,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import sysconfig
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -40,16 +36,8 @@ import grain
 import jax
 import numpy as np
 
+from nnxscale import _text as text
 from nnxscale.errors import DataError
-
-#: Token placed between two documents (files): byte 0, which never occurs in text.
-SEPARATOR = 0
-
-#: Vocabulary of byte-level tokens.
-BYTE_VOCAB = 256
-
-#: Source name of the default corpus (also used when the source is ``None``).
-STDLIB = "stdlib"
 
 TokenSource = Union[str, os.PathLike, None]
 
@@ -71,7 +59,7 @@ class TokenData:
     Attributes:
       tokens: 1-D read-only array of token ids, ``uint8`` (bytes), ``uint16`` (``.bin``) or
         ``int32``; may be a memory map.
-      vocab_size: number of token ids (256 for bytes).
+      vocab_size: number of token ids (256 for bytes, the tokenizer's for tokenized text).
       description: what was read, e.g. ``"stdlib corpus /usr/lib/python3.11: 1790 .py files,
         31,525,224 bytes -> 31,527,013 tokens (vocab 256)"``.
       fingerprint: 16 hex digits of BLAKE2b over dtype, length and tokens, so a resumed run
@@ -93,7 +81,11 @@ class TokenData:
 
 
 def load_tokens(
-    source: TokenSource = None, *, max_tokens: Optional[int] = None, vocab_size: Optional[int] = None
+    source: TokenSource = None,
+    *,
+    max_tokens: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    tokenizer=None,
 ) -> TokenData:
     """Read a source into one 1-D token stream.
 
@@ -104,122 +96,38 @@ def load_tokens(
       max_tokens: keep only the first ``max_tokens`` tokens (text sources stop reading
         files once they have enough).
       vocab_size: the vocabulary of a token file when it is known (e.g. 50257 for GPT-2
-        BPE); default: largest token + 1. Byte sources are always 256.
+        BPE); default: largest token + 1.
+      tokenizer: for text: a ``tokenizer.json`` (or a directory holding one, or a loaded
+        ``TextTokenizer``); ``None`` reads bytes (vocabulary 256). Token files ignore it.
 
     Raises:
       DataError: missing path, a directory with no usable text file, an empty file, a
-        binary file given as text, or a token file of an unsupported dtype or shape.
+        binary file given as text, a token file of an unsupported dtype or shape, or a
+        tokenizer that cannot be read.
     """
     if max_tokens is not None and max_tokens < 1:
         raise DataError(f"max_tokens={max_tokens}: give a positive number of tokens, or None for all")
-    if source is None or (isinstance(source, str) and source == STDLIB):
-        return _load_stdlib(max_tokens)
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise DataError(f"data source {str(path)!r} does not exist: give an existing file or directory, or 'stdlib'")
-    if path.is_dir():
-        return _load_directory(path, max_tokens)
-    suffix = path.suffix.lower()
-    if suffix in (".bin", ".npy"):
+    if not text.is_text_source(source):
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise DataError(f"data source {str(path)!r} does not exist: give an existing file or directory, or 'stdlib'")
         return _load_token_file(path, max_tokens, vocab_size)
-    return _load_text_file(path, max_tokens)
-
-
-def stdlib_root() -> Path:
-    """Directory of the running Python's standard library (the default corpus)."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files() -> list[Path]:
-    """The default corpus: the stdlib's ``*.py`` files, sorted by relative path."""
-    root = stdlib_root()
-    files = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if "site-packages" in rel.parts or "__pycache__" in rel.parts or not path.is_file():
-            continue
-        files.append(rel)
-    return [root / rel for rel in sorted(files, key=lambda p: p.as_posix())]
-
-
-def _load_stdlib(max_tokens: Optional[int]) -> TokenData:
-    root = stdlib_root()
-    files = stdlib_files()
-    tokens, used, skipped, nbytes = _join_documents(files, max_tokens)
-    if not used:
-        raise DataError(
-            f"no Python source files under {str(root)!r}: this Python ships no stdlib sources; "
-            "pass a text file or a directory instead"
-        )
-    return _byte_data(tokens, f"stdlib corpus {root}: {used} .py files{_skipped(skipped)}", nbytes)
-
-
-def _load_directory(path: Path, max_tokens: Optional[int]) -> TokenData:
-    files = []
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames.sort()
-        for name in filenames:
-            full = Path(dirpath) / name
-            if full.is_file():
-                files.append(full)
-    files.sort(key=lambda p: p.relative_to(path).as_posix())
-    tokens, used, skipped, nbytes = _join_documents(files, max_tokens)
-    if not used:
-        raise DataError(
-            f"directory {str(path)!r} has no usable text file ({len(files)} files, all empty or binary): "
-            "put text files in it, or pass a .bin/.npy token file"
-        )
-    return _byte_data(tokens, f"directory {path}: {used} text files{_skipped(skipped)}", nbytes)
-
-
-def _load_text_file(path: Path, max_tokens: Optional[int]) -> TokenData:
-    data = path.read_bytes()
-    if not data:
-        raise DataError(f"text file {str(path)!r} is empty: give a file with text in it")
-    if b"\0" in data:
-        raise DataError(
-            f"file {str(path)!r} contains NUL bytes, so it is not text: "
-            "save tokens as .bin (uint16) or .npy, or pass a text file"
-        )
-    tokens = np.frombuffer(data, dtype=np.uint8)
-    if max_tokens is not None:
-        tokens = tokens[:max_tokens]
-    return _byte_data(tokens, f"text file {path}", len(data))
-
-
-def _join_documents(files: list[Path], max_tokens: Optional[int]) -> tuple[np.ndarray, int, int, int]:
-    """Join the files' bytes with separators -> (tokens, files used, files skipped, bytes read).
-
-    Empty files and files with a NUL byte (binary) are skipped.
-    """
-    buf = bytearray()
-    used = skipped = nbytes = 0
-    for path in files:
-        if max_tokens is not None and len(buf) >= max_tokens:
+    corpus = text.read_corpus(source)
+    tok = text.ByteTokenizer() if tokenizer is None else text.load_tokenizer(tokenizer)
+    stats = text.EncodeStats()
+    pieces, count = [], 0
+    for tokens in text.encode_corpus(corpus, tok, stats):
+        pieces.append(tokens)
+        count += len(tokens)
+        if max_tokens is not None and count >= max_tokens:
             break
-        data = path.read_bytes()
-        if not data or b"\0" in data:
-            skipped += 1
-            continue
-        if used:
-            buf.append(SEPARATOR)
-        buf += data
-        used += 1
-        nbytes += len(data)
-    tokens = np.frombuffer(buf, dtype=np.uint8)
-    if max_tokens is not None:
-        tokens = tokens[:max_tokens]
-    return tokens, used, skipped, nbytes
-
-
-def _skipped(count: int) -> str:
-    return f" ({count} empty or binary skipped)" if count else ""
-
-
-def _byte_data(tokens: np.ndarray, what: str, nbytes: int) -> TokenData:
+    tokens = np.concatenate(pieces)[:max_tokens]
     tokens.flags.writeable = False
-    description = f"{what}, {nbytes:,} bytes -> {len(tokens):,} tokens (vocab {BYTE_VOCAB})"
-    return TokenData(tokens, BYTE_VOCAB, description, fingerprint(tokens))
+    description = (
+        f"{corpus.what}{stats.files_text(corpus)}, {stats.text_bytes:,} bytes -> {len(tokens):,} tokens "
+        f"({tok.description})"
+    )
+    return TokenData(tokens, tok.vocab_size, description, fingerprint(tokens))
 
 
 def _load_token_file(path: Path, max_tokens: Optional[int], vocab_size: Optional[int]) -> TokenData:

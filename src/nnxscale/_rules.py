@@ -53,8 +53,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nnxscale.errors import RulesError
-from nnxscale.layout import itemsize
-from nnxscale.mesh import TENSOR_PARALLEL_AXES, mesh_axis_sizes
+from nnxscale._layout import itemsize
+from nnxscale._mesh import TENSOR_PARALLEL_AXES, mesh_axis_sizes
 
 AxisNames = Union[str, tuple[str, ...], None]
 Table = tuple[tuple[str, AxisNames], ...]
@@ -153,13 +153,15 @@ PRESET_HELP = {
 _PREFIXES = {"param.": "params", "act.": "activations"}
 
 
-def logical(initializer, *names: Optional[str]):
+def logical(initializer, *names: Optional[str], **metadata):
     """Wrap an initializer so the Variable it creates carries logical axis names.
 
     ``logical(init, "embed", "mlp")`` for a ``(embed, mlp)`` kernel; ``None`` for an axis
     that is never sharded. The names are metadata only: nothing is sharded at creation.
+    Other ``metadata`` goes on the Variable too, e.g. ``weight_decay=False`` (the trainer's
+    decay mask reads it).
     """
-    return nnx.with_metadata(initializer, **{LOGICAL_KEY: tuple(names)})
+    return nnx.with_metadata(initializer, **metadata, **{LOGICAL_KEY: tuple(names)})
 
 
 def get_rules(rules: Union[str, Sequence, Mapping, AxisRules, "MeshRules", None] = None) -> AxisRules:

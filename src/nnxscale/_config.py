@@ -50,6 +50,7 @@ class DataConfig:
     """Where tokens come from and how they are batched (sizes are global, all processes)."""
 
     data: Optional[str] = None  # None: the Python standard library's own source files
+    tokenizer: Optional[str] = None  # tokenizer.json for text; None: bytes, or --init-from's own
     seq_len: int = 128
     batch_size: int = 32
     val_fraction: float = 0.005
@@ -121,7 +122,7 @@ class TrainConfig:
         for path, (ok, wanted) in ranges.items():
             if not ok(fields[path]):
                 raise ConfigError(f"{_label(path)} must be {wanted}, got {fields[path]}")
-        for path in ("model", "mesh", "rules", "run_dir", "data.data", "init_from"):
+        for path in ("model", "mesh", "rules", "run_dir", "data.data", "data.tokenizer", "init_from"):
             if fields[path] is not None and not fields[path].strip():
                 raise ConfigError(f"{_label(path)} is empty")
         if self.dtype not in ("float32", "bfloat16"):

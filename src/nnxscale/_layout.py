@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import LayoutError
-from nnxscale.mesh import mesh_axis_sizes
+from nnxscale._mesh import mesh_axis_sizes
 
 
 def spec_entry_axes(entry) -> tuple[str, ...]:

@@ -1,4 +1,8 @@
-"""Train GPT-2 in its sharded layout on any mesh, checkpoint, resume exactly.
+"""Train any Flax NNX language model in its sharded layout on any mesh, checkpoint, resume exactly.
+
+The trainer names no model. The model is a preset of a registered family (``--model
+gpt2-mini``: :mod:`nnxscale.models`), or your own module (``nnxscale.train(cfg,
+model=factory)``); either way it becomes a :class:`RunModel`, and everything here asks it.
 
 The loop reads top to bottom: setup (mesh, rules, model, optimizer, shardings), state
 (fresh sharded init, ``--init-from``, or resume from the run directory), then the loop
@@ -37,18 +41,24 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nnxscale import data as datalib
-from nnxscale.checkpoint import Checkpointer, checkpoint_dir
-from nnxscale.config import ConfigError, TrainConfig, config_conflicts
-from nnxscale.activations import use_rules
-from nnxscale.devices import peak_flops
+from nnxscale import _data as datalib
+from nnxscale import _text as text
+from nnxscale._activations import use_rules
+from nnxscale._checkpoint import Checkpointer, checkpoint_dir
+from nnxscale._config import ConfigError, TrainConfig, config_conflicts, flag
+from nnxscale._devices import peak_flops
+from nnxscale._layout import format_bytes
+from nnxscale._mesh import format_mesh, make_mesh, process_findings
+from nnxscale._progress import ProgressBar
+from nnxscale._rules import MeshRules, resolve
+from nnxscale._runlock import RunLock
+from nnxscale._sharding import abstract_state, layout_bytes, sharded_init, variable_logical_axes
 from nnxscale.distributed import StopVote, current
 from nnxscale.errors import DivergenceError, RunFileError, storage_error
-from nnxscale.mesh import format_mesh, make_mesh, process_findings
-from nnxscale.models import gpt2
-from nnxscale.rules import MeshRules, resolve
-from nnxscale.runlock import RunLock
-from nnxscale.sharding import abstract_state, layout_bytes, sharded_init
+from nnxscale.models import (
+    ModelDims, ModelFamily, architecture_differences, find_preset, is_pretrained_dir, next_token_loss, pretrained_family,
+)  # fmt: skip
+from nnxscale.stack import LAYERS
 
 #: Training steps dispatched ahead of the host (see the loop).
 MAX_IN_FLIGHT = 2
@@ -58,17 +68,115 @@ def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def decay_mask(params):
-    """Weight decay on kernels and embeddings; never on biases or LayerNorm parameters."""
+# --------------------------------------------------------------------------------------
+# The model of a run: a family's preset, or your own module
+# --------------------------------------------------------------------------------------
 
-    def name(key) -> str:
-        return str(getattr(key, "key", getattr(key, "name", key)))
-
-    return jax.tree_util.tree_map_with_path(lambda path, _: name(path[-1]) not in ("bias", "scale"), params)
+#: TrainConfig fields that set a family's config (see ``ModelFamily.run_options``).
+RUN_OPTIONS = ("dropout", "dtype", "remat")
 
 
-def make_optimizer(cfg: TrainConfig):
-    """``(optax transform, lr schedule)``: AdamW, warmup + cosine, global-norm clipping."""
+@dataclasses.dataclass(frozen=True)
+class RunModel:
+    """The model a run trains: a preset of a registered family, or your own module.
+
+    ``build(rngs)`` creates it (seeded by ``rngs``); ``loss(model, inputs, targets, *,
+    rngs)`` is its scalar loss (default :func:`nnxscale.models.next_token_loss`). A family's
+    model also has its ``family`` and ``config`` (with this run's options), hence its
+    dimensions, FLOPs per token and Hugging Face import; your own module has neither.
+    """
+
+    name: str
+    build: Callable[[nnx.Rngs], nnx.Module]
+    loss: Callable
+    family: Optional[ModelFamily] = None
+    config: Any = None
+
+    @property
+    def dims(self) -> Optional[ModelDims]:
+        return None if self.family is None else self.family.dims(self.config)
+
+    def describe(self) -> dict:
+        """What ``config.json`` records of the model: the family and its config."""
+        if self.family is None:
+            return {"family": None}
+        return {"family": self.family.name, **dataclasses.asdict(self.config)}
+
+
+def run_model(cfg: TrainConfig, model: Optional[Callable] = None, loss: Optional[Callable] = None) -> RunModel:
+    """The :class:`RunModel` of ``cfg``: the preset ``cfg.model`` with ``cfg``'s run options,
+    or, given ``model`` (a function ``rngs -> nnx.Module``), that module, named ``cfg.model``.
+
+    Raises ConfigError for an unknown preset (listing every family's), a run option the
+    family does not take, or a run option set for your own module (it sets its own).
+    """
+    defaults = TrainConfig()
+    changed = {k: getattr(cfg, k) for k in RUN_OPTIONS if getattr(cfg, k) != getattr(defaults, k)}
+    if model is not None:
+        if not callable(model):
+            raise ConfigError(f"model= must be a function rngs -> nnx.Module, got {type(model).__name__}")
+        if changed:
+            given = ", ".join(f"{flag(k)} {v}" for k, v in changed.items())
+            raise ConfigError(f"{given}: these set a family preset's options; your own module (model=) sets its own")
+        return RunModel(cfg.model, model, loss or next_token_loss)
+    family, preset = find_preset(cfg.model)
+    if unsupported := [k for k in changed if k not in family.run_options]:
+        given = ", ".join(f"{flag(k)} {changed[k]}" for k in unsupported)
+        raise ConfigError(f"{given}: {cfg.model} ({family.name}) has no such option; it takes {', '.join(family.run_options)}")
+    config = dataclasses.replace(preset, **{k: getattr(cfg, k) for k in family.run_options})
+    return RunModel(cfg.model, lambda rngs: family.build(config, rngs=rngs), loss or family.loss, family, config)
+
+
+# --------------------------------------------------------------------------------------
+# The optimizer: AdamW, decay from Variable metadata
+# --------------------------------------------------------------------------------------
+
+#: The logical name of a model's width, the residual stream.
+WIDTH = "embed"
+
+
+def decays(v: nnx.Variable) -> bool:
+    """Whether AdamW's weight decay applies to this parameter: from its metadata, never its name.
+
+    A ``weight_decay`` metadata flag decides when there is one
+    (``nnxscale.logical(init, "embed", weight_decay=False)``). Otherwise the matrices decay:
+    parameters whose logical axes hold the width (``embed``) and at least one more axis
+    besides the stacked ``layers``: token and position embeddings, every projection. Norm
+    scales (``embed`` alone) and biases (no ``embed``: ``(mlp,)``, ``(None, heads, kv)``)
+    never do. A parameter without logical axes decays when it has two or more dimensions
+    (nanoGPT's rule).
+    """
+    flag_value = v.get_metadata().get("weight_decay")
+    if flag_value is not None:
+        return bool(flag_value)
+    names = variable_logical_axes(v)
+    if names is None:
+        return len(v.get_value().shape) >= 2
+    axes = [n for n in names if n != LAYERS]
+    return WIDTH in axes and len(axes) >= 2
+
+
+def decay_mask(state) -> dict:
+    """``{path: bool}`` as a plain dict like the params: :func:`decays` of each Variable."""
+    return nnx.to_pure_dict(jax.tree.map(decays, state, is_leaf=_is_var))
+
+
+def describe_decay(mask: dict, params: dict, weight_decay: float) -> str:
+    """One line: how many parameter arrays decay, and how many of their bytes."""
+    flags, arrays = jax.tree.leaves(mask), jax.tree.leaves(params)
+    nbytes = [math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays]
+    decayed = sum(b for b, f in zip(nbytes, flags) if f)
+    return (
+        f"weight decay {weight_decay:g} on {sum(flags)} of {len(flags)} parameter arrays, "
+        f"{format_bytes(decayed)} of {format_bytes(sum(nbytes))} (matrices; not norms or biases)"
+    )
+
+
+def make_optimizer(cfg: TrainConfig, mask):
+    """``(optax transform, lr schedule)``: AdamW, warmup + cosine, global-norm clipping.
+
+    ``mask`` (:func:`decay_mask`, same structure as the params) says which parameters decay.
+    """
     o = cfg.optim
     length = o.decay_steps or cfg.steps
     warmup = min(o.warmup_steps, max(length - 1, 0))
@@ -80,8 +188,13 @@ def make_optimizer(cfg: TrainConfig):
         end_value=o.lr * o.min_lr_ratio,
     )
     parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
-    parts.append(optax.adamw(schedule, b1=o.beta1, b2=o.beta2, weight_decay=o.weight_decay, mask=decay_mask))
+    parts.append(optax.adamw(schedule, b1=o.beta1, b2=o.beta2, weight_decay=o.weight_decay, mask=mask))
     return optax.chain(*parts), schedule
+
+
+# --------------------------------------------------------------------------------------
+# Setup: everything derived from a config before any array exists
+# --------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -91,16 +204,17 @@ class Setup:
     This is also the ahead-of-time path: ``make_train_step(s).lower(s.abstract,
     s.abstract_batch).compile()`` compiles the real step for this mesh without allocating
     it, and the compiled program's ``memory_analysis()`` and ``as_text()`` say what it
-    needs per device and what it communicates (see :mod:`nnxscale.plan`).
+    needs per device and what it communicates (see ``nnxscale.plan``).
     """
 
     cfg: TrainConfig
     mesh: Any
     rules: MeshRules  # the rules resolved against the mesh: every layout question goes here
-    model_cfg: gpt2.GPT2Config
+    model: RunModel
     graphdef: Any
     tx: Any
     schedule: Callable
+    decay_mask: dict  # same structure as the params: which ones AdamW decays
     state_shardings: dict
     abstract: dict  # ShapeDtypeStructs with shardings: the restore target
     batch_sharding: NamedSharding
@@ -112,21 +226,38 @@ class Setup:
     def param_shardings(self):
         return self.state_shardings["params"]
 
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(a.shape) for a in jax.tree.leaves(self.abstract["params"]))
+
+    def vocab_size(self) -> int:
+        """The model's vocabulary: its family's, or the last axis of its own module's logits
+        (traced on a ``(1, seq_len)`` batch, nothing allocated)."""
+        if self.model.dims is not None:
+            return self.model.dims.vocab_size
+        tokens = jax.ShapeDtypeStruct((1, self.cfg.data.seq_len), jnp.int32)
+        with jax.set_mesh(self.mesh), use_rules(self.rules):
+            logits = jax.eval_shape(lambda p, x: nnx.merge(self.graphdef, p)(x), self.abstract["params"], tokens)
+        return int(logits.shape[-1])
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token at this run's sequence length: the family's formula, or
+        6N for your own module (no attention term)."""
+        if self.model.family is not None:
+            return self.model.family.flops_per_token(self.model.config, self.cfg.data.seq_len)
+        return 6 * self.num_params
+
 
 def _pure(tree):
     """nnx State (Variables at the leaves) -> plain nested dict of the Variables' values."""
     return nnx.to_pure_dict(tree)
 
 
-def model_config(cfg: TrainConfig) -> gpt2.GPT2Config:
-    return gpt2.preset(cfg.model, dropout=cfg.dropout, dtype=cfg.dtype, remat=cfg.remat)
-
-
-def check_shapes(cfg: TrainConfig, rules: MeshRules, mcfg) -> None:
+def check_shapes(cfg: TrainConfig, rules: MeshRules, model: RunModel) -> None:
     """The sequence fits the model's context, the batch splits over the mesh and micro-batches."""
     d = cfg.data
-    if d.seq_len > mcfg.n_positions:
-        raise ConfigError(f"--seq-len {d.seq_len} is longer than {cfg.model}'s context of {mcfg.n_positions} tokens")
+    if model.dims is not None and d.seq_len > model.dims.context:
+        raise ConfigError(f"--seq-len {d.seq_len} is longer than {cfg.model}'s context of {model.dims.context} tokens")
     shards = rules.batch_shard_count
     accum = cfg.optim.grad_accum
     if d.batch_size % (shards * accum):
@@ -137,19 +268,42 @@ def check_shapes(cfg: TrainConfig, rules: MeshRules, mcfg) -> None:
         )
 
 
-def setup(cfg: TrainConfig, mesh=None) -> Setup:
-    """Validate ``cfg`` against the devices and build the sharded plan (no arrays yet)."""
+def check_params_only(model: RunModel, state) -> None:
+    """The train state is the model's parameters: refuse a module that holds other state.
+
+    Flax modules built with ``rngs`` for dropout (``nnx.Dropout(rate, rngs=rngs)``) keep RNG
+    keys and counters as Variables, which the optimizer cannot update.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)[0]
+    others = [(jax.tree_util.keystr(p), type(v).__name__) for p, v in flat if not isinstance(v, nnx.Param)]
+    if others:
+        path, kind = others[0]
+        more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+        raise ConfigError(
+            f"{model.name} holds state that is not a parameter ({kind} at {path}{more}); nnxscale trains nnx.Param "
+            "only: create nnx.Dropout (and other random layers) without rngs and pass rngs= when calling them"
+        )
+
+
+def setup(cfg: TrainConfig, mesh=None, *, model: Optional[Callable] = None, loss: Optional[Callable] = None) -> Setup:
+    """Validate ``cfg`` against the devices and build the sharded plan (no arrays yet).
+
+    ``model`` and ``loss``: your own module instead of the preset ``cfg.model`` (see
+    :func:`train`).
+    """
     cfg.validate()
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     rules = resolve(cfg.rules, mesh, min_shard_bytes=cfg.min_shard_bytes)
-    mcfg = model_config(cfg)
-    check_shapes(cfg, rules, mcfg)
+    m = run_model(cfg, model, loss)
+    check_shapes(cfg, rules, m)
     d = cfg.data
 
-    factory = lambda: gpt2.GPT2(mcfg, rngs=nnx.Rngs(cfg.seed))  # noqa: E731
+    factory = lambda: m.build(nnx.Rngs(cfg.seed))  # noqa: E731
     graphdef, abs_model_state = abstract_state(factory, mesh, rules)
+    check_params_only(m, abs_model_state)
     param_sh = _pure(jax.tree.map(lambda v: v.replace(v.get_value().sharding), abs_model_state, is_leaf=_is_var))
-    tx, schedule = make_optimizer(cfg)
+    mask = decay_mask(abs_model_state)
+    tx, schedule = make_optimizer(cfg, mask)
     replicated = NamedSharding(mesh, P())
 
     def state_from(params):
@@ -184,10 +338,11 @@ def setup(cfg: TrainConfig, mesh=None) -> Setup:
         cfg=cfg,
         mesh=mesh,
         rules=rules,
-        model_cfg=mcfg,
+        model=m,
         graphdef=graphdef,
         tx=tx,
         schedule=schedule,
+        decay_mask=mask,
         state_shardings=state_sh,
         abstract=abstract,
         batch_sharding=batch_sharding,
@@ -205,19 +360,17 @@ def init_state(s: Setup, params=None):
         return jax.jit(s.init_fn, out_shardings=s.state_shardings, donate_argnums=0)(params)
 
 
-def loss_fn(graphdef, params, inputs, targets, key, dropout: bool):
-    """Mean next-token cross-entropy of one (micro-)batch."""
+def loss_fn(graphdef, params, inputs, targets, key, loss: Callable):
+    """``loss`` of one (micro-)batch; ``key`` seeds dropout (``None``: evaluation)."""
     model = nnx.merge(graphdef, params)
-    logits = model(inputs, rngs=nnx.Rngs(dropout=key) if dropout else None)  # (B, T, V) float32
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return loss(model, inputs, targets, rngs=None if key is None else nnx.Rngs(dropout=key))
 
 
 def make_train_step(s: Setup):
     """The jitted step: ``(state, batch) -> (state, metrics)``; donates the old state."""
-    graphdef, tx, schedule = s.graphdef, s.tx, s.schedule
+    graphdef, tx, schedule, objective = s.graphdef, s.tx, s.schedule, s.model.loss
     accum = s.cfg.optim.grad_accum
-    dropout = s.model_cfg.dropout > 0
-    grad_fn = jax.value_and_grad(lambda p, x, y, k: loss_fn(graphdef, p, x, y, k, dropout))
+    grad_fn = jax.value_and_grad(lambda p, x, y, k: loss_fn(graphdef, p, x, y, k, objective))
 
     def step(state, batch):
         params = state["params"]
@@ -277,9 +430,9 @@ def skip_nonfinite(state, new_state, metrics):
 
 
 def make_eval_step(s: Setup):
-    graphdef = s.graphdef
+    graphdef, objective = s.graphdef, s.model.loss
     return jax.jit(
-        _under_rules(lambda params, batch: loss_fn(graphdef, params, batch["inputs"], batch["targets"], None, False), s.rules),
+        _under_rules(lambda params, batch: loss_fn(graphdef, params, batch["inputs"], batch["targets"], None, objective), s.rules),
         in_shardings=(s.param_shardings, s.batch_sharding),
     )
 
@@ -475,27 +628,104 @@ def _repair_metrics(path: Path, last_step: int) -> None:
 
 
 def load_init_params(s: Setup, source: str, *, warn: Callable[[str], None] = print):
-    """Parameters from a seed checkpoint (``nnxscale init``) or a Hugging Face GPT-2 dir.
+    """Parameters from a seed checkpoint (``nnxscale init``, any run directory) or a Hugging
+    Face directory of the run's family, in this run's layout and parameter dtypes.
 
     From a run directory: its newest intact checkpoint (``warn`` names damaged newer ones).
+    From a Hugging Face directory: its architecture must be the preset's; dropout, compute
+    dtype and remat are this run's own, and weights stored in another dtype (bfloat16) are
+    cast to this run's.
     """
     path = Path(source)
-    if (path / "config.json").exists() and (path / "model.safetensors").exists() and not (path / "checkpoints").exists():
-        model = gpt2.from_pretrained(path, mesh=s.mesh, rules=s.rules)
-        # Only the architecture must match; dropout, compute dtype and remat are this run's own.
-        run_options = {"dropout": s.model_cfg.dropout, "dtype": s.model_cfg.dtype, "remat": s.model_cfg.remat}
-        if dataclasses.replace(model.config, **run_options) != s.model_cfg:
-            raise ConfigError(f"--init-from {path} holds a different architecture than --model {s.cfg.model}")
-        return _pure(nnx.state(model))
+    if is_pretrained_dir(path) and not checkpoint_dir(path).exists():
+        family, m = pretrained_family(path), s.model
+        if m.family is None:
+            raise ConfigError(
+                f"--init-from {path} is a Hugging Face {family.name} directory, but this run trains your own module "
+                "(model=): start it from a seed checkpoint of that module, or train a preset"
+            )
+        if family is not m.family:
+            raise ConfigError(f"--init-from {path} holds a {family.name} model, but --model {m.name} is a {m.family.name} preset")
+        model = family.from_pretrained(path, mesh=s.mesh, rules=s.rules)
+        if differences := architecture_differences(family, model.config, m.config):
+            raise ConfigError(f"--init-from {path} is not the architecture of --model {m.name} ({'; '.join(differences)})")
+        params = _pure(nnx.state(model))
+        return jax.tree.map(lambda a, want: a if a.dtype == want.dtype else a.astype(want.dtype), params, s.abstract["params"])
     ckpt_root = checkpoint_dir(path)
     if not ckpt_root.exists():
         raise ConfigError(
-            f"--init-from {path}: neither a Hugging Face GPT-2 directory (config.json + model.safetensors) "
+            f"--init-from {path}: neither a Hugging Face model directory (config.json + model.safetensors) "
             "nor an nnxscale run directory with checkpoints"
         )
     with Checkpointer(ckpt_root, async_save=False) as ckpt:
         _, restored, _ = ckpt.restore_intact({"params": s.abstract["params"]}, warn=warn)
     return restored["params"]
+
+
+# --------------------------------------------------------------------------------------
+# Data: text through the run's tokenizer, or token files
+# --------------------------------------------------------------------------------------
+
+#: A run directory's copy of the tokenizer it trains with (and ``sample`` decodes with).
+TOKENIZER_FILE = "tokenizer.json"
+#: Copied with it when the source has one: it names the end-of-text token.
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def run_tokenizer(cfg: TrainConfig, run_dir) -> Optional[text.TextTokenizer]:
+    """The tokenizer of a run, ``None`` for bytes: the run directory's own copy (kept since
+    its first command), else ``--tokenizer``, else the ``tokenizer.json`` of an
+    ``--init-from`` Hugging Face directory."""
+    kept = Path(run_dir) / TOKENIZER_FILE
+    if kept.is_file():
+        return text.load_tokenizer(kept)
+    if cfg.data.tokenizer is not None:
+        return text.load_tokenizer(cfg.data.tokenizer)
+    if cfg.init_from is not None and is_pretrained_dir(cfg.init_from) and (Path(cfg.init_from) / TOKENIZER_FILE).is_file():
+        return text.load_tokenizer(cfg.init_from)
+    return None
+
+
+def load_data(cfg: TrainConfig, tokenizer: Optional[text.TextTokenizer], vocab_size: int) -> datalib.TokenData:
+    """The run's token stream, checked against the model's vocabulary.
+
+    Raises ConfigError, in one line each: a tokenizer with more tokens than the model; text
+    data without a tokenizer for a model that is not byte-level (vocabulary 256); a token
+    file with ids outside the vocabulary.
+    """
+    model, source = cfg.model, cfg.data.data
+    if tokenizer is not None and tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"tokenizer {tokenizer.path} has {tokenizer.vocab_size:,} tokens, more than {model}'s vocabulary of "
+            f"{vocab_size:,}: use the model's own tokenizer, or a model with a larger vocabulary"
+        )
+    is_text = text.is_text_source(source)
+    if is_text and tokenizer is None and vocab_size != text.BYTE_VOCAB:
+        raise ConfigError(
+            f"{model} has a vocabulary of {vocab_size:,}, not bytes ({text.BYTE_VOCAB}): text data needs its "
+            "tokenizer (--tokenizer tokenizer.json), or tokenize it once with nnxscale tokenize"
+        )
+    tokens = datalib.load_tokens(source, tokenizer=tokenizer if is_text else None)
+    if tokens.vocab_size > vocab_size:
+        raise ConfigError(
+            f"data {source} holds token id {tokens.vocab_size - 1:,}, outside {model}'s vocabulary of {vocab_size:,} "
+            f"(ids 0 to {vocab_size - 1:,}): tokenize it with the model's tokenizer"
+        )
+    return tokens
+
+
+def _keep_tokenizer(tokenizer: text.TextTokenizer, run_dir: Path) -> None:
+    """Copy the tokenizer (and its tokenizer_config.json) into the run directory, once."""
+    if tokenizer.path == run_dir / TOKENIZER_FILE:
+        return
+    config = tokenizer.path.with_name(TOKENIZER_CONFIG_FILE)
+    for source, name in ((config, TOKENIZER_CONFIG_FILE), (tokenizer.path, TOKENIZER_FILE)):  # tokenizer.json last
+        if source.is_file():
+            try:
+                content = source.read_text()
+            except OSError as e:
+                raise storage_error("reading", source, e) from None
+            _write_atomic(run_dir / name, content)
 
 
 class _StopSignals:
@@ -587,31 +817,51 @@ class TrainResult:
     skipped_steps: int = 0  # steps whose update was skipped (non-finite loss or gradient norm)
 
 
-def train(cfg: TrainConfig, *, progress: bool = True, mesh=None, log: Callable[[str], None] = print) -> TrainResult:
+def train(
+    cfg: TrainConfig,
+    *,
+    model: Optional[Callable[[nnx.Rngs], nnx.Module]] = None,
+    loss: Optional[Callable] = None,
+    mesh=None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> TrainResult:
     """Train (or resume) the run in ``cfg.run_dir``. Everything ``nnxscale train`` does.
+
+    Args:
+      cfg: the run's settings. ``cfg.rules`` may be your own rules string
+        (``"batch=data,mlp=model,..."``).
+      model: your own module instead of the preset ``cfg.model``: a function ``rngs ->
+        nnx.Module`` (``lambda rngs: MyLM(..., rngs=rngs)``), called with ``nnx.Rngs(cfg.seed)``.
+        The module maps ``(B, T)`` int tokens to ``(B, T, V)`` logits; ``cfg.model`` names it
+        in the run directory. Checkpoints, resume (on any mesh) and ``cfg.init_from``
+        another run of the module work as for a preset; ``cfg``'s dropout, dtype and remat
+        are a preset's options and must stay at their defaults.
+      loss: ``loss(model, inputs, targets, *, rngs) -> scalar`` instead of
+        :func:`nnxscale.models.next_token_loss` (``rngs``: ``nnx.Rngs(dropout=key)`` in a
+        training step, ``None`` in evaluation).
+      mesh: a ``jax.sharding.Mesh`` instead of ``make_mesh(cfg.mesh)``.
+      progress: draw a progress bar.
+      log: where the run's lines go (resume, lint, weight decay, notes).
 
     Raises NnxscaleError subclasses for what a user can fix: bad settings
     (ConfigError), another trainer on the run directory (RunLockedError), a full or
     read-only disk (StorageError, CheckpointError), a run that diverged (DivergenceError).
     """
     with _StopSignals() as stop:
-        return _train(cfg, stop, progress=progress, mesh=mesh, log=log)
+        return _train(cfg, stop, model=model, loss=loss, progress=progress, mesh=mesh, log=log)
 
 
-def _train(cfg: TrainConfig, stop: _StopSignals, *, progress: bool, mesh, log: Callable[[str], None]) -> TrainResult:
+def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool, mesh, log: Callable[[str], None]) -> TrainResult:
     t_start = time.perf_counter()
     run_dir = Path(cfg.run_dir)
     cfg = _fix_schedule_length(cfg, run_dir)
-    s = setup(cfg, mesh)
+    s = setup(cfg, mesh, model=model, loss=loss)
     is_main = jax.process_index() == 0
 
-    # Data: tokens, validation split, per-process iterators.
-    tokens = datalib.load_tokens(cfg.data.data)
-    if int(np.max(tokens.tokens[: 1 << 20])) >= s.model_cfg.vocab_size or tokens.vocab_size > s.model_cfg.vocab_size:
-        raise ConfigError(
-            f"data {tokens.description} has token ids up to {tokens.vocab_size - 1}, "
-            f"but {cfg.model} has a vocabulary of {s.model_cfg.vocab_size}"
-        )
+    # Data: tokens (text through the run's tokenizer), validation split, per-process iterators.
+    tokenizer = run_tokenizer(cfg, run_dir)
+    tokens = load_data(cfg, tokenizer, s.vocab_size())
     train_tokens, val_tokens = datalib.split(tokens.tokens, cfg.data.val_fraction)
     train_it = datalib.train_batches(
         train_tokens,
@@ -674,13 +924,16 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, progress: bool, mesh, log: C
             if is_main:
                 metrics_path.unlink(missing_ok=True)
         if is_main:
-            saved = {"train": cfg.to_dict(), "model": s.model_cfg.to_dict(), "data": tokens.description}
+            saved = {"train": cfg.to_dict(), "model": s.model.describe(), "data": tokens.description}
             _write_atomic(run_dir / "config.json", json.dumps(saved, indent=2, sort_keys=True) + "\n")
+            if tokenizer is not None:
+                _keep_tokenizer(tokenizer, run_dir)
+        log(describe_decay(s.decay_mask, s.abstract["params"], cfg.optim.weight_decay))
 
         step_fn = make_train_step(s)
         eval_fn = make_eval_step(s)
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-        flops_per_token = s.model_cfg.flops_per_token(cfg.data.seq_len)
+        flops_per_token = s.flops_per_token()
         peak = peak_flops(jax.devices()[0])
         peak_total = peak * jax.device_count() if peak else None
         skips = _SkipCounter(cfg.max_bad_steps, skipped_before, cfg.optim.lr, run_dir)
@@ -709,7 +962,7 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, progress: bool, mesh, log: C
 
         # A signal may reach one process only: every process stops at the step they agree on.
         vote, stopping = StopVote(lag=MAX_IN_FLIGHT), None
-        bar = _progress(progress and is_main, start, cfg.steps)
+        bar = ProgressBar(progress and is_main, "train", cfg.steps, completed=start)
         last_loss = last_val = tokens_per_s = None
         t_last, s_last = time.perf_counter(), start
         step = start
@@ -749,7 +1002,7 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, progress: bool, mesh, log: C
                     last_loss = m["loss"]
                     if is_main:
                         _append_metrics(metrics_path, record)
-                    bar.update(step, record)
+                    bar.update(step, _progress_info(record))
                 else:
                     bar.update(step)
                 skips.check(latest_saved)  # nothing is saved, or run, once the run has diverged
@@ -779,42 +1032,14 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, progress: bool, mesh, log: C
     )
 
 
-class _progress:
-    """A rich progress bar showing the latest loss, or nothing when disabled."""
-
-    def __init__(self, enabled: bool, start: int, total: int):
-        self.bar = None
-        if not enabled:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.bar = Progress(
-            TextColumn("[bold]train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"),
-            TimeRemainingColumn(),
-        )
-        self.task = self.bar.add_task("train", total=total, completed=start, info="")
-        self.bar.start()
-
-    def update(self, step: int, record: Optional[dict] = None) -> None:
-        if self.bar is None:
-            return
-        if record is None:
-            self.bar.update(self.task, completed=step)
-            return
-        info = f"loss {record['loss']:.3f}"
-        if "val_loss" in record:
-            info += f"  val {record['val_loss']:.3f}"
-        if "tokens_per_s" in record:
-            info += f"  {record['tokens_per_s']:,.0f} tok/s"
-        self.bar.update(self.task, completed=step, info=info)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
+def _progress_info(record: dict) -> str:
+    """The progress bar's text for a logged step: its loss, validation loss and speed."""
+    info = f"loss {record['loss']:.3f}"
+    if "val_loss" in record:
+        info += f"  val {record['val_loss']:.3f}"
+    if "tokens_per_s" in record:
+        info += f"  {record['tokens_per_s']:,.0f} tok/s"
+    return info
 
 
 # --------------------------------------------------------------------------------------
@@ -823,7 +1048,7 @@ class _progress:
 
 
 def init_run(model: str, mesh_spec, run_dir, *, rules="auto", seed: int = 0, min_shard_bytes: Optional[int] = None) -> dict:
-    """Create ``model`` directly in its sharded layout and save it as a seed checkpoint.
+    """Create the preset ``model`` (of any family) in its sharded layout and save it as a seed checkpoint.
 
     Returns ``{"num_params", "total_bytes", "per_device_bytes", "mesh", "path"}``. Refuses a
     run directory that already holds checkpoints (nothing saved is overwritten).
@@ -832,10 +1057,10 @@ def init_run(model: str, mesh_spec, run_dir, *, rules="auto", seed: int = 0, min
     root = checkpoint_dir(run_dir)
     if root.exists() and any(root.iterdir()):
         raise ConfigError(f"{run_dir} already holds checkpoints; choose a new --run-dir")
+    m = run_model(TrainConfig(model=model))
     mesh = make_mesh(mesh_spec)
     resolved = resolve(rules, mesh, min_shard_bytes=min_shard_bytes)
-    mcfg = gpt2.preset(model)
-    created = sharded_init(lambda: gpt2.GPT2(mcfg, rngs=nnx.Rngs(seed)), mesh, resolved)
+    created = sharded_init(lambda: m.build(nnx.Rngs(seed)), mesh, resolved)
     per_device, total = layout_bytes(created, mesh, resolved)
     params = _pure(nnx.state(created))
     del created
@@ -846,7 +1071,7 @@ def init_run(model: str, mesh_spec, run_dir, *, rules="auto", seed: int = 0, min
     with RunLock(run_dir), Checkpointer(root, async_save=False) as ckpt:
         ckpt.save(0, {"params": params}, {"kind": "seed", "model": model, "seed": seed}, force=True)
     return {
-        "num_params": mcfg.num_params(),
+        "num_params": m.config.num_params(),
         "total_bytes": total,
         "per_device_bytes": per_device,
         "mesh": format_mesh(mesh.shape),

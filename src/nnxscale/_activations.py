@@ -27,7 +27,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nnxscale.errors import LayoutError
-from nnxscale.rules import MeshRules, TensorLayout, resolve
+from nnxscale._rules import MeshRules, TensorLayout, resolve
 
 _CURRENT: contextvars.ContextVar[Optional[MeshRules]] = contextvars.ContextVar("nnxscale_rules", default=None)
 _RECORDS: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("nnxscale_activation_records", default=None)
@@ -37,10 +37,10 @@ _RECORDS: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("nnxsc
 def use_rules(rules=None, mesh=None, *, min_shard_bytes: Optional[int] = None):
     """Within the block, :func:`constrain` lays activations out by ``rules`` on ``mesh``.
 
-    ``rules`` may be a :class:`~nnxscale.rules.MeshRules` (then ``mesh`` may be omitted),
+    ``rules`` may be a :class:`~nnxscale.MeshRules` (then ``mesh`` may be omitted),
     a preset name, a rules string or a table. It must be active while a function is
     *traced*: enter it inside the jitted function, or around its first call.
-    Yields the resolved :class:`~nnxscale.rules.MeshRules`.
+    Yields the resolved :class:`~nnxscale.MeshRules`.
     """
     resolved = resolve(rules, mesh, min_shard_bytes=min_shard_bytes)
     token = _CURRENT.set(resolved)

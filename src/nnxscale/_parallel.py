@@ -147,7 +147,7 @@ def _sharded_param(init, key, shape, dtype, mesh: Mesh, spec: P) -> nnx.Param:
 
     The initializer runs under ``jax.jit`` with ``out_shardings``: on a mesh with Auto axes
     XLA partitions the random generation, so each device computes only its own slice
-    (see ``nnxscale.mesh`` for the measurement). The Param carries ``out_sharding`` metadata
+    (see ``nnxscale._mesh`` for the measurement). The Param carries ``out_sharding`` metadata
     so ``nnx.get_partition_spec`` and nnxscale's sharding tools report the layout;
     ``eager_sharding=False`` because the value is already placed.
     """

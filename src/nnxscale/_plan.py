@@ -8,14 +8,15 @@ where it comes from:
 - ``compiler``: the real train step compiled ahead of time for the mesh, nothing
   allocated (``make_train_step(setup(cfg)).lower(s.abstract, s.abstract_batch).compile()``):
   peak and temporary memory from ``memory_analysis()``, collectives counted in the
-  compiled HLO (:mod:`nnxscale.hlo`). A mesh larger than this machine is compiled in a
+  compiled HLO (:func:`nnxscale.collective_bytes`). A mesh larger than this machine is compiled in a
   child process with that many simulated CPU devices, up to ``max_compile_devices``.
   These are XLA:CPU's figures; a GPU's compiler fuses differently, so treat them as close,
   not exact.
 - ``estimate``: an analytical model of the step (:func:`estimate`) whose coefficients are
-  fitted to the compiler's figures (``python bench/plan_accuracy.py`` measures its error
-  and refits it). Used beyond ``max_compile_devices``, for ``--sweep`` unless asked to
-  compile, and printed beside the compiler's peak otherwise.
+  fitted to the compiler's figures for GPT-2 (``python bench/plan_accuracy.py`` measures
+  its error and refits it); for another family a plan says it is a rough guide. Used
+  beyond ``max_compile_devices``, for ``--sweep`` unless asked to compile, and printed
+  beside the compiler's peak otherwise.
 
 Peak per device = arguments + outputs - donated (aliased) buffers + temporaries: the train
 state (parameters and optimizer state, updated in place) and the batch, plus what the step
@@ -35,10 +36,10 @@ import sys
 import time
 from typing import Any, Optional
 
-from nnxscale.config import ConfigError, TrainConfig, with_overrides
-from nnxscale.devices import MEMORY
-from nnxscale.layout import format_bytes, full_bytes, shard_bytes
-from nnxscale.mesh import format_mesh, resolve_mesh_shape
+from nnxscale._config import ConfigError, TrainConfig, with_overrides
+from nnxscale._devices import MEMORY
+from nnxscale._layout import format_bytes, full_bytes, shard_bytes
+from nnxscale._mesh import format_mesh, resolve_mesh_shape
 
 #: Memory of one device, by name (``--device``), in bytes.
 KNOWN_DEVICES = MEMORY
@@ -88,7 +89,7 @@ class StepPlan:
     """What one training step needs per device and moves per step.
 
     Bytes are per device; collective bytes per device and per step, by kind (see
-    :mod:`nnxscale.hlo` for the convention). ``sources`` says, per figure, ``layout``,
+    :func:`nnxscale.collective_bytes` for the convention). ``sources`` says, per figure, ``layout``,
     ``compiler ...`` or ``estimate``.
     """
 
@@ -253,13 +254,19 @@ def plan(
         optimizer_bytes=lay["optimizer_bytes"], gradient_bytes=lay["gradient_bytes"], batch_bytes=lay["batch_bytes"],
         textbook=textbook_collectives(cfg, lay), device_memory=device_memory,
     )  # fmt: skip
+    family = lay["model"].family.name
+    calibration = [] if family == ESTIMATE_FAMILY else [
+        f"the analytical estimate is fitted to {ESTIMATE_FAMILY}'s step (bench/plan_accuracy.py): for a {family} model "
+        "it is a rough guide; the compiled figures hold for any model"
+    ]  # fmt: skip
     if compile == "never" or (compile == "auto" and n > max_compile_devices):
         notes = [] if compile == "never" else [f"{n} devices is more than --max-compile-devices {max_compile_devices}: estimated"]
+        notes += calibration
         return StepPlan(**common, temp_bytes=est["temp_bytes_per_device"], peak_bytes=est["peak_bytes_per_device"],
                         collective_bytes=est["collective_bytes_by_kind"], source="estimate", notes=notes)  # fmt: skip
     compiled = compiled_figures(cfg, n)
     state_bytes = lay["param_bytes"] + lay["optimizer_bytes"]
-    notes = []
+    notes = list(calibration)
     if compiled["argument_bytes"] > state_bytes + lay["batch_bytes"] + (64 << 10):
         notes.append("the compiled step's arguments exceed the layout's state and batch bytes")
     return StepPlan(
@@ -277,7 +284,7 @@ def plan(
 
 def mesh_sizes(spec, devices: Optional[int] = None) -> dict[str, int]:
     """``{axis: size}`` of a mesh spec; ``-1`` takes ``devices`` (default: this job's)."""
-    from nnxscale.mesh import parse_mesh_spec
+    from nnxscale._mesh import parse_mesh_spec
 
     axes = parse_mesh_spec(spec)
     if -1 in axes.values():
@@ -297,27 +304,30 @@ def mesh_sizes(spec, devices: Optional[int] = None) -> dict[str, int]:
 
 
 def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
-    """Parameters, optimizer state, gradients and batch per device, from the layout alone."""
+    """Parameters, optimizer state, gradients and batch per device, from the layout alone.
+
+    Also ``model`` (the run's :class:`~nnxscale._train.RunModel`), ``abstract`` (the model,
+    nothing allocated) and ``rules`` (resolved against ``sizes``).
+    """
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
     from jax.sharding import PartitionSpec as P
 
-    from nnxscale.models import gpt2
-    from nnxscale.rules import resolve
-    from nnxscale.sharding import layouts, state_specs
-    from nnxscale.train import check_shapes, make_optimizer, model_config
+    from nnxscale._rules import resolve
+    from nnxscale._sharding import layouts, state_specs
+    from nnxscale._train import check_shapes, decay_mask, make_optimizer, run_model
 
-    mcfg = model_config(cfg)
+    m = run_model(cfg)
     rules = resolve(cfg.rules, sizes, min_shard_bytes=cfg.min_shard_bytes)
-    check_shapes(cfg, rules, mcfg)
-    model = nnx.eval_shape(lambda: gpt2.GPT2(mcfg, rngs=nnx.Rngs(0)))
+    check_shapes(cfg, rules, m)
+    model = nnx.eval_shape(lambda: m.build(nnx.Rngs(0)))
     rows = layouts(model, sizes, rules)
     param_bytes = sum(shard_bytes(r.shape, r.dtype, r.spec, sizes) for r in rows)
 
     # The optimizer state takes the layout of the parameter each leaf belongs to (as in train.setup).
-    tx, _ = make_optimizer(cfg)
+    tx, _ = make_optimizer(cfg, decay_mask(nnx.state(model)))
     params = nnx.to_pure_dict(nnx.state(model))
     specs = nnx.to_pure_dict(jax.tree.map(lambda v, s: v.replace(s), nnx.state(model), state_specs(model, sizes, rules),
                                           is_leaf=lambda x: isinstance(x, nnx.Variable)))  # fmt: skip
@@ -332,10 +342,11 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
     d = cfg.data
     batch_bytes = 2 * shard_bytes((d.batch_size, d.seq_len), jnp.int32, rules.batch_spec(), sizes)
     return {
-        "model_cfg": mcfg,
+        "model": m,
+        "abstract": model,
         "rules": rules,
         "rows": rows,
-        "num_params": mcfg.num_params(),
+        "num_params": sum(math.prod(r.shape) for r in rows if r.is_param),
         "full_param_bytes": sum(full_bytes(r.shape, r.dtype) for r in rows),
         "param_bytes": param_bytes,
         "optimizer_bytes": opt_bytes,
@@ -366,7 +377,7 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
     (Megatron): two all-reduces of the ``(B, T, C)`` activations per layer forward and two
     backward (two more with rematerialization).
     """
-    rules, mcfg, full = lay["rules"], lay["model_cfg"], max(lay["full_param_bytes"], 1)
+    rules, dims, full = lay["rules"], lay["model"].dims, max(lay["full_param_bytes"], 1)
     if rules.num_devices == 1:
         return []
     split = _split(lay["rows"], rules)
@@ -378,9 +389,9 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
     tensor = math.prod(s for a, s in rules.sizes.items() if a not in rules.batch_axes)
     if tensor > 1:
         d = cfg.data
-        act = d.batch_size / rules.batch_shard_count * d.seq_len * mcfg.n_embd * (2 if cfg.dtype == "bfloat16" else 4)
+        act = d.batch_size / rules.batch_shard_count * d.seq_len * dims.width * (2 if cfg.dtype == "bfloat16" else 4)
         per_layer = 4 + (2 if cfg.remat != "none" else 0)
-        out.append(("tensor-parallel activation all-reduces", per_layer * mcfg.n_layer * act / full))
+        out.append(("tensor-parallel activation all-reduces", per_layer * dims.layers * act / full))
     return out
 
 
@@ -388,10 +399,14 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
 # the analytical estimate
 # --------------------------------------------------------------------------------------
 
+#: The model family :data:`COEFFICIENTS` are fitted to; a plan of another says so.
+ESTIMATE_FAMILY = "gpt2"
+
 #: Coefficients of :func:`estimate`, fitted to the compiler's figures on 8 simulated CPU
 #: devices (gpt2-mini, gpt2 and gpt2-medium on data, fsdp and tensor-parallel meshes, each
 #: remat policy) by ``python bench/plan_accuracy.py --fit``. Each multiplies a feature of
-#: :func:`features`, in bytes; ``shared`` applies under every remat policy.
+#: :func:`features`, in bytes; ``shared`` applies under every remat policy. The features
+#: come from any family's dimensions (:class:`~nnxscale.models.ModelDims`).
 COEFFICIENTS: dict[str, dict[str, float]] = {
     "shared": {
         "work_res": 12.46,
@@ -454,17 +469,17 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
     Activations count 4 bytes an element whatever the compute dtype: the coefficients are
     fitted to XLA:CPU, which computes bfloat16 in float32 (and keeps slightly more).
     """
-    rules, mcfg = lay["rules"], lay["model_cfg"]
+    rules, dims = lay["rules"], lay["model"].dims
     d = cfg.data
     accum = cfg.optim.grad_accum
     b = d.batch_size / rules.batch_shard_count / accum
-    T, C, L, N, V = d.seq_len, mcfg.n_embd, mcfg.n_layer, mcfg.n_head, mcfg.vocab_size
+    T, C, L, N, V = d.seq_len, dims.width, dims.layers, dims.heads, dims.vocab_size
     s = 4
 
     def split(name: str, size: int) -> int:
         return math.prod(rules.sizes[a] for e in rules.activation_spec((name,), (size,)) for a in _axes(e))
 
-    tp, tph, tpv = split("mlp", 4 * C), split("heads", N), split("vocab", V)
+    tp, tph, tpv = split("mlp", dims.mlp_width), split("heads", N), split("vocab", V)
     parts = _split(lay["rows"], rules)
     replicated = parts["replicated"] if rules.batch_shard_count > 1 else 0.0
     act = b * T * C * s
@@ -521,7 +536,7 @@ def compile_step(cfg: TrainConfig, mesh=None):
     """``(setup, compiled step)``: the real train step of ``cfg`` compiled, nothing allocated."""
     import jax
 
-    from nnxscale.train import make_train_step, setup
+    from nnxscale._train import make_train_step, setup
 
     s = setup(cfg, mesh)
     with jax.set_mesh(s.mesh):
@@ -531,7 +546,7 @@ def compile_step(cfg: TrainConfig, mesh=None):
 
 def measure(compiled) -> dict[str, Any]:
     """The compiler's own figures for a compiled step, per device."""
-    from nnxscale import hlo
+    from nnxscale import _hlo as hlo
 
     ma = compiled.memory_analysis()
     peak = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
@@ -555,8 +570,8 @@ def compiled_figures(cfg: TrainConfig, n: int) -> dict[str, Any]:
 def _compile_here(cfg: TrainConfig, n: int) -> dict[str, Any]:
     import jax
 
-    from nnxscale.activations import record_activations
-    from nnxscale.mesh import make_mesh
+    from nnxscale._activations import record_activations
+    from nnxscale._mesh import make_mesh
 
     mesh = make_mesh(cfg.mesh, devices=jax.devices()[:n])
     t = time.perf_counter()
@@ -580,7 +595,7 @@ def _compile_in_child(cfg: TrainConfig, n: int) -> dict[str, Any]:
     env["JAX_PLATFORMS"] = "cpu"
     env["NNXSCALE_PLAN_CHILD"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "nnxscale.plan"],
+        [sys.executable, "-m", "nnxscale._plan"],
         input=json.dumps(cfg.to_dict()),
         capture_output=True,
         text=True,
@@ -611,7 +626,8 @@ def _child_main() -> None:
 
 def candidate_meshes(n: int, heads: int) -> list[str]:
     """Meshes of ``n`` devices worth comparing: data, fsdp, and either with a model axis
-    that divides the heads (tensor parallelism within at most 8 devices)."""
+    that divides ``heads`` (query and key/value heads alike: tensor parallelism within at
+    most 8 devices)."""
     out = [f"data={n}", f"fsdp={n}"]
     for tp in (2, 4, 8):
         if n % tp or heads % tp or tp >= n:
@@ -637,11 +653,11 @@ def sweep(
     Sorted by peak memory per device. ``compile="never"`` (the default) uses the estimate:
     quick, and each plan says so; ``"auto"`` compiles each.
     """
-    from nnxscale.train import model_config
+    from nnxscale._train import run_model
 
-    heads = model_config(cfg).n_head
+    dims = run_model(cfg).dims
     plans = []
-    for mesh in candidate_meshes(devices, heads):
+    for mesh in candidate_meshes(devices, math.gcd(dims.heads, dims.kv_heads)):
         for remat in remats:
             c = with_overrides(cfg, {"mesh": mesh, "remat": remat})
             try:

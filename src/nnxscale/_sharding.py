@@ -20,8 +20,8 @@ Where a Variable's logical axes come from (first that applies):
    replicated. :func:`lint` reports every Variable that used the fallback.
 
 Every function here takes ``rules`` as a preset name, a rules string, a table, an
-:class:`~nnxscale.rules.AxisRules`, or rules already resolved against the mesh
-(:class:`~nnxscale.rules.MeshRules`, which also carries ``min_shard_bytes``). Specs are
+:class:`~nnxscale.AxisRules`, or rules already resolved against the mesh
+(:class:`~nnxscale.MeshRules`, which also carries ``min_shard_bytes``). Specs are
 always valid: a mesh axis whose size does not divide the dimension, or that an earlier
 dimension already uses, is dropped (that dimension is replicated over it), and
 :func:`lint` reports the drop. Explicit PartitionSpecs given to
@@ -40,8 +40,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nnxscale.layout import LayoutError, format_bytes, full_bytes, shard_bytes, shard_shape
-from nnxscale.rules import LOGICAL_KEY, MeshRules, resolve
+from nnxscale._layout import LayoutError, format_bytes, full_bytes, shard_bytes, shard_shape
+from nnxscale._rules import LOGICAL_KEY, MeshRules, resolve
 
 
 def _is_var(x) -> bool:
@@ -329,7 +329,7 @@ def lint(
     ``replicated_threshold_bytes`` on a mesh of more than one device (``replicated``).
     Small parameters kept whole below ``min_shard_bytes`` are by design and not reported.
 
-    ``activations``: :class:`~nnxscale.activations.ActivationRecord` s from tracing the model
+    ``activations``: :class:`~nnxscale.ActivationRecord` s from tracing the model
     (``record_activations``); each mesh axis an activation asked for and did not get is
     reported as ``activation``.
     """

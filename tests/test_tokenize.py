@@ -1,0 +1,125 @@
+"""Text through real tokenizers: ``nnxscale tokenize``, training and sampling with the run's
+tokenizer, and bad input, one line each. The tokenizer is trained here, with the
+``tokenizers`` trainer (``bpe_tokenizer`` in conftest); nothing is downloaded."""
+
+import dataclasses
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_cli import assert_one_error_line, run_main, train_args
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import nnxscale
+from nnxscale import _text as text
+from nnxscale.models import gpt2
+
+
+def documents(tmp_path, text_data):
+    """A corpus directory: two text documents and a binary file (skipped)."""
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    source = text_data.read_text()
+    (corpus / "a.txt").write_text(source[:40_000])
+    (corpus / "sub" / "b.md").write_text(source[40_000:60_000])
+    (corpus / "blob.dat").write_bytes(b"\x00\x01binary")
+    return corpus, [source[:40_000], source[40_000:60_000]]
+
+
+def test_tokenize_writes_the_token_file_train_reads(tmp_path, text_data, bpe_tokenizer, capsys):
+    corpus, docs = documents(tmp_path, text_data)
+    tok = Tokenizer.from_file(str(bpe_tokenizer))
+    eos = tok.token_to_id("<|endoftext|>")
+    want = np.concatenate([tok.encode(docs[0]).ids, [eos], tok.encode(docs[1]).ids])
+
+    out = tmp_path / "train.bin"
+    code, printed, err = run_main(capsys, ["tokenize", "--tokenizer", str(bpe_tokenizer), "--data", str(corpus),
+                                           "--out", str(out), "--no-progress"])  # fmt: skip
+    assert code == 0, err
+    assert f"{out}: {len(want):,} tokens (uint16, vocab 512) from 2 documents (1 empty or binary files skipped)" in printed
+    assert f"--data {out}" in printed
+    got = nnxscale.load_tokens(out)
+    assert got.tokens.dtype == np.uint16
+    np.testing.assert_array_equal(got.tokens, want)
+
+    # .npy holds the same tokens; train's own reading of the text with the tokenizer gives them too
+    info = text.tokenize(bpe_tokenizer, corpus, tmp_path / "train.npy", progress=True)
+    assert info["dtype"] == "uint16" and info["tokens"] == len(want)
+    np.testing.assert_array_equal(np.load(tmp_path / "train.npy"), want)
+    loaded = nnxscale.load_tokens(corpus, tokenizer=bpe_tokenizer)
+    np.testing.assert_array_equal(loaded.tokens, want)
+    assert loaded.vocab_size == 512 and f"tokenizer {bpe_tokenizer}" in loaded.description
+
+
+def test_tokenize_refuses_a_vocabulary_the_token_file_cannot_hold(tmp_path, capsys):
+    big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)}, unk_token="w0"))
+    big.pre_tokenizer = pre_tokenizers.Whitespace()
+    big.save(str(tmp_path / "big.json"))
+    (tmp_path / "t.txt").write_text("w1 w69999 w5\n")
+    args = ["tokenize", "--tokenizer", str(tmp_path / "big.json"), "--data", str(tmp_path / "t.txt"), "--no-progress"]
+
+    code, _, err = run_main(capsys, [*args, "--out", str(tmp_path / "t.bin")])
+    assert_one_error_line(code, err, "70,000 tokens", "uint16", "65,536", str(tmp_path / "t.npy"))
+    assert not (tmp_path / "t.bin").exists()
+    code, _, err = run_main(capsys, [*args, "--out", str(tmp_path / "t.npy")])
+    assert code == 0, err
+    tokens = np.load(tmp_path / "t.npy")
+    assert tokens.dtype == np.int32 and tokens.tolist() == [1, 69999, 5]
+
+    code, _, err = run_main(capsys, [*args, "--out", str(tmp_path / "t.txt.out")])
+    assert_one_error_line(code, err, ".bin", ".npy")
+
+
+def test_bad_tokenizers_and_token_ids_are_one_line_each(tmp_path, text_data, bpe_tokenizer, capsys):
+    (tmp_path / "broken.json").write_text('{"not": "a tokenizer"}')
+    wide = tmp_path / "wide.bin"
+    np.array([1, 2, 300, 4] * 200, dtype=np.uint16).tofile(wide)
+    cases = [
+        (["--tokenizer", str(bpe_tokenizer)], ["tokenizer", "512 tokens", "gpt2-tiny's vocabulary of 256"]),
+        (["--model", "gpt2"], ["gpt2 has a vocabulary of 50,257", "not bytes", "--tokenizer", "nnxscale tokenize"]),
+        (["--data", str(wide)], [str(wide), "token id 300", "gpt2-tiny's vocabulary of 256"]),
+        (["--tokenizer", str(tmp_path / "none.json")], ["no tokenizer at", "none.json", "never downloaded"]),
+        (["--tokenizer", str(tmp_path / "broken.json")], ["broken.json", "is not a tokenizer.json"]),
+    ]
+    for extra, words in cases:
+        run_dir = tmp_path / "run"
+        code, _, err = run_main(capsys, train_args(run_dir, text_data, *extra))
+        assert_one_error_line(code, err, *words)
+        assert not run_dir.exists()  # refused before anything is written
+
+
+def test_fine_tune_a_hugging_face_directory_on_text_and_sample_words(tmp_path, text_data, bpe_tokenizer, monkeypatch, capsys):
+    """--init-from a Hugging Face directory that holds a tokenizer.json: the text is read
+    through it, the run keeps a copy, a resume reads the same tokens, sample decodes with it."""
+    config = dataclasses.replace(gpt2.preset("gpt2-tiny"), vocab_size=512)  # the tokenizer's vocabulary
+    monkeypatch.setitem(gpt2.PRESETS, "gpt2-tiny-bpe", config)
+    hf = tmp_path / "hf"
+    gpt2.save_pretrained(gpt2.GPT2(config, rngs=nnx.Rngs(3)), hf)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bpe_tokenizer.with_name(name), hf / name)
+
+    run_dir = tmp_path / "run"
+    args = train_args(run_dir, text_data, "--model", "gpt2-tiny-bpe", "--init-from", str(hf), "--save-every", "0")
+    code, out, err = run_main(capsys, args)
+    assert code == 0, err
+    assert (run_dir / "tokenizer.json").read_bytes() == bpe_tokenizer.read_bytes()
+    assert "tokenizer" in json.loads((run_dir / "config.json").read_text())["data"]
+    code, out, err = run_main(capsys, [*args, "--steps", "6"])  # resumes on the kept copy: the same tokens
+    assert code == 0 and f"resumed {run_dir} from step 4" in out, err
+
+    prompt, n = "def parse", 12
+    got = nnxscale.sample(run_dir, prompt, max_new_tokens=n, temperature=0)
+    # The same greedy choices by hand, decoded with the tokenizer: words, not bytes or ids.
+    tok, model = Tokenizer.from_file(str(bpe_tokenizer)), nnxscale.load_model(run_dir)
+    ids = tok.encode(prompt).ids
+    for _ in range(n):
+        window = np.zeros(config.n_positions, np.int32)
+        window[: len(ids)] = ids
+        ids.append(int(jnp.argmax(model(jnp.asarray(window)[None])[0, len(ids) - 1])))
+    assert got == prompt + tok.decode(ids[-n:])
+    code, out, err = run_main(capsys, ["sample", "--run-dir", str(run_dir), "--prompt", prompt,
+                                       "--max-new-tokens", str(n), "--temperature", "0"])  # fmt: skip
+    assert code == 0 and out == got + "\n", err
