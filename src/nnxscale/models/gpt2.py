@@ -37,6 +37,9 @@ from flax import nnx
 
 from nnxscale.activations import constrain
 from nnxscale.errors import ModelError, ModelFileNotFoundError
+from nnxscale.models.hf_checkpoint import (
+    HFLayout, HFParam, SafetensorsFiles, hf_tensors, key_part, load_state, save_safetensors, state_shardings,
+)  # fmt: skip
 from nnxscale.rules import logical
 from nnxscale.stack import REMAT_POLICIES, scan_layers, stack_layers
 
@@ -280,37 +283,27 @@ _LEAF_NAMES = {"embedding": "weight", "kernel": "weight", "scale": "weight", "bi
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # HF causal-mask buffers, not parameters
 
 
-def _key_part(k) -> str:
-    return str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+def _hf_param(path, shape: tuple[int, ...]) -> HFParam:
+    """HF tensor names of one parameter, and how their Conv1D layout relates to ours.
 
-
-def _hf_keys(path, shape: tuple[int, ...]) -> tuple[list[str], tuple[int, ...]]:
-    """HF tensor names of one parameter, and the shape of each of them (before ``_hf_shape``).
-
-    ``('wte', 'embedding')`` -> ``["wte.weight"]``; the stacked ``('h', 'attn', 'c_attn',
-    'kernel')`` of shape ``(L, ...)`` -> ``["h.0.attn.c_attn.weight", ..., "h.{L-1}..."]``,
-    each of shape ``(...)``.
+    ``('wte', 'embedding')`` -> ``wte.weight``; the stacked ``('h', 'attn', 'c_attn',
+    'kernel')`` of shape ``(L, C, 3, N, H)`` -> ``h.0.attn.c_attn.weight`` ...
+    ``h.{L-1}...``, each ``(C, 3*N*H)``: heads are separate axes here, a reshape there.
     """
-    parts = [_key_part(k) for k in path]
-    name = ".".join(parts[1:-1] + [_LEAF_NAMES[parts[-1]]])
-    if parts[0] == "h":  # stacked blocks: one HF tensor per layer
-        return [f"h.{i}.{name}" for i in range(shape[0])], tuple(shape[1:])
-    return [".".join(parts[:-1] + [_LEAF_NAMES[parts[-1]]])], tuple(shape)
-
-
-def _hf_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """HF Conv1D shape of a tensor whose heads we keep as separate axes."""
-    if key.endswith("attn.c_attn.weight"):  # (C, 3, N, H) -> (C, 3C)
-        return (shape[0], math.prod(shape[1:]))
-    if key.endswith("attn.c_attn.bias"):  # (3, N, H) -> (3C,)
-        return (math.prod(shape),)
-    if key.endswith("attn.c_proj.weight"):  # (N, H, C) -> (C, C)
-        return (math.prod(shape[:-1]), shape[-1])
-    return tuple(shape)
-
-
-def _is_var(x) -> bool:
-    return isinstance(x, nnx.Variable)
+    parts = [key_part(k) for k in path]
+    stacked = parts[0] == "h"
+    name = ".".join(parts[1 if stacked else 0 : -1] + [_LEAF_NAMES[parts[-1]]])
+    keys = tuple(f"h.{i}.{name}" for i in range(shape[0])) if stacked else (name,)
+    s = shape[1:] if stacked else shape
+    if name.endswith("attn.c_attn.weight"):  # (C, 3, N, H) <- (C, 3C)
+        layout = HFLayout(((s[0],), tuple(s[1:])), tuple(range(len(s))))
+    elif name.endswith("attn.c_attn.bias"):  # (3, N, H) <- (3C,)
+        layout = HFLayout((tuple(s),), tuple(range(len(s))))
+    elif name.endswith("attn.c_proj.weight"):  # (N, H, C) <- (C, C)
+        layout = HFLayout((tuple(s[:-1]), (s[-1],)), tuple(range(len(s))))
+    else:
+        layout = HFLayout.same(s)
+    return HFParam(keys, layout, stacked)
 
 
 def _hf_config(config: GPT2Config) -> dict[str, Any]:
@@ -362,18 +355,8 @@ def save_pretrained(model: GPT2, path) -> None:
     the stacked blocks are written one tensor per block; the tied head is not written.
     Tensors keep the parameter dtype.
     """
-    from safetensors.numpy import save_file
-
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for p, v in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=_is_var)[0]:
-        value = np.asarray(jax.device_get(v.get_value()))
-        keys, shape = _hf_keys(p, value.shape)
-        layers = value if _key_part(p[0]) == "h" else value[None]  # stacked: one tensor per block
-        for key, layer in zip(keys, layers):
-            tensors[key] = np.ascontiguousarray(layer.reshape(_hf_shape(key, shape)))
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(hf_tensors(model, _hf_param), path, max_shard_bytes=None)
     (path / "config.json").write_text(json.dumps(_hf_config(model.config), indent=2) + "\n")
 
 
@@ -388,72 +371,26 @@ def from_pretrained(path, *, mesh=None, rules=None, dtype: Optional[str] = None)
     With ``mesh``, every array is created directly in the layout ``rules`` give on it:
     each device reads only its own slice from the file, no device holds a full tensor.
     """
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_dir():
         raise ModelFileNotFoundError(f"no checkpoint directory at {path}")
-    cfg_file, weights = path / "config.json", path / "model.safetensors"
-    for file in (cfg_file, weights):
-        if not file.is_file():
-            raise ModelFileNotFoundError(f"{file} does not exist: an HF GPT-2 directory holds config.json and model.safetensors")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelFileNotFoundError(f"{cfg_file} does not exist: an HF GPT-2 directory holds config.json and model.safetensors")
     hf = json.loads(cfg_file.read_text())
 
-    with safe_open(str(weights), framework="numpy") as f:
+    with SafetensorsFiles(path) as files:
         names = {}  # unprefixed name -> key in the file
-        for key in f.keys():
+        for key in files.keys():
             name = key.removeprefix("transformer.")
             if not name.endswith(_IGNORED_SUFFIXES):
                 names[name] = key
         tied = names.pop("lm_head.weight", None)
-        stored = f.get_slice(names["wte.weight"]).get_dtype() if "wte.weight" in names else "F32"
-        param_dtype = {"F32": "float32", "BF16": "bfloat16"}.get(stored, "float32")
+        param_dtype = files.param_dtype(names["wte.weight"]) if "wte.weight" in names else "float32"
         config = _config_from_hf(hf, param_dtype, dtype, cfg_file)
-
         graphdef, abstract = nnx.split(nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0))))
-        if mesh is None:
-            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            shardings = jax.tree.map(lambda v: device, abstract, is_leaf=_is_var)
-        else:
-            from nnxscale.sharding import state_shardings
-
-            shardings = state_shardings(abstract, mesh, rules)
-
-        flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_var)[0]
-        expected = {k for p, v in flat for k in _hf_keys(p, v.get_value().shape)[0]}
-        if missing := sorted(expected - set(names)):
-            raise ModelError(f"{weights} lacks the tensors {missing}")
-        if extra := sorted(set(names) - expected):
-            raise ModelError(f"{weights} has tensors this GPT-2 does not use: {extra}")
-
-        def reader(name: str, shape: tuple[int, ...], pdtype):
-            """``index -> tensor[index]`` in our layout, reading as little of the file as it can."""
-            sliced = f.get_slice(names[name])
-            stored_shape = tuple(sliced.get_shape())
-            if stored_shape != _hf_shape(name, shape):
-                raise ModelError(
-                    f"{weights}: tensor {names[name]!r} has shape {stored_shape}, "
-                    f"expected {_hf_shape(name, shape)} for {config}"
-                )
-            if stored_shape == shape:  # each device reads its own slice straight from the file
-                return lambda index: sliced[index].astype(pdtype)
-            if stored_shape[0] == shape[0]:  # c_attn (C, 3C) holds (C, 3, N, H): read our rows
-                return lambda index: sliced[index[0]].reshape((-1,) + shape[1:])[(slice(None),) + index[1:]].astype(pdtype)
-            return lambda index: sliced[:].reshape(shape)[index].astype(pdtype)  # c_proj (N*H, C), biases
-
-        def load(p, v, sharding):
-            shape, pdtype = v.get_value().shape, v.get_value().dtype
-            keys, layer_shape = _hf_keys(p, shape)
-            readers = [reader(k, layer_shape, pdtype) for k in keys]
-            if _key_part(p[0]) == "h":  # stacked: this device's layers, each read in its own slice
-                cb = lambda index: np.stack([readers[i](index[1:]) for i in range(shape[0])[index[0]]])
-            else:
-                cb = readers[0]
-            return v.replace(jax.make_array_from_callback(shape, sharding, cb))
-
-        state = jax.tree_util.tree_map_with_path(load, abstract, shardings, is_leaf=_is_var)
-        if tied is not None:
-            head = f.get_tensor(tied)
-            if not np.array_equal(head, f.get_tensor(names["wte.weight"])):
-                raise ModelError(f"{weights}: {tied!r} differs from the token embedding, but GPT-2 ties them")
+        shardings = state_shardings(abstract, mesh, rules)
+        state = load_state(files, abstract, shardings, _hf_param, names, model_name="GPT-2")
+        if tied is not None and not np.array_equal(files.tensor(tied), files.tensor(names["wte.weight"])):
+            raise ModelError(f"{files.where}: {tied!r} differs from the token embedding, but GPT-2 ties them")
     return nnx.merge(graphdef, state)
