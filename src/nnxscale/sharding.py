@@ -41,7 +41,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nnxscale.layout import LayoutError, format_bytes, full_bytes, shard_bytes, shard_shape
-from nnxscale.rules import LOGICAL_KEY, MeshRules, resolve
+from nnxscale.rules import LOGICAL_KEY, PRESETS, MeshRules, resolve
 
 
 def _is_var(x) -> bool:
@@ -320,7 +320,8 @@ def lint(
     """Check a (model, rules, mesh) combination before training on it.
 
     Reports: parameter rules whose logical name is on no Variable, typically a typo
-    (``unused-rule``), logical names with no rule (``no-rule``), a mesh axis asked for
+    (``unused-rule``; not the presets' own rules, written for every model: GPT-2 has no
+    ``kv_heads``), logical names with no rule (``no-rule``), a mesh axis asked for
     twice in one spec (``axis-reused``, naming the dimension that lost it), dimensions
     that do not divide by their shard count (``indivisible``), Variables that used the
     fallback (``unannotated``), and replicated tensors larger than
@@ -363,9 +364,10 @@ def lint(
                     f"{format_bytes(nbytes)} {lay.shape} is replicated on all {n_devices} devices",
                 )
             )
+    shipped = {rule for preset in PRESETS.values() for rule in preset.params}
     for name, axes in resolved.rules.params:
-        if axes is None or name in names_in_model or name in ACTIVATION_NAMES:
-            continue  # an explicit "replicate" rule that matches nothing is harmless
+        if axes is None or name in names_in_model or name in ACTIVATION_NAMES or (name, axes) in shipped:
+            continue  # "replicate" matching nothing is harmless; a preset's rule serves models that have the name
         findings.append(Finding("unused-rule", "", f"rule {name!r} -> {axes!r} matches no Variable of this model"))
     for record in activations:
         where = "activation (" + ", ".join(str(n) for n in record.names) + f") {record.shape}"
