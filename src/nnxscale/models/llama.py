@@ -196,7 +196,7 @@ class LlamaConfig:
 
 def _rope_scaling(d: dict, where: str) -> RopeScaling:
     fields = [f.name for f in dataclasses.fields(RopeScaling)]
-    extra = sorted(set(d) - set(fields) - {"rope_type", "type", "rope_theta"})
+    extra = sorted(set(d) - set(fields) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
     missing = [k for k in fields if k not in d]
     if extra or missing:
         raise ModelError(f"{where} needs exactly the fields {fields}; missing {missing}, unknown {extra}")
@@ -444,6 +444,7 @@ def _config_from_hf(hf: dict[str, Any], param_dtype: str, dtype: Optional[str], 
         "attention_bias": (hf.get("attention_bias", False), (False,)),
         "mlp_bias": (hf.get("mlp_bias", False), (False,)),
         "rope_type": (rope_type, ("default", "llama3")),
+        "partial_rotary_factor": (rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)), (1.0,)),
     }
     for name, (value, allowed) in unsupported.items():
         if value not in allowed:
