@@ -40,10 +40,10 @@ from nnxscale.errors import ModelError, ModelFileNotFoundError
 from nnxscale.models.hf_checkpoint import (
     HFLayout, HFParam, SafetensorsFiles, hf_tensors, key_part, load_state, save_safetensors, state_shardings,
 )  # fmt: skip
+from nnxscale.models.model_config import ModelConfig, choose_preset
 from nnxscale.rules import logical
-from nnxscale.stack import REMAT_POLICIES, scan_layers, stack_layers
+from nnxscale.stack import scan_layers, stack_layers
 
-_DTYPES = ("float32", "bfloat16")
 _normal = nnx.initializers.normal
 _zeros = nnx.initializers.zeros_init()
 _ones = nnx.initializers.ones_init()
@@ -55,7 +55,7 @@ _ones = nnx.initializers.ones_init()
 
 
 @dataclasses.dataclass(frozen=True)
-class GPT2Config:
+class GPT2Config(ModelConfig):
     """GPT-2 hyperparameters.
 
     ``dtype`` is the compute dtype (parameters are cast at use; logits are always
@@ -78,26 +78,15 @@ class GPT2Config:
     remat: str = "none"
 
     def __post_init__(self):
-        if isinstance(self.remat, bool) or self.remat is None:
-            object.__setattr__(self, "remat", "full" if self.remat else "none")
-        if self.remat not in REMAT_POLICIES:
-            raise ModelError(f"GPT2Config.remat must be one of {', '.join(REMAT_POLICIES)} (or a bool), got {self.remat!r}")
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ModelError(f"GPT2Config.{name} must be a positive integer, got {value!r}")
+        self._check_training_fields()
+        self._check_positive_ints(("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"))
         if self.n_embd % self.n_head:
             raise ModelError(
                 f"GPT2Config.n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
                 "every head needs the same width n_embd // n_head"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ModelError(f"GPT2Config.dropout must be in [0, 1), got {self.dropout!r}")
         if not self.layer_norm_epsilon > 0:
             raise ModelError(f"GPT2Config.layer_norm_epsilon must be positive, got {self.layer_norm_epsilon!r}")
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ModelError(f"GPT2Config.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
 
     @property
     def head_dim(self) -> int:
@@ -120,17 +109,6 @@ class GPT2Config:
         n = self.num_params() - self.n_positions * self.n_embd
         return 6 * n + 12 * self.n_layer * self.n_embd * int(seq_len)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GPT2Config":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields)
-        if unknown:
-            raise ModelError(f"unknown GPT2Config fields {unknown}; valid fields: {sorted(fields)}")
-        return cls(**d)
-
 
 _HF = dict(vocab_size=50257, n_positions=1024)
 _BYTES = dict(vocab_size=256)
@@ -148,13 +126,7 @@ PRESETS: dict[str, GPT2Config] = {
 
 def preset(name: str, **overrides) -> GPT2Config:
     """The preset ``name`` with fields replaced by ``overrides`` (validated again)."""
-    if name not in PRESETS:
-        raise ModelError(f"unknown GPT-2 preset {name!r}: choose one of {', '.join(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(GPT2Config)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ModelError(f"unknown GPT2Config fields {unknown}; valid fields: {sorted(fields)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
+    return choose_preset(PRESETS, "GPT-2", name, overrides)
 
 
 # --------------------------------------------------------------------------------------

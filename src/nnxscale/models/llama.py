@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional
@@ -46,10 +45,10 @@ from nnxscale.models.gpt2 import _dropout
 from nnxscale.models.hf_checkpoint import (
     HFLayout, HFParam, SafetensorsFiles, hf_tensors, key_part, load_state, save_safetensors, state_shardings,
 )  # fmt: skip
+from nnxscale.models.model_config import ModelConfig, choose_preset
 from nnxscale.rules import logical
-from nnxscale.stack import REMAT_POLICIES, scan_layers, stack_layers
+from nnxscale.stack import scan_layers, stack_layers
 
-_DTYPES = ("float32", "bfloat16")
 _normal = nnx.initializers.normal(0.02)  # HF's initializer_range for every weight matrix
 _ones = nnx.initializers.ones_init()
 
@@ -89,7 +88,7 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(ModelConfig):
     """Llama hyperparameters, named as in Hugging Face's ``LlamaConfig``.
 
     ``head_dim`` defaults to ``hidden_size // num_attention_heads`` (:attr:`head_size`
@@ -119,20 +118,14 @@ class LlamaConfig:
     remat: str = "none"
 
     def __post_init__(self):
-        if isinstance(self.remat, bool) or self.remat is None:
-            object.__setattr__(self, "remat", "full" if self.remat else "none")
-        if self.remat not in REMAT_POLICIES:
-            raise ModelError(f"LlamaConfig.remat must be one of {', '.join(REMAT_POLICIES)} (or a bool), got {self.remat!r}")
+        self._check_training_fields()
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling, "LlamaConfig.rope_scaling"))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ModelError(f"LlamaConfig.rope_scaling must be a RopeScaling, a dict of its fields or None, got {self.rope_scaling!r}")
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "max_position_embeddings") + (("head_dim",) if self.head_dim is not None else ())  # fmt: skip
-        for name in sizes:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ModelError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
+        self._check_positive_ints(sizes)
         N, K = self.num_attention_heads, self.num_key_value_heads
         if N % K:
             raise ModelError(
@@ -152,11 +145,6 @@ class LlamaConfig:
                 raise ModelError(f"LlamaConfig.{name} must be a positive number, got {value!r}")
         if not isinstance(self.tie_word_embeddings, bool):
             raise ModelError(f"LlamaConfig.tie_word_embeddings must be True or False, got {self.tie_word_embeddings!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ModelError(f"LlamaConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ModelError(f"LlamaConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
 
     @property
     def head_size(self) -> int:
@@ -181,17 +169,6 @@ class LlamaConfig:
         """
         n = self.num_params() - (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
         return 6 * n + 12 * self.num_hidden_layers * self.num_attention_heads * self.head_size * int(seq_len)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields)
-        if unknown:
-            raise ModelError(f"unknown LlamaConfig fields {unknown}; valid fields: {sorted(fields)}")
-        return cls(**d)
 
 
 def _rope_scaling(d: dict, where: str) -> RopeScaling:
@@ -226,13 +203,7 @@ PRESETS: dict[str, LlamaConfig] = {
 
 def preset(name: str, **overrides) -> LlamaConfig:
     """The preset ``name`` with fields replaced by ``overrides`` (validated again)."""
-    if name not in PRESETS:
-        raise ModelError(f"unknown Llama preset {name!r}: choose one of {', '.join(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ModelError(f"unknown LlamaConfig fields {unknown}; valid fields: {sorted(fields)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
+    return choose_preset(PRESETS, "Llama", name, overrides)
 
 
 # --------------------------------------------------------------------------------------
