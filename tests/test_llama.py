@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 import llama_reference
 import nnxscale
+from model_testing import jit_logits, params_by_path, randomize, rules_for, sharded_logits
 from nnxscale.activations import record_activations
 from nnxscale.models.llama import PRESETS, Llama, LlamaConfig, RopeScaling, from_pretrained, preset, rope_frequencies, save_pretrained
 from nnxscale.rules import batch_spec
@@ -51,35 +52,6 @@ def hf_llama_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.gate_proj.weight": (F, C), p + "mlp.up_proj.weight": (F, C), p + "mlp.down_proj.weight": (C, F),
         }  # fmt: skip
     return shapes
-
-
-def randomize(model, seed=0, scale=0.05):
-    """Perturb every parameter (RMSNorm scales too), so a wrong mapping shows."""
-    state = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    nnx.update(model, jax.tree.unflatten(treedef, leaves))
-    return model
-
-
-def params_by_path(model) -> dict[str, np.ndarray]:
-    flat = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
-    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
-
-
-_forward = jax.jit(lambda graphdef, state, tokens: nnx.merge(graphdef, state)(tokens), static_argnums=0)
-_forward_dropout = jax.jit(
-    lambda graphdef, state, tokens, key: nnx.merge(graphdef, state)(tokens, rngs=nnx.Rngs(dropout=key)),
-    static_argnums=0,
-)
-
-
-def jit_logits(model, tokens, key=None):
-    graphdef, state = nnx.split(model)
-    if key is None:
-        return np.asarray(_forward(graphdef, state, tokens))
-    return np.asarray(_forward_dropout(graphdef, state, tokens, key))
 
 
 @pytest.fixture(scope="module")
@@ -340,24 +312,6 @@ MESHES = {
     ("gqa", "data=2,model=4"): ((2, 64, 40), (2, 64, 2, 16), (2, 64, 2, 16), (64, 64)),
 }
 CONFIGS = {"tiny": TINY, "gqa": GQA}
-
-
-def rules_for(mesh):
-    """Default rules without the FSDP minimum size: the tiny model's tensors are kilobytes."""
-    return nnxscale.resolve(None, mesh, min_shard_bytes=0)
-
-
-def sharded_logits(model, mesh, tokens):
-    """The forward pass as the trainer runs it: jitted, traced with the rules in force."""
-    tokens = jax.device_put(tokens, NamedSharding(mesh, batch_spec(None, mesh)))
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def forward(state, tokens):
-        with nnxscale.use_rules(rules_for(mesh)):
-            return nnx.merge(graphdef, state)(tokens)
-
-    return np.asarray(forward(state, tokens))
 
 
 def assert_shards(model, mesh, expected):
