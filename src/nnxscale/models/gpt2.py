@@ -37,6 +37,7 @@ from flax import nnx
 
 from nnxscale.activations import constrain
 from nnxscale.errors import ModelError, ModelFileNotFoundError
+from nnxscale.models.dropout import dropout, dropout_keys
 from nnxscale.models.hf_checkpoint import (
     HFLayout, HFParam, SafetensorsFiles, hf_tensors, key_part, load_state, save_safetensors, state_shardings,
 )  # fmt: skip
@@ -134,14 +135,6 @@ def preset(name: str, **overrides) -> GPT2Config:
 # --------------------------------------------------------------------------------------
 
 
-def _dropout(x, rate: float, key):
-    """Inverted dropout; the identity when ``key`` is None."""
-    if key is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
-
-
 def _layer_norm(n_embd, eps, dtype, param_dtype, rngs):
     return nnx.LayerNorm(
         n_embd, epsilon=eps, use_fast_variance=False, dtype=dtype, param_dtype=param_dtype,
@@ -201,8 +194,8 @@ class Block(nnx.Module):
     def __call__(self, x, key=None):  # (B, T, C)
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         x = constrain(x, "batch", "length", "embed")  # the residual stream
-        x = x + _dropout(self.attn(self.ln_1(x)), self.dropout, k1)
-        x = x + _dropout(self.mlp(self.ln_2(x)), self.dropout, k2)
+        x = x + dropout(self.attn(self.ln_1(x)), self.dropout, k1)
+        x = x + dropout(self.mlp(self.ln_2(x)), self.dropout, k2)
         return constrain(x, "batch", "length", "embed")
 
 
@@ -234,12 +227,9 @@ class GPT2(nnx.Module):
         T = tokens.shape[1]
         if T > c.n_positions:
             raise ModelError(f"sequence length {T} exceeds the context n_positions={c.n_positions}")
-        embed_key = block_keys = None
-        if rngs is not None and c.dropout > 0:
-            keys = jax.random.split(rngs.dropout(), c.n_layer + 1)
-            embed_key, block_keys = keys[0], keys[1:]
+        embed_key, block_keys = dropout_keys(rngs, c.dropout, c.n_layer)
         x = self.wte(tokens) + self.wpe(jnp.arange(T))  # (B, T, C)
-        x = _dropout(constrain(x, "batch", "length", "embed"), c.dropout, embed_key)
+        x = dropout(constrain(x, "batch", "length", "embed"), c.dropout, embed_key)
         x = scan_layers(self.h, x, keys=block_keys, remat=c.remat)  # (B, T, C)
         x = self.ln_f(x)
         wte = self.wte.embedding[...].astype(x.dtype)  # (V, C)

@@ -41,7 +41,7 @@ from flax import nnx
 
 from nnxscale.activations import constrain
 from nnxscale.errors import ModelError, ModelFileNotFoundError
-from nnxscale.models.gpt2 import _dropout
+from nnxscale.models.dropout import dropout, dropout_keys
 from nnxscale.models.hf_checkpoint import (
     HFLayout, HFParam, SafetensorsFiles, hf_tensors, key_part, load_state, save_safetensors, state_shardings,
 )  # fmt: skip
@@ -284,8 +284,8 @@ class LlamaDecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, key=None):  # x (B, T, C)
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         x = constrain(x, "batch", "length", "embed")  # the residual stream
-        x = x + _dropout(self.self_attn(self.input_layernorm(x), cos, sin), self.dropout, k1)
-        x = x + _dropout(self.mlp(self.post_attention_layernorm(x)), self.dropout, k2)
+        x = x + dropout(self.self_attn(self.input_layernorm(x), cos, sin), self.dropout, k1)
+        x = x + dropout(self.mlp(self.post_attention_layernorm(x)), self.dropout, k2)
         return constrain(x, "batch", "length", "embed")
 
 
@@ -319,14 +319,11 @@ class Llama(nnx.Module):
         T = tokens.shape[1]
         if T > c.max_position_embeddings:
             raise ModelError(f"sequence length {T} exceeds the context max_position_embeddings={c.max_position_embeddings}")
-        embed_key = layer_keys = None
-        if rngs is not None and c.dropout > 0:
-            keys = jax.random.split(rngs.dropout(), c.num_hidden_layers + 1)
-            embed_key, layer_keys = keys[0], keys[1:]
+        embed_key, layer_keys = dropout_keys(rngs, c.dropout, c.num_hidden_layers)
         inv_freq = rope_frequencies(c.head_size, c.rope_theta, c.rope_scaling).astype(np.float32)  # (H/2,)
         angles = jnp.arange(T, dtype=jnp.float32)[:, None] * inv_freq  # (T, H/2)
         angles = jnp.concatenate([angles, angles], axis=-1)  # (T, H): HF's rotate_half layout
-        x = _dropout(constrain(self.embed_tokens(tokens), "batch", "length", "embed"), c.dropout, embed_key)  # (B, T, C)
+        x = dropout(constrain(self.embed_tokens(tokens), "batch", "length", "embed"), c.dropout, embed_key)  # (B, T, C)
         x = scan_layers(self.layers, x, jnp.cos(angles), jnp.sin(angles), keys=layer_keys, remat=c.remat)
         x = self.norm(x)
         if c.tie_word_embeddings:
