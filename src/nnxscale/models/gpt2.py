@@ -36,10 +36,10 @@ import numpy as np
 from flax import nnx
 
 from nnxscale.activations import constrain
-from nnxscale.errors import ModelError, ModelFileNotFoundError
+from nnxscale.errors import ModelError
 from nnxscale.models.dropout import dropout, dropout_keys
 from nnxscale.models.hf_checkpoint import (
-    HFLayout, HFParam, SafetensorsFiles, hf_tensors, key_part, load_state, save_safetensors, state_shardings,
+    HFLayout, HFParam, SafetensorsFiles, hf_tensors, key_part, load_module, read_config, save_safetensors,
 )  # fmt: skip
 from nnxscale.models.model_config import ModelConfig, choose_preset
 from nnxscale.rules import logical
@@ -334,12 +334,7 @@ def from_pretrained(path, *, mesh=None, rules=None, dtype: Optional[str] = None)
     each device reads only its own slice from the file, no device holds a full tensor.
     """
     path = Path(path)
-    if not path.is_dir():
-        raise ModelFileNotFoundError(f"no checkpoint directory at {path}")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ModelFileNotFoundError(f"{cfg_file} does not exist: an HF GPT-2 directory holds config.json and model.safetensors")
-    hf = json.loads(cfg_file.read_text())
+    hf, cfg_file = read_config(path, "GPT-2"), path / "config.json"
 
     with SafetensorsFiles(path) as files:
         names = {}  # unprefixed name -> key in the file
@@ -350,9 +345,8 @@ def from_pretrained(path, *, mesh=None, rules=None, dtype: Optional[str] = None)
         tied = names.pop("lm_head.weight", None)
         param_dtype = files.param_dtype(names["wte.weight"]) if "wte.weight" in names else "float32"
         config = _config_from_hf(hf, param_dtype, dtype, cfg_file)
-        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0))))
-        shardings = state_shardings(abstract, mesh, rules)
-        state = load_state(files, abstract, shardings, _hf_param, names, model_name="GPT-2")
+        factory = lambda: GPT2(config, rngs=nnx.Rngs(0))  # noqa: E731
+        model = load_module(files, factory, _hf_param, names, mesh=mesh, rules=rules, model_name="GPT-2")
         if tied is not None and not np.array_equal(files.tensor(tied), files.tensor(names["wte.weight"])):
             raise ModelError(f"{files.where}: {tied!r} differs from the token embedding, but GPT-2 ties them")
-    return nnx.merge(graphdef, state)
+    return model

@@ -107,6 +107,25 @@ def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def read_config(path: Path, family: str) -> dict[str, Any]:
+    """``path/config.json`` of an HF checkpoint directory, as a dict."""
+    if not path.is_dir():
+        raise ModelFileNotFoundError(f"no checkpoint directory at {path}")
+    file = path / "config.json"
+    if not file.is_file():
+        raise ModelFileNotFoundError(
+            f"{file} does not exist: an HF {family} directory holds config.json and {SINGLE} "
+            f"(or {INDEX} and the files it names)"
+        )
+    try:
+        config = json.loads(file.read_text())
+    except ValueError as e:
+        raise ModelError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{file} holds {type(config).__name__}, not an HF config (a JSON object)")
+    return config
+
+
 class SafetensorsFiles(contextlib.ExitStack):
     """The weights of an HF directory, opened for slicing: ``model.safetensors``, or the
     files that ``model.safetensors.index.json`` names. Use as a context manager."""
@@ -214,6 +233,14 @@ def load_state(
         return v.replace(jax.make_array_from_callback(shape, sharding, callback))
 
     return jax.tree_util.tree_map_with_path(load, abstract, shardings, is_leaf=_is_var)
+
+
+def load_module(files: SafetensorsFiles, factory: Callable[[], nnx.Module], hf_param, names, *, mesh, rules, model_name: str):
+    """The module ``factory()`` builds, its parameters read from ``files`` straight into the
+    layout ``rules`` give on ``mesh`` (one device without a mesh); see :func:`load_state`."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(factory))
+    shardings = state_shardings(abstract, mesh, rules)
+    return nnx.merge(graphdef, load_state(files, abstract, shardings, hf_param, names, model_name=model_name))
 
 
 def state_shardings(abstract, mesh, rules):

@@ -40,10 +40,10 @@ import numpy as np
 from flax import nnx
 
 from nnxscale.activations import constrain
-from nnxscale.errors import ModelError, ModelFileNotFoundError
+from nnxscale.errors import ModelError
 from nnxscale.models.dropout import dropout, dropout_keys
 from nnxscale.models.hf_checkpoint import (
-    HFLayout, HFParam, SafetensorsFiles, hf_tensors, key_part, load_state, save_safetensors, state_shardings,
+    HFLayout, HFParam, SafetensorsFiles, hf_tensors, key_part, load_module, read_config, save_safetensors,
 )  # fmt: skip
 from nnxscale.models.model_config import ModelConfig, choose_preset
 from nnxscale.rules import logical
@@ -459,15 +459,7 @@ def from_pretrained(path, *, mesh=None, rules=None, dtype: Optional[str] = None)
     each device reads only its own slice from the files, no device holds a full tensor.
     """
     path = Path(path)
-    if not path.is_dir():
-        raise ModelFileNotFoundError(f"no checkpoint directory at {path}")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ModelFileNotFoundError(
-            f"{cfg_file} does not exist: an HF Llama directory holds config.json and model.safetensors "
-            "(or model.safetensors.index.json and the files it names)"
-        )
-    hf = json.loads(cfg_file.read_text())
+    hf, cfg_file = read_config(path, "Llama"), path / "config.json"
     with SafetensorsFiles(path) as files:
         names = {}  # HF name -> key in the files
         for key in files.keys():
@@ -476,12 +468,11 @@ def from_pretrained(path, *, mesh=None, rules=None, dtype: Optional[str] = None)
         embed = names.get("model.embed_tokens.weight")
         config = _config_from_hf(hf, files.param_dtype(embed) if embed else "float32", dtype, cfg_file)
         tied = names.pop("lm_head.weight", None) if config.tie_word_embeddings else None
-        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))
-        shardings = state_shardings(abstract, mesh, rules)
-        state = load_state(files, abstract, shardings, _hf_param, names, model_name="Llama")
+        factory = lambda: Llama(config, rngs=nnx.Rngs(0))  # noqa: E731
+        model = load_module(files, factory, _hf_param, names, mesh=mesh, rules=rules, model_name="Llama")
         if tied is not None and not np.array_equal(files.tensor(tied), files.tensor(embed)):
             raise ModelError(
                 f"{files.where}: 'lm_head.weight' differs from the token embedding, but config.json says "
                 "tie_word_embeddings=true; set it to false to load a separate head"
             )
-    return nnx.merge(graphdef, state)
+    return model
