@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 import gpt2_reference
 import nnxscale
+from model_testing import jit_logits, params_by_path, randomize, rules_for, sharded_logits
 from nnxscale.models.gpt2 import GPT2, PRESETS, GPT2Config, from_pretrained, preset, save_pretrained
 from nnxscale._rules import batch_spec
 
@@ -40,37 +41,6 @@ def hf_gpt2_shapes(cfg: GPT2Config) -> dict[str, tuple[int, ...]]:
             p + "mlp.c_proj.weight": (4 * C, C), p + "mlp.c_proj.bias": (C,),
         }  # fmt: skip
     return shapes
-
-
-def randomize(model, seed=0, scale=0.05):
-    """Perturb every parameter (biases and LayerNorms too), so a wrong mapping shows."""
-    state = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    nnx.update(model, jax.tree.unflatten(treedef, leaves))
-    return model
-
-
-def params_by_path(model) -> dict[str, np.ndarray]:
-    flat = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
-    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
-
-
-# The forward pass as training runs it: jax.jit over the split state, merge inside. The
-# graphdef is static, so models of one config (and layout) share one compilation.
-_forward = jax.jit(lambda graphdef, state, tokens: nnx.merge(graphdef, state)(tokens), static_argnums=0)
-_forward_dropout = jax.jit(
-    lambda graphdef, state, tokens, key: nnx.merge(graphdef, state)(tokens, rngs=nnx.Rngs(dropout=key)),
-    static_argnums=0,
-)
-
-
-def jit_logits(model, tokens, key=None):
-    graphdef, state = nnx.split(model)
-    if key is None:
-        return np.asarray(_forward(graphdef, state, tokens))
-    return np.asarray(_forward_dropout(graphdef, state, tokens, key))
 
 
 @pytest.fixture(scope="module")
@@ -249,24 +219,6 @@ MESHES = {
     "model=8": ((2, 64, 32), (2, 64, 3, 1, 8), (32, 64)),
     "data=2,model=4": ((2, 64, 64), (2, 64, 3, 2, 8), (64, 64)),
 }
-
-
-def rules_for(mesh):
-    """Default rules without the FSDP minimum size: the tiny model's tensors are kilobytes."""
-    return nnxscale.resolve(None, mesh, min_shard_bytes=0)
-
-
-def sharded_logits(model, mesh, tokens):
-    """The forward pass as the trainer runs it: jitted, traced with the rules in force."""
-    tokens = jax.device_put(tokens, NamedSharding(mesh, batch_spec(None, mesh)))
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def forward(state, tokens):
-        with nnxscale.use_rules(rules_for(mesh)):
-            return nnx.merge(graphdef, state)(tokens)
-
-    return np.asarray(forward(state, tokens))
 
 
 def assert_shards(model, mesh, expected):

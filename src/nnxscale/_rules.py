@@ -63,8 +63,10 @@ Table = tuple[tuple[str, AxisNames], ...]
 LOGICAL_KEY = "logical_axes"
 
 #: The logical axis names nnxscale's own models use. ``layers`` is the leading axis of
-#: stacked (scanned) layers; ``length`` the sequence.
-LOGICAL_NAMES = ("batch", "length", "layers", "embed", "mlp", "heads", "kv", "vocab")
+#: stacked (scanned) layers; ``length`` the sequence; ``kv`` the width of one attention
+#: head; ``kv_heads`` the key/value heads of grouped-query attention (Llama), fewer than
+#: the query ``heads``.
+LOGICAL_NAMES = ("batch", "length", "layers", "embed", "mlp", "heads", "kv_heads", "kv", "vocab")
 
 #: Parameters smaller than this are not split over FSDP axes (see the module docstring).
 MIN_SHARD_BYTES = 1 << 20
@@ -76,6 +78,7 @@ _BATCH: Table = (("batch", _BATCH_AXES),)
 _TENSOR: Table = (
     ("mlp", _TENSOR_AXES),  # Megatron: up-projection column-parallel, down row-parallel
     ("heads", _TENSOR_AXES),  # attention split by heads
+    ("kv_heads", _TENSOR_AXES),  # grouped-query K/V heads: split with their query heads, or replicated if too few
     ("vocab", _TENSOR_AXES),  # embedding / output head split by vocabulary
 )
 _FSDP_PARAMS: Table = (("embed", "fsdp"),)  # ZeRO-3: parameters split along their embedding

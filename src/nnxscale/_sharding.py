@@ -41,7 +41,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nnxscale._layout import LayoutError, format_bytes, full_bytes, shard_bytes, shard_shape
-from nnxscale._rules import LOGICAL_KEY, MeshRules, resolve
+from nnxscale._rules import LOGICAL_KEY, PRESETS, MeshRules, resolve
 
 
 def _is_var(x) -> bool:
@@ -320,8 +320,9 @@ def lint(
     """Check a (model, rules, mesh) combination before training on it.
 
     Reports: parameter rules whose logical name is on no Variable, typically a typo
-    (``unused-rule``; not for a rule none of whose axes this mesh has, such as every
-    preset's ``layers`` -> ``stage`` on a mesh without stages: it does nothing here),
+    (``unused-rule``; not the presets' own rules, written for every model: GPT-2 has no
+    ``kv_heads``; not a rule none of whose axes this mesh has, such as every preset's
+    ``layers`` -> ``stage`` on a mesh without stages: it does nothing here),
     logical names with no rule (``no-rule``), a mesh axis asked for
     twice in one spec (``axis-reused``, naming the dimension that lost it), dimensions
     that do not divide by their shard count (``indivisible``), Variables that used the
@@ -365,9 +366,10 @@ def lint(
                     f"{format_bytes(nbytes)} {lay.shape} is replicated on all {n_devices} devices",
                 )
             )
+    shipped = {rule for preset in PRESETS.values() for rule in preset.params}
     for name, axes in resolved.rules.params:
-        if axes is None or name in names_in_model or name in ACTIVATION_NAMES:
-            continue  # an explicit "replicate" rule that matches nothing is harmless
+        if axes is None or name in names_in_model or name in ACTIVATION_NAMES or (name, axes) in shipped:
+            continue  # "replicate" matching nothing is harmless; a preset's rule serves models that have the name
         if not any(a in resolved.sizes for a in ((axes,) if isinstance(axes, str) else axes)):
             continue  # none of its axes is on this mesh: it would replicate anyway
         findings.append(Finding("unused-rule", "", f"rule {name!r} -> {axes!r} matches no Variable of this model"))

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from nnxscale.errors import ModelError
-from nnxscale.models import gpt2
+from nnxscale.models import gpt2, llama
 
 
 def next_token_loss(model, inputs, targets, *, rngs=None):
@@ -105,6 +105,12 @@ def _gpt2_dims(c: gpt2.GPT2Config) -> ModelDims:
                      vocab_size=c.vocab_size, context=c.n_positions)  # fmt: skip
 
 
+def _llama_dims(c: llama.LlamaConfig) -> ModelDims:
+    return ModelDims(layers=c.num_hidden_layers, width=c.hidden_size, heads=c.num_attention_heads,
+                     kv_heads=c.num_key_value_heads, mlp_width=c.intermediate_size, vocab_size=c.vocab_size,
+                     context=c.max_position_embeddings)  # fmt: skip
+
+
 #: Every registered family, by name.
 FAMILIES: dict[str, ModelFamily] = {
     "gpt2": ModelFamily(
@@ -116,10 +122,15 @@ FAMILIES: dict[str, ModelFamily] = {
         save_pretrained=gpt2.save_pretrained,
         hf_model_types=("gpt2",),
     ),
-    # Another family, Llama (nnxscale.models.llama) first, registers here in the same few
-    # lines: its module's PRESETS, model class, from_pretrained and save_pretrained,
-    # config.json's model_type, the config fields behind ModelDims, and the run options
-    # its config has.
+    "llama": ModelFamily(
+        name="llama",
+        presets=llama.PRESETS,
+        build=llama.Llama,
+        dims=_llama_dims,
+        from_pretrained=llama.from_pretrained,
+        save_pretrained=llama.save_pretrained,
+        hf_model_types=("llama",),
+    ),
 }
 
 
@@ -185,6 +196,7 @@ __all__ = [
     "find_preset",
     "gpt2",
     "is_pretrained_dir",
+    "llama",
     "next_token_loss",
     "pretrained_family",
     "preset_names",

@@ -36,11 +36,15 @@ import numpy as np
 from flax import nnx
 
 from nnxscale._activations import constrain
-from nnxscale.errors import ModelError, ModelFileNotFoundError
+from nnxscale.errors import ModelError
+from nnxscale.models.dropout import dropout, dropout_keys
+from nnxscale.models.hf_checkpoint import (
+    HFLayout, HFParam, SafetensorsFiles, hf_tensors, key_part, load_module, read_config, save_safetensors,
+)  # fmt: skip
+from nnxscale.models.model_config import ModelConfig, choose_preset
 from nnxscale._rules import logical
-from nnxscale.stack import REMAT_POLICIES, scan_layers, stack_layers
+from nnxscale.stack import scan_layers, stack_layers
 
-_DTYPES = ("float32", "bfloat16")
 _normal = nnx.initializers.normal
 _zeros = nnx.initializers.zeros_init()
 _ones = nnx.initializers.ones_init()
@@ -52,7 +56,7 @@ _ones = nnx.initializers.ones_init()
 
 
 @dataclasses.dataclass(frozen=True)
-class GPT2Config:
+class GPT2Config(ModelConfig):
     """GPT-2 hyperparameters.
 
     ``dtype`` is the compute dtype (parameters are cast at use; logits are always
@@ -75,26 +79,15 @@ class GPT2Config:
     remat: str = "none"
 
     def __post_init__(self):
-        if isinstance(self.remat, bool) or self.remat is None:
-            object.__setattr__(self, "remat", "full" if self.remat else "none")
-        if self.remat not in REMAT_POLICIES:
-            raise ModelError(f"GPT2Config.remat must be one of {', '.join(REMAT_POLICIES)} (or a bool), got {self.remat!r}")
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ModelError(f"GPT2Config.{name} must be a positive integer, got {value!r}")
+        self._check_training_fields()
+        self._check_positive_ints(("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"))
         if self.n_embd % self.n_head:
             raise ModelError(
                 f"GPT2Config.n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
                 "every head needs the same width n_embd // n_head"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ModelError(f"GPT2Config.dropout must be in [0, 1), got {self.dropout!r}")
         if not self.layer_norm_epsilon > 0:
             raise ModelError(f"GPT2Config.layer_norm_epsilon must be positive, got {self.layer_norm_epsilon!r}")
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ModelError(f"GPT2Config.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
 
     @property
     def head_dim(self) -> int:
@@ -117,17 +110,6 @@ class GPT2Config:
         n = self.num_params() - self.n_positions * self.n_embd
         return 6 * n + 12 * self.n_layer * self.n_embd * int(seq_len)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GPT2Config":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields)
-        if unknown:
-            raise ModelError(f"unknown GPT2Config fields {unknown}; valid fields: {sorted(fields)}")
-        return cls(**d)
-
 
 _HF = dict(vocab_size=50257, n_positions=1024)
 _BYTES = dict(vocab_size=256)
@@ -145,26 +127,12 @@ PRESETS: dict[str, GPT2Config] = {
 
 def preset(name: str, **overrides) -> GPT2Config:
     """The preset ``name`` with fields replaced by ``overrides`` (validated again)."""
-    if name not in PRESETS:
-        raise ModelError(f"unknown GPT-2 preset {name!r}: choose one of {', '.join(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(GPT2Config)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ModelError(f"unknown GPT2Config fields {unknown}; valid fields: {sorted(fields)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
+    return choose_preset(PRESETS, "GPT-2", name, overrides)
 
 
 # --------------------------------------------------------------------------------------
 # Model
 # --------------------------------------------------------------------------------------
-
-
-def _dropout(x, rate: float, key):
-    """Inverted dropout; the identity when ``key`` is None."""
-    if key is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
 
 
 def _layer_norm(n_embd, eps, dtype, param_dtype, rngs):
@@ -226,8 +194,8 @@ class Block(nnx.Module):
     def __call__(self, x, key=None):  # (B, T, C)
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         x = constrain(x, "batch", "length", "embed")  # the residual stream
-        x = x + _dropout(self.attn(self.ln_1(x)), self.dropout, k1)
-        x = x + _dropout(self.mlp(self.ln_2(x)), self.dropout, k2)
+        x = x + dropout(self.attn(self.ln_1(x)), self.dropout, k1)
+        x = x + dropout(self.mlp(self.ln_2(x)), self.dropout, k2)
         return constrain(x, "batch", "length", "embed")
 
 
@@ -259,12 +227,9 @@ class GPT2(nnx.Module):
         T = tokens.shape[1]
         if T > c.n_positions:
             raise ModelError(f"sequence length {T} exceeds the context n_positions={c.n_positions}")
-        embed_key = block_keys = None
-        if rngs is not None and c.dropout > 0:
-            keys = jax.random.split(rngs.dropout(), c.n_layer + 1)
-            embed_key, block_keys = keys[0], keys[1:]
+        embed_key, block_keys = dropout_keys(rngs, c.dropout, c.n_layer)
         x = self.wte(tokens) + self.wpe(jnp.arange(T))  # (B, T, C)
-        x = _dropout(constrain(x, "batch", "length", "embed"), c.dropout, embed_key)
+        x = dropout(constrain(x, "batch", "length", "embed"), c.dropout, embed_key)
         x = scan_layers(self.h, x, keys=block_keys, remat=c.remat)  # (B, T, C)
         x = self.ln_f(x)
         wte = self.wte.embedding[...].astype(x.dtype)  # (V, C)
@@ -280,37 +245,27 @@ _LEAF_NAMES = {"embedding": "weight", "kernel": "weight", "scale": "weight", "bi
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # HF causal-mask buffers, not parameters
 
 
-def _key_part(k) -> str:
-    return str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+def _hf_param(path, shape: tuple[int, ...]) -> HFParam:
+    """HF tensor names of one parameter, and how their Conv1D layout relates to ours.
 
-
-def _hf_keys(path, shape: tuple[int, ...]) -> tuple[list[str], tuple[int, ...]]:
-    """HF tensor names of one parameter, and the shape of each of them (before ``_hf_shape``).
-
-    ``('wte', 'embedding')`` -> ``["wte.weight"]``; the stacked ``('h', 'attn', 'c_attn',
-    'kernel')`` of shape ``(L, ...)`` -> ``["h.0.attn.c_attn.weight", ..., "h.{L-1}..."]``,
-    each of shape ``(...)``.
+    ``('wte', 'embedding')`` -> ``wte.weight``; the stacked ``('h', 'attn', 'c_attn',
+    'kernel')`` of shape ``(L, C, 3, N, H)`` -> ``h.0.attn.c_attn.weight`` ...
+    ``h.{L-1}...``, each ``(C, 3*N*H)``: heads are separate axes here, a reshape there.
     """
-    parts = [_key_part(k) for k in path]
-    name = ".".join(parts[1:-1] + [_LEAF_NAMES[parts[-1]]])
-    if parts[0] == "h":  # stacked blocks: one HF tensor per layer
-        return [f"h.{i}.{name}" for i in range(shape[0])], tuple(shape[1:])
-    return [".".join(parts[:-1] + [_LEAF_NAMES[parts[-1]]])], tuple(shape)
-
-
-def _hf_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """HF Conv1D shape of a tensor whose heads we keep as separate axes."""
-    if key.endswith("attn.c_attn.weight"):  # (C, 3, N, H) -> (C, 3C)
-        return (shape[0], math.prod(shape[1:]))
-    if key.endswith("attn.c_attn.bias"):  # (3, N, H) -> (3C,)
-        return (math.prod(shape),)
-    if key.endswith("attn.c_proj.weight"):  # (N, H, C) -> (C, C)
-        return (math.prod(shape[:-1]), shape[-1])
-    return tuple(shape)
-
-
-def _is_var(x) -> bool:
-    return isinstance(x, nnx.Variable)
+    parts = [key_part(k) for k in path]
+    stacked = parts[0] == "h"
+    name = ".".join(parts[1 if stacked else 0 : -1] + [_LEAF_NAMES[parts[-1]]])
+    keys = tuple(f"h.{i}.{name}" for i in range(shape[0])) if stacked else (name,)
+    s = shape[1:] if stacked else shape
+    if name.endswith("attn.c_attn.weight"):  # (C, 3, N, H) <- (C, 3C)
+        layout = HFLayout(((s[0],), tuple(s[1:])), tuple(range(len(s))))
+    elif name.endswith("attn.c_attn.bias"):  # (3, N, H) <- (3C,)
+        layout = HFLayout((tuple(s),), tuple(range(len(s))))
+    elif name.endswith("attn.c_proj.weight"):  # (N, H, C) <- (C, C)
+        layout = HFLayout((tuple(s[:-1]), (s[-1],)), tuple(range(len(s))))
+    else:
+        layout = HFLayout.same(s)
+    return HFParam(keys, layout, stacked)
 
 
 def _hf_config(config: GPT2Config) -> dict[str, Any]:
@@ -362,18 +317,8 @@ def save_pretrained(model: GPT2, path) -> None:
     the stacked blocks are written one tensor per block; the tied head is not written.
     Tensors keep the parameter dtype.
     """
-    from safetensors.numpy import save_file
-
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for p, v in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=_is_var)[0]:
-        value = np.asarray(jax.device_get(v.get_value()))
-        keys, shape = _hf_keys(p, value.shape)
-        layers = value if _key_part(p[0]) == "h" else value[None]  # stacked: one tensor per block
-        for key, layer in zip(keys, layers):
-            tensors[key] = np.ascontiguousarray(layer.reshape(_hf_shape(key, shape)))
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(hf_tensors(model, _hf_param), path, max_shard_bytes=None)
     (path / "config.json").write_text(json.dumps(_hf_config(model.config), indent=2) + "\n")
 
 
@@ -388,72 +333,20 @@ def from_pretrained(path, *, mesh=None, rules=None, dtype: Optional[str] = None)
     With ``mesh``, every array is created directly in the layout ``rules`` give on it:
     each device reads only its own slice from the file, no device holds a full tensor.
     """
-    from safetensors import safe_open
-
     path = Path(path)
-    if not path.is_dir():
-        raise ModelFileNotFoundError(f"no checkpoint directory at {path}")
-    cfg_file, weights = path / "config.json", path / "model.safetensors"
-    for file in (cfg_file, weights):
-        if not file.is_file():
-            raise ModelFileNotFoundError(f"{file} does not exist: an HF GPT-2 directory holds config.json and model.safetensors")
-    hf = json.loads(cfg_file.read_text())
+    hf, cfg_file = read_config(path, "GPT-2"), path / "config.json"
 
-    with safe_open(str(weights), framework="numpy") as f:
+    with SafetensorsFiles(path) as files:
         names = {}  # unprefixed name -> key in the file
-        for key in f.keys():
+        for key in files.keys():
             name = key.removeprefix("transformer.")
             if not name.endswith(_IGNORED_SUFFIXES):
                 names[name] = key
         tied = names.pop("lm_head.weight", None)
-        stored = f.get_slice(names["wte.weight"]).get_dtype() if "wte.weight" in names else "F32"
-        param_dtype = {"F32": "float32", "BF16": "bfloat16"}.get(stored, "float32")
+        param_dtype = files.param_dtype(names["wte.weight"]) if "wte.weight" in names else "float32"
         config = _config_from_hf(hf, param_dtype, dtype, cfg_file)
-
-        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0))))
-        if mesh is None:
-            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            shardings = jax.tree.map(lambda v: device, abstract, is_leaf=_is_var)
-        else:
-            from nnxscale._sharding import state_shardings
-
-            shardings = state_shardings(abstract, mesh, rules)
-
-        flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_var)[0]
-        expected = {k for p, v in flat for k in _hf_keys(p, v.get_value().shape)[0]}
-        if missing := sorted(expected - set(names)):
-            raise ModelError(f"{weights} lacks the tensors {missing}")
-        if extra := sorted(set(names) - expected):
-            raise ModelError(f"{weights} has tensors this GPT-2 does not use: {extra}")
-
-        def reader(name: str, shape: tuple[int, ...], pdtype):
-            """``index -> tensor[index]`` in our layout, reading as little of the file as it can."""
-            sliced = f.get_slice(names[name])
-            stored_shape = tuple(sliced.get_shape())
-            if stored_shape != _hf_shape(name, shape):
-                raise ModelError(
-                    f"{weights}: tensor {names[name]!r} has shape {stored_shape}, "
-                    f"expected {_hf_shape(name, shape)} for {config}"
-                )
-            if stored_shape == shape:  # each device reads its own slice straight from the file
-                return lambda index: sliced[index].astype(pdtype)
-            if stored_shape[0] == shape[0]:  # c_attn (C, 3C) holds (C, 3, N, H): read our rows
-                return lambda index: sliced[index[0]].reshape((-1,) + shape[1:])[(slice(None),) + index[1:]].astype(pdtype)
-            return lambda index: sliced[:].reshape(shape)[index].astype(pdtype)  # c_proj (N*H, C), biases
-
-        def load(p, v, sharding):
-            shape, pdtype = v.get_value().shape, v.get_value().dtype
-            keys, layer_shape = _hf_keys(p, shape)
-            readers = [reader(k, layer_shape, pdtype) for k in keys]
-            if _key_part(p[0]) == "h":  # stacked: this device's layers, each read in its own slice
-                cb = lambda index: np.stack([readers[i](index[1:]) for i in range(shape[0])[index[0]]])
-            else:
-                cb = readers[0]
-            return v.replace(jax.make_array_from_callback(shape, sharding, cb))
-
-        state = jax.tree_util.tree_map_with_path(load, abstract, shardings, is_leaf=_is_var)
-        if tied is not None:
-            head = f.get_tensor(tied)
-            if not np.array_equal(head, f.get_tensor(names["wte.weight"])):
-                raise ModelError(f"{weights}: {tied!r} differs from the token embedding, but GPT-2 ties them")
-    return nnx.merge(graphdef, state)
+        factory = lambda: GPT2(config, rngs=nnx.Rngs(0))  # noqa: E731
+        model = load_module(files, factory, _hf_param, names, mesh=mesh, rules=rules, model_name="GPT-2")
+        if tied is not None and not np.array_equal(files.tensor(tied), files.tensor(names["wte.weight"])):
+            raise ModelError(f"{files.where}: {tied!r} differs from the token embedding, but GPT-2 ties them")
+    return model

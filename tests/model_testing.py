@@ -1,0 +1,63 @@
+"""Helpers the model tests share: randomized weights, parameters by path, and the forward
+pass as training runs it, on one device or on a mesh with the activation rules in force."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+import nnxscale
+from nnxscale._rules import batch_spec
+
+
+def randomize(model, seed=0, scale=0.05):
+    """Perturb every parameter (biases and norm scales too), so a wrong mapping shows.
+
+    The noise is drawn with numpy on the host: eager jax.random would compile one program
+    per parameter shape, seconds per model on a loaded CPU.
+    """
+    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree.flatten(nnx.state(model, nnx.Param))
+    leaves = [jnp.asarray(np.asarray(x) + scale * rng.standard_normal(x.shape), x.dtype) for x in leaves]
+    nnx.update(model, jax.tree.unflatten(treedef, leaves))
+    return model
+
+
+def params_by_path(model) -> dict[str, np.ndarray]:
+    flat = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
+
+
+# The forward pass as training runs it: jax.jit over the split state, merge inside. The
+# graphdef is static, so models of one config (and layout) share one compilation.
+_forward = jax.jit(lambda graphdef, state, tokens: nnx.merge(graphdef, state)(tokens), static_argnums=0)
+_forward_dropout = jax.jit(
+    lambda graphdef, state, tokens, key: nnx.merge(graphdef, state)(tokens, rngs=nnx.Rngs(dropout=key)),
+    static_argnums=0,
+)
+
+
+def jit_logits(model, tokens, key=None):
+    graphdef, state = nnx.split(model)
+    if key is None:
+        return np.asarray(_forward(graphdef, state, tokens))
+    return np.asarray(_forward_dropout(graphdef, state, tokens, key))
+
+
+def rules_for(mesh):
+    """Default rules without the FSDP minimum size: the tiny models' tensors are kilobytes."""
+    return nnxscale.resolve(None, mesh, min_shard_bytes=0)
+
+
+def sharded_logits(model, mesh, tokens):
+    """The forward pass as the trainer runs it: jitted, traced with the rules in force."""
+    tokens = jax.device_put(tokens, NamedSharding(mesh, batch_spec(None, mesh)))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state, tokens):
+        with nnxscale.use_rules(rules_for(mesh)):
+            return nnx.merge(graphdef, state)(tokens)
+
+    return np.asarray(forward(state, tokens))
