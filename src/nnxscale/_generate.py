@@ -26,7 +26,8 @@ def _restore(run_dir, model: Optional[Callable], warn: Callable[[str], None]) ->
     saved = saved_config(run_dir)
     if saved is None:
         raise ConfigError(f"{run_dir} is not an nnxscale run directory (no config.json)")
-    own_module = json.loads((run_dir / "config.json").read_text()).get("model", {}).get("family", "") is None
+    recorded = json.loads((run_dir / "config.json").read_text()).get("model", {})
+    own_module = recorded.get("family", "") is None
     if own_module and model is None:
         raise ConfigError(
             f"{run_dir} trained a module of your own (model=): sample it from Python, "
@@ -34,7 +35,7 @@ def _restore(run_dir, model: Optional[Callable], warn: Callable[[str], None]) ->
         )
     cfg = TrainConfig.from_dict(saved)
     one = make_mesh("data=1", devices=jax.local_devices()[:1])
-    s = setup(with_overrides(cfg, {"mesh": "data=1"}), mesh=one, model=model)
+    s = setup(with_overrides(cfg, {"mesh": "data=1"}), mesh=one, model=model, recorded=recorded)
     with Checkpointer(checkpoint_dir(run_dir), async_save=False) as ckpt:
         _, state, _ = ckpt.restore_intact(s.abstract, warn=warn)
     return s, nnx.merge(s.graphdef, state["params"])

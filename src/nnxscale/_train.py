@@ -54,9 +54,10 @@ from nnxscale._rules import MeshRules, resolve
 from nnxscale._runlock import RunLock
 from nnxscale._sharding import abstract_state, layout_bytes, sharded_init, variable_logical_axes
 from nnxscale.distributed import StopVote, current
-from nnxscale.errors import DivergenceError, RunFileError, storage_error
+from nnxscale.errors import DivergenceError, ModelError, RunFileError, storage_error
 from nnxscale.models import (
-    ModelDims, ModelFamily, architecture_differences, find_preset, is_pretrained_dir, next_token_loss, pretrained_family,
+    FAMILIES, ModelDims, ModelFamily, architecture_differences, find_preset, is_pretrained_dir, next_token_loss,
+    pretrained_family,
 )  # fmt: skip
 from nnxscale.stack import LAYERS
 
@@ -103,9 +104,39 @@ class RunModel:
         return {"family": self.family.name, **dataclasses.asdict(self.config)}
 
 
-def run_model(cfg: TrainConfig, model: Optional[Callable] = None, loss: Optional[Callable] = None) -> RunModel:
-    """The :class:`RunModel` of ``cfg``: the preset ``cfg.model`` with ``cfg``'s run options,
-    or, given ``model`` (a function ``rngs -> nnx.Module``), that module, named ``cfg.model``.
+def model_architecture(name: str, recorded: Optional[dict] = None) -> tuple[ModelFamily, Any]:
+    """``(family, config)`` of ``--model NAME``: a preset of any family, or a Hugging Face
+    directory (``config.json`` + safetensors) whose ``config.json`` gives the architecture.
+
+    ``recorded``: the ``model`` record of a run's ``config.json`` (family and config), used
+    when ``name`` is a directory that is no longer there, so a run trained from a Hugging
+    Face directory can still be sampled and resumed.
+    """
+    if is_pretrained_dir(name):
+        family = pretrained_family(name)
+        return family, family.pretrained_config(name)
+    try:
+        return find_preset(name)
+    except ModelError:
+        if recorded and recorded.get("family") in FAMILIES:
+            family = FAMILIES[recorded["family"]]
+            kind = type(next(iter(family.presets.values())))
+            return family, kind.from_dict({k: v for k, v in recorded.items() if k != "family"})
+        if "/" in name or Path(name).exists():
+            raise ModelError(
+                f"--model {name}: not a Hugging Face model directory (config.json and model.safetensors, "
+                "or model.safetensors.index.json), and not a preset"
+            ) from None
+        raise
+
+
+def run_model(
+    cfg: TrainConfig, model: Optional[Callable] = None, loss: Optional[Callable] = None, *, recorded: Optional[dict] = None
+) -> RunModel:
+    """The :class:`RunModel` of ``cfg``: the preset ``cfg.model`` (or the architecture of
+    the Hugging Face directory ``cfg.model``) with ``cfg``'s run options, or, given
+    ``model`` (a function ``rngs -> nnx.Module``), that module, named ``cfg.model``.
+    ``recorded``: see :func:`model_architecture`.
 
     Raises ConfigError for an unknown preset (listing every family's), a run option the
     family does not take, or a run option set for your own module (it sets its own).
@@ -119,7 +150,7 @@ def run_model(cfg: TrainConfig, model: Optional[Callable] = None, loss: Optional
             given = ", ".join(f"{flag(k)} {v}" for k, v in changed.items())
             raise ConfigError(f"{given}: these set a family preset's options; your own module (model=) sets its own")
         return RunModel(cfg.model, model, loss or next_token_loss)
-    family, preset = find_preset(cfg.model)
+    family, preset = model_architecture(cfg.model, recorded)
     if unsupported := [k for k in changed if k not in family.run_options]:
         given = ", ".join(f"{flag(k)} {changed[k]}" for k in unsupported)
         raise ConfigError(f"{given}: {cfg.model} ({family.name}) has no such option; it takes {', '.join(family.run_options)}")
@@ -285,16 +316,23 @@ def check_params_only(model: RunModel, state) -> None:
         )
 
 
-def setup(cfg: TrainConfig, mesh=None, *, model: Optional[Callable] = None, loss: Optional[Callable] = None) -> Setup:
+def setup(
+    cfg: TrainConfig,
+    mesh=None,
+    *,
+    model: Optional[Callable] = None,
+    loss: Optional[Callable] = None,
+    recorded: Optional[dict] = None,
+) -> Setup:
     """Validate ``cfg`` against the devices and build the sharded plan (no arrays yet).
 
     ``model`` and ``loss``: your own module instead of the preset ``cfg.model`` (see
-    :func:`train`).
+    :func:`train`). ``recorded``: a run's record of its model (see :func:`model_architecture`).
     """
     cfg.validate()
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     rules = resolve(cfg.rules, mesh, min_shard_bytes=cfg.min_shard_bytes)
-    m = run_model(cfg, model, loss)
+    m = run_model(cfg, model, loss, recorded=recorded)
     check_shapes(cfg, rules, m)
     d = cfg.data
 
@@ -681,9 +719,18 @@ def run_tokenizer(cfg: TrainConfig, run_dir) -> Optional[text.TextTokenizer]:
         return text.load_tokenizer(kept)
     if cfg.data.tokenizer is not None:
         return text.load_tokenizer(cfg.data.tokenizer)
-    if cfg.init_from is not None and is_pretrained_dir(cfg.init_from) and (Path(cfg.init_from) / TOKENIZER_FILE).is_file():
-        return text.load_tokenizer(cfg.init_from)
+    source = pretrained_source(cfg)
+    if source is not None and (Path(source) / TOKENIZER_FILE).is_file():
+        return text.load_tokenizer(source)
     return None
+
+
+def pretrained_source(cfg: TrainConfig) -> Optional[str]:
+    """The Hugging Face directory a run starts from: ``--init-from DIR``, or ``--model DIR``
+    without ``--init-from`` (the directory's architecture and its weights)."""
+    if cfg.init_from is not None:
+        return cfg.init_from if is_pretrained_dir(cfg.init_from) else None
+    return cfg.model if is_pretrained_dir(cfg.model) else None
 
 
 def load_data(cfg: TrainConfig, tokenizer: Optional[text.TextTokenizer], vocab_size: int) -> datalib.TokenData:
@@ -919,7 +966,8 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool,
             log(f"resumed {run_dir} from step {start} on mesh {format_mesh(s.mesh.shape)}")
         else:
             start = 0
-            params = load_init_params(s, cfg.init_from, warn=log) if cfg.init_from else None
+            init_from = cfg.init_from or (pretrained_source(cfg) if model is None else None)
+            params = load_init_params(s, init_from, warn=log) if init_from else None
             state = init_state(s, params)
             if is_main:
                 metrics_path.unlink(missing_ok=True)

@@ -53,8 +53,8 @@ def configure_cpu_devices(n: Optional[int]) -> None:
 
 # field in TrainConfig (dotted) -> (flag, type, help)
 _TRAIN_FLAGS = [
-    ("model", "--model", str, "model preset of any family, e.g. gpt2-tiny, gpt2-mini (byte-level), gpt2, gpt2-xl; "
-     "an unknown name lists them all"),
+    ("model", "--model", str, "model preset of any family, e.g. gpt2-tiny, gpt2-mini, llama-tiny (byte-level), gpt2, "
+     "llama-3.2-1b; an unknown name lists them all; or a Hugging Face directory: its architecture, weights and tokenizer"),
     ("mesh", "--mesh", str, "device mesh, e.g. data=8, fsdp=-1, data=2,model=4"),
     ("rules", "--rules", str, "logical axis rules: auto, dp, fsdp, tp, fsdp_tp, or 'batch=data,mlp=model,...'"),
     ("steps", "--steps", int, "total number of optimizer steps (a resumed run continues up to it)"),

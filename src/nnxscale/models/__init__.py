@@ -78,6 +78,8 @@ class ModelFamily:
         module (with its ``config``) from a Hugging Face directory, created in the layout
         the rules give on ``mesh``; ``dtype`` is the compute dtype.
       save_pretrained: ``save_pretrained(model, path)`` writes a Hugging Face directory.
+      pretrained_config: ``pretrained_config(path)`` -> the config of a Hugging Face
+        directory, read from its ``config.json`` only (``--model DIR``).
       hf_model_types: the ``model_type`` values of ``config.json`` this family loads.
       run_options: the :class:`~nnxscale.TrainConfig` fields that are also fields of the
         family's config (``dropout``, ``dtype``, ``remat``): a run sets them on the preset.
@@ -91,6 +93,7 @@ class ModelFamily:
     dims: Callable[[Any], ModelDims]
     from_pretrained: Callable[..., Any]
     save_pretrained: Callable[[Any, Any], None]
+    pretrained_config: Callable[[Any], Any]
     hf_model_types: tuple[str, ...]
     run_options: tuple[str, ...] = ("dropout", "dtype", "remat")
     loss: Callable[..., Any] = next_token_loss
@@ -120,6 +123,7 @@ FAMILIES: dict[str, ModelFamily] = {
         dims=_gpt2_dims,
         from_pretrained=gpt2.from_pretrained,
         save_pretrained=gpt2.save_pretrained,
+        pretrained_config=gpt2.pretrained_config,
         hf_model_types=("gpt2",),
     ),
     "llama": ModelFamily(
@@ -129,6 +133,7 @@ FAMILIES: dict[str, ModelFamily] = {
         dims=_llama_dims,
         from_pretrained=llama.from_pretrained,
         save_pretrained=llama.save_pretrained,
+        pretrained_config=llama.pretrained_config,
         hf_model_types=("llama",),
     ),
 }

@@ -310,6 +310,13 @@ def _config_from_hf(hf: dict[str, Any], param_dtype: str, dtype: Optional[str], 
     )  # fmt: skip
 
 
+def pretrained_config(path) -> GPT2Config:
+    """The architecture of an HF GPT-2 directory, from its ``config.json`` alone (no weights read),
+    with float32 parameters and the default run options: what ``--model DIR`` trains."""
+    path = Path(path)
+    return _config_from_hf(read_config(path, "GPT-2"), "float32", None, path / "config.json")
+
+
 def save_pretrained(model: GPT2, path) -> None:
     """Write ``path/config.json`` and ``path/model.safetensors`` in the HF GPT-2 layout.
 

@@ -433,6 +433,13 @@ def _config_from_hf(hf: dict[str, Any], param_dtype: str, dtype: Optional[str], 
     )  # fmt: skip
 
 
+def pretrained_config(path) -> LlamaConfig:
+    """The architecture of an HF Llama directory, from its ``config.json`` alone (no weights read),
+    with float32 parameters and the default run options: what ``--model DIR`` trains."""
+    path = Path(path)
+    return _config_from_hf(read_config(path, "Llama"), "float32", None, path / "config.json")
+
+
 def save_pretrained(model: Llama, path, *, max_shard_bytes: Optional[int] = 5 * 10**9) -> None:
     """Write ``path/config.json`` and the weights as HF's ``LlamaForCausalLM`` saves them.
 
