@@ -69,6 +69,7 @@ class ActivationRecord:
     shape: tuple[int, ...]
     dtype: str
     layout: TensorLayout
+    manual: tuple[str, ...] = ()  # inside jax.shard_map (a pipeline stage): its manual axes; shape is per shard
 
 
 @contextlib.contextmanager
@@ -100,16 +101,21 @@ def constrain(x: jax.Array, *names: Optional[str]) -> jax.Array:
             "give one name (or None) per dimension"
         )
     layout = rules.activation_layout(names, shape)
+    context = jax.sharding.get_abstract_mesh()
+    manual = set() if context.empty else set(context.manual_axes)
+    if manual:  # ``x`` is one shard of the manual axes: they split it already and are not asked for
+        layout = dataclasses.replace(
+            layout,
+            spec=P(*(_without(entry, manual) for entry in layout.spec)),
+            dropped=tuple(n for n in layout.dropped if not any(repr(a) in n for a in manual)),
+        )
     records = _RECORDS.get()
     if records is not None:
-        record = ActivationRecord(tuple(names), shape, str(x.dtype), layout)
+        record = ActivationRecord(tuple(names), shape, str(x.dtype), layout, tuple(sorted(manual)))
         if record not in records:
             records.append(record)
     spec = layout.spec
-    context = jax.sharding.get_abstract_mesh()
-    if not context.empty and context.manual_axes:
-        manual = set(context.manual_axes)
-        spec = P(*(_without(entry, manual) for entry in spec))
+    if manual:
         return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
     if isinstance(rules.mesh, jax.sharding.Mesh):
         return jax.lax.with_sharding_constraint(x, NamedSharding(rules.mesh, spec))

@@ -77,6 +77,8 @@ class TrainConfig:
     keep: int = 3
     max_bad_steps: int = 5  # consecutive steps with a non-finite loss or gradient norm before stopping
     init_from: Optional[str] = None
+    microbatches: Optional[int] = None  # pipeline microbatches; needs a `stage` mesh axis (and one needs it)
+    pipeline_repeats: int = 1  # 1: GPipe; R > 1: circular, R groups of layers per stage
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
 
@@ -118,6 +120,8 @@ class TrainConfig:
             "data.val_fraction": below_one,
             "data.eval_batches": at_least(1),
             "min_shard_bytes": at_least(0),
+            "microbatches": (lambda v: v is None or v >= 1, "at least 1 (or unset: no pipeline)"),
+            "pipeline_repeats": at_least(1),
         }
         for path, (ok, wanted) in ranges.items():
             if not ok(fields[path]):
@@ -129,6 +133,22 @@ class TrainConfig:
             raise ConfigError(f"{_label('dtype')} must be float32 or bfloat16, got {self.dtype!r}")
         if self.remat not in ("none", "full", "dots"):
             raise ConfigError(f"{_label('remat')} must be none, full or dots, got {self.remat!r}")
+        self._validate_pipeline()
+
+    def _validate_pipeline(self) -> None:
+        """What a pipeline needs that no mesh is required to check (the mesh: ``setup``)."""
+        if self.pipeline_repeats > 1 and self.microbatches is None:
+            raise ConfigError(
+                f"--pipeline-repeats {self.pipeline_repeats} sets the circular pipeline schedule, which needs "
+                "--microbatches (and a stage mesh axis, e.g. --mesh stage=2,data=4 --microbatches 8)"
+            )
+        if self.microbatches is not None and self.optim.grad_accum > 1:
+            raise ConfigError(
+                f"--grad-accum {self.optim.grad_accum} and --microbatches {self.microbatches} both split the batch: "
+                "a pipeline already accumulates its microbatches' gradients, and each accumulation step would fill and "
+                "drain the pipeline again (a bubble each time): use --microbatches alone "
+                f"(e.g. --microbatches {self.microbatches * self.optim.grad_accum} for the same micro-batch size)"
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: Optional[str] = None) -> "TrainConfig":
@@ -212,12 +232,13 @@ def _typed(path: str, value, hint, *, strict: bool):
 
 #: Fields that may differ between a run directory's config and a resuming command:
 #: how long to run, where (mesh, rules), and how often to log/save. Anything else would
-#: silently turn the resumed run into a different experiment. ``optim.decay_steps`` (the
-#: LR schedule's length) is fixed by a run's first command; a command that leaves it unset
+#: silently turn the resumed run into a different experiment. The pipeline settings go
+#: with the mesh (a ``stage`` axis needs them) and give the same numbers without dropout.
+#: ``optim.decay_steps`` (the LR schedule's length) is fixed by a run's first command; a command that leaves it unset
 #: takes the run's own, so growing ``--steps`` does not restart warmup.
 RESUMABLE_FIELDS = frozenset(
     {"steps", "mesh", "rules", "run_dir", "log_every", "eval_every", "save_every", "keep", "remat", "init_from",
-     "min_shard_bytes", "max_bad_steps", "data.eval_batches"}
+     "min_shard_bytes", "max_bad_steps", "data.eval_batches", "microbatches", "pipeline_repeats"}
 )
 
 

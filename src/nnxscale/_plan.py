@@ -117,6 +117,7 @@ class StepPlan:
     estimated: Optional[dict] = None  # the analytical estimate, beside compiled figures
     activations: list = dataclasses.field(default_factory=list)  # {names, shape, spec, dropped} per constrained activation
     notes: list = dataclasses.field(default_factory=list)
+    pipeline: Optional[dict] = None  # the pipeline's layout and costs (see pipeline_figures); None without one
 
     @property
     def activation_bytes(self) -> int:
@@ -170,6 +171,7 @@ class StepPlan:
             "device_memory": self.device_memory,
             "fits": self.fits,
             "estimate": self.estimated,
+            "pipeline": self.pipeline,
         }
 
     def __str__(self) -> str:
@@ -203,6 +205,8 @@ class StepPlan:
             lines.append(f"  {'textbook for this layout':<34}{'':>11}  {sum(x for _, x in self.textbook):5.2f}x ({parts})")
         if self.compile_seconds is not None:
             lines.append(f"  compiled in {self.compile_seconds:.1f} s")
+        if self.pipeline:
+            lines += [""] + describe_pipeline(self.pipeline, self.source)
         for note in self.notes:
             lines.append(f"note: {note}")
         if self.device_memory is not None:
@@ -259,11 +263,21 @@ def plan(
         f"the analytical estimate is fitted to {ESTIMATE_FAMILY}'s step (bench/plan_accuracy.py): for a {family} model "
         "it is a rough guide; the compiled figures hold for any model"
     ]  # fmt: skip
+    pipe = lay["pipeline"]
+    if pipe is not None:
+        from nnxscale._train import pipeline_notes
+
+        calibration.append(
+            "the analytical estimate does not model the pipeline (fitted without one: no microbatch buffer, bubble or "
+            "permutes, and every layer's activations on every device): trust the compiled figures"
+        )
+        calibration += pipeline_notes(pipe, lay["rules"], [r.spec for r in lay["rows"] if r.is_param])
     if compile == "never" or (compile == "auto" and n > max_compile_devices):
         notes = [] if compile == "never" else [f"{n} devices is more than --max-compile-devices {max_compile_devices}: estimated"]
         notes += calibration
         return StepPlan(**common, temp_bytes=est["temp_bytes_per_device"], peak_bytes=est["peak_bytes_per_device"],
-                        collective_bytes=est["collective_bytes_by_kind"], source="estimate", notes=notes)  # fmt: skip
+                        collective_bytes=est["collective_bytes_by_kind"], source="estimate", notes=notes,
+                        pipeline=pipeline_figures(cfg, lay))  # fmt: skip
     compiled = compiled_figures(cfg, n)
     state_bytes = lay["param_bytes"] + lay["optimizer_bytes"]
     notes = list(calibration)
@@ -279,7 +293,64 @@ def plan(
         estimated={k: est[k] for k in ("temp_bytes_per_device", "peak_bytes_per_device", "collective_bytes_per_step")},
         activations=compiled["activations"],
         notes=notes,
+        pipeline=pipeline_figures(cfg, lay, compiled["collective_bytes"]),
     )
+
+
+def pipeline_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional[dict] = None) -> Optional[dict]:
+    """The pipeline of a plan: its layout (schedule, stages, layers per stage, repeats,
+    microbatches and their rows per batch shard), its bubble, and per device and step the
+    ``collective-permute`` bytes, from :func:`nnxscale.pipeline.pipeline_cost` and, when
+    compiled, from the compiled step; ``None`` without a pipeline."""
+    pipe, n = lay["pipeline"], lay["stacked_layers"]
+    if pipe is None:
+        return None
+    from nnxscale.pipeline import pipeline_cost
+
+    d, dims = cfg.data, lay["model"].dims
+    cost = pipeline_cost(pipe, n, (d.batch_size, d.seq_len, dims.width), cfg.dtype, batch_shards=lay["rules"].batch_shard_count)
+    return {
+        "schedule": cost.schedule,
+        "stages": cost.stages,
+        "repeats": cost.repeats,
+        "layers": n,
+        "layers_per_stage": cost.layers_per_stage,
+        "microbatches": cost.microbatches,
+        "microbatch_rows": cost.microbatch_rows,
+        "iterations": cost.iterations,
+        "bubble": cost.bubble,
+        "permute_bytes_per_step": None if compiled_collectives is None else compiled_collectives.get("collective-permute", 0),
+        "permute_bytes_expected": cost.permute_bytes,
+        "boundary_bytes": cost.boundary_bytes,
+    }
+
+
+def describe_pipeline(p: dict, source: str = "compiler") -> list[str]:
+    """The plan's pipeline section, in lines."""
+    groups = p["layers"] // (p["stages"] * p["repeats"])
+    layout = f"{p['layers_per_stage']} of {p['layers']} layers per stage"
+    if p["repeats"] > 1:
+        layout += f", as {p['repeats']} groups of {groups} (stage s holds groups s, s+{p['stages']}, ...)"
+    formula = "(S-1)/(M+S-1)" if p["repeats"] == 1 else "(S-1)/(R*M+S-1)"
+    lines = [
+        f"pipeline: {'GPipe' if p['repeats'] == 1 else 'circular'}, {p['stages']} stages x {p['repeats']} repeats; {layout}",
+        f"  microbatches {p['microbatches']} of {p['microbatch_rows']} rows per batch shard, "
+        f"{p['iterations']} iterations per pass",
+        f"  bubble {p['bubble']:.1%} of each stage's iterations idle {formula}",
+    ]
+    expected = format_bytes(p["permute_bytes_expected"])
+    if p["permute_bytes_per_step"] is None:
+        lines.append(f"  collective-permute per device per step: {expected} (pipeline_cost; not compiled)")
+    else:
+        lines.append(
+            f"  collective-permute per device per step: {format_bytes(p['permute_bytes_per_step'])} ({source}), "
+            f"{expected} expected (pipeline_cost: one microbatch per iteration, forward and backward)"
+        )
+    lines.append(
+        f"  boundary (embedding and head outside the pipeline): {format_bytes(p['boundary_bytes'])} of stage all-reduces "
+        "per device per step"
+    )
+    return lines
 
 
 def mesh_sizes(spec, devices: Optional[int] = None) -> dict[str, int]:
@@ -317,13 +388,15 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
 
     from nnxscale._rules import resolve
     from nnxscale._sharding import layouts, state_specs
-    from nnxscale._train import check_shapes, decay_mask, make_optimizer, run_model
+    from nnxscale._train import check_pipeline, check_shapes, decay_mask, make_optimizer, run_model, run_pipeline
 
     m = run_model(cfg)
     rules = resolve(cfg.rules, sizes, min_shard_bytes=cfg.min_shard_bytes)
     check_shapes(cfg, rules, m)
+    pipe = run_pipeline(cfg, rules)
     model = nnx.eval_shape(lambda: m.build(nnx.Rngs(0)))
     rows = layouts(model, sizes, rules)
+    stacked = None if pipe is None else check_pipeline(pipe, cfg, rules, m.name, [(r.shape, r.spec) for r in rows if r.is_param])
     param_bytes = sum(shard_bytes(r.shape, r.dtype, r.spec, sizes) for r in rows)
 
     # The optimizer state takes the layout of the parameter each leaf belongs to (as in train.setup).
@@ -352,6 +425,8 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
         "optimizer_bytes": opt_bytes,
         "gradient_bytes": param_bytes,  # float32, constrained to the parameters' layout
         "batch_bytes": batch_bytes,
+        "pipeline": pipe,
+        "stacked_layers": stacked,
     }
 
 
@@ -375,7 +450,9 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
     batch axes. FSDP: all-gather the parameters in the forward pass and again in the
     backward pass, reduce-scatter the gradients: 3x what FSDP splits. Tensor parallel
     (Megatron): two all-reduces of the ``(B, T, C)`` activations per layer forward and two
-    backward (two more with rematerialization).
+    backward (two more with rematerialization); in a pipeline, a stage's layers in every
+    iteration, bubble included. Pipeline: :func:`nnxscale.pipeline.pipeline_cost`'s
+    permutes and stage-boundary all-reduces.
     """
     rules, dims, full = lay["rules"], lay["model"].dims, max(lay["full_param_bytes"], 1)
     if rules.num_devices == 1:
@@ -386,12 +463,19 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
         out.append(("data-parallel gradient all-reduce", split["replicated"] / full))
     if split["fsdp"]:
         out.append(("FSDP 2 gathers + reduce-scatter", 3 * split["fsdp"] / full))
-    tensor = math.prod(s for a, s in rules.sizes.items() if a not in rules.batch_axes)
+    tensor = math.prod(s for a, s in rules.sizes.items() if a not in rules.batch_axes and a != "stage")
+    pipe = lay.get("pipeline")
+    layers = dims.layers
+    if pipe is not None:  # a stage runs L/S layers, over R*M + S - 1 iterations of R*M microbatches' worth
+        layers = dims.layers / pipe.stages * pipe.iterations / (pipe.repeats * pipe.microbatches)
     if tensor > 1:
         d = cfg.data
         act = d.batch_size / rules.batch_shard_count * d.seq_len * dims.width * (2 if cfg.dtype == "bfloat16" else 4)
         per_layer = 4 + (2 if cfg.remat != "none" else 0)
-        out.append(("tensor-parallel activation all-reduces", per_layer * dims.layers * act / full))
+        out.append(("tensor-parallel activation all-reduces", per_layer * layers * act / full))
+    if pipe is not None:
+        p = pipeline_figures(cfg, lay)
+        out.append(("pipeline permutes and stage boundary", (p["permute_bytes_expected"] + p["boundary_bytes"]) / full))
     return out
 
 
@@ -581,7 +665,8 @@ def _compile_here(cfg: TrainConfig, n: int) -> dict[str, Any]:
     out["compile_seconds"] = time.perf_counter() - t
     out["source"] = "compiler" if n == jax.device_count() or jax.default_backend() != "cpu" else f"compiler ({n} of {jax.device_count()} devices)"
     out["activations"] = [
-        {"names": [str(n) for n in r.names], "shape": list(r.shape), "spec": str(r.layout.spec), "dropped": list(r.layout.dropped)}
+        {"names": [str(n) for n in r.names], "shape": list(r.shape), "spec": str(r.layout.spec), "dropped": list(r.layout.dropped),
+         "manual": list(r.manual)}
         for r in records
     ]
     return out
@@ -655,6 +740,8 @@ def sweep(
     """
     from nnxscale._train import run_model
 
+    if cfg.microbatches is not None:
+        raise ConfigError("--sweep plans meshes without a stage axis: plan a pipeline without --sweep (drop --microbatches)")
     dims = run_model(cfg).dims
     plans = []
     for mesh in candidate_meshes(devices, math.gcd(dims.heads, dims.kv_heads)):

@@ -327,7 +327,9 @@ def lint(
     twice in one spec (``axis-reused``, naming the dimension that lost it), dimensions
     that do not divide by their shard count (``indivisible``), Variables that used the
     fallback (``unannotated``), and replicated tensors larger than
-    ``replicated_threshold_bytes`` on a mesh of more than one device (``replicated``).
+    ``replicated_threshold_bytes`` on a mesh of more than one device (``replicated``), and
+    a ``stage`` axis that splits no Variable, a model without stacked layers
+    (``unused-rule``).
     Small parameters kept whole below ``min_shard_bytes`` are by design and not reported.
 
     ``activations``: :class:`~nnxscale.ActivationRecord` s from tracing the model
@@ -338,7 +340,11 @@ def lint(
     findings: list[Finding] = []
     names_in_model: set[str] = set()
     n_devices = resolved.num_devices
+    stage_used = False
     for lay in layouts(tree, mesh, resolved):
+        stage_used = stage_used or any(
+            "stage" in ((e,) if isinstance(e, str) else tuple(e or ())) for e in lay.spec
+        )
         for name in lay.logical or (FALLBACK_NAMES.get(len(lay.shape), ()) if lay.is_param else ()):
             names_in_model.update(name if isinstance(name, (tuple, list)) else (name,))
         if lay.fallback and lay.is_param:
@@ -373,6 +379,15 @@ def lint(
         if not any(a in resolved.sizes for a in ((axes,) if isinstance(axes, str) else axes)):
             continue  # none of its axes is on this mesh: it would replicate anyway
         findings.append(Finding("unused-rule", "", f"rule {name!r} -> {axes!r} matches no Variable of this model"))
+    if resolved.sizes.get("stage", 1) > 1 and not stage_used:
+        findings.append(
+            Finding(
+                "unused-rule",
+                "",
+                f"the mesh's stage axis (stage={resolved.sizes['stage']}) splits no Variable: the model has no stacked "
+                "layers (nnxscale.stack_layers) for pipeline stages to hold, so each stage holds everything",
+            )
+        )
     for record in activations:
         where = "activation (" + ", ".join(str(n) for n in record.names) + f") {record.shape}"
         for note in record.layout.dropped:

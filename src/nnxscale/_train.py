@@ -59,6 +59,7 @@ from nnxscale.models import (
     FAMILIES, ModelDims, ModelFamily, architecture_differences, find_preset, is_pretrained_dir, next_token_loss,
     pretrained_family,
 )  # fmt: skip
+from nnxscale.pipeline import STAGE, Pipeline, to_layer_order, to_stage_order, use_pipeline
 from nnxscale.stack import LAYERS
 
 #: Training steps dispatched ahead of the host (see the loop).
@@ -252,6 +253,8 @@ class Setup:
     abstract_batch: dict  # {"inputs", "targets"}: (B, T) int32 ShapeDtypeStructs with batch_sharding
     factory: Callable[[], nnx.Module]  # builds the model (seeded)
     init_fn: Callable  # params -> the whole train state
+    pipeline: Optional[Pipeline] = None  # the schedule over the mesh's stage axis; None without one
+    stacked_layers: Optional[int] = None  # depth of the stacked layers the pipeline runs
 
     @property
     def param_shardings(self):
@@ -316,6 +319,69 @@ def check_params_only(model: RunModel, state) -> None:
         )
 
 
+def run_pipeline(cfg: TrainConfig, rules: MeshRules) -> Optional[Pipeline]:
+    """The pipeline of a run: ``--microbatches`` and ``--pipeline-repeats`` over the mesh's
+    ``stage`` axis, or ``None`` on a mesh without one. Raises ConfigError, one line each, for
+    a stage axis without ``--microbatches``, ``--microbatches`` without a stage axis, and
+    (from :class:`~nnxscale.pipeline.Pipeline`) fewer microbatches than stages."""
+    sizes = rules.sizes
+    mesh = format_mesh(sizes)
+    if STAGE not in sizes:
+        if cfg.microbatches is not None:
+            n = math.prod(sizes.values())
+            example = f"stage=2,data={n // 2}" if n % 2 == 0 and n > 1 else "stage=2,..."
+            raise ConfigError(
+                f"--microbatches {cfg.microbatches} asks for a pipeline, but mesh {mesh} has no '{STAGE}' axis to put "
+                f"its stages on: add one (e.g. --mesh {example}), or drop --microbatches"
+            )
+        return None
+    stages = sizes[STAGE]
+    if cfg.microbatches is None:
+        rows = cfg.data.batch_size // max(rules.batch_shard_count, 1)
+        fits = [m for m in (2 * stages, stages, 4 * stages) if rows % m == 0] or [2 * stages]
+        raise ConfigError(
+            f"mesh {mesh} has a '{STAGE}' axis: its {stages} pipeline stages need --microbatches M, at least {stages} "
+            f"and dividing the {rows} rows each batch shard holds (e.g. --microbatches {fits[0]}); "
+            f"--pipeline-repeats R > 1 makes the schedule circular"
+        )
+    return Pipeline.for_mesh(sizes, cfg.microbatches, cfg.pipeline_repeats)
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def check_pipeline(pipe: Pipeline, cfg: TrainConfig, rules: MeshRules, name: str, params) -> int:
+    """The model has stacked layers the pipeline can split, and they and the batch fit it
+    (:meth:`Pipeline.check`). ``params``: ``(shape, PartitionSpec)`` of every parameter.
+    Returns the stacked depth; raises ConfigError in one line."""
+    depths = sorted({int(shape[0]) for shape, spec in params if spec and STAGE in _axes_of(spec[0])})
+    if not depths:
+        raise ConfigError(
+            f"{name} has no stacked layers for the {pipe.stages} pipeline stages of mesh {format_mesh(rules.sizes)}: "
+            "a pipeline runs layers created with nnxscale.stack_layers and run with nnxscale.scan_layers "
+            f"(the rules put their '{LAYERS}' axis on '{STAGE}'); train this model on a mesh without a stage axis"
+        )
+    for n in depths:
+        pipe.check(n, cfg.data.batch_size, rules.batch_shard_count)
+    return depths[-1]
+
+
+def pipeline_notes(pipe: Pipeline, rules: MeshRules, specs) -> list[str]:
+    """What to know about a pipeline beside the other mesh axes (``specs``: the parameters'
+    PartitionSpecs): FSDP beside ``stage`` gathers every layer once per iteration."""
+    used = {a for spec in specs for entry in spec for a in _axes_of(entry)}
+    fsdp = [a for a in rules.batch_axes if a in used and rules.sizes[a] > 1]
+    if not fsdp:
+        return []
+    gathers = pipe.iterations / pipe.repeats
+    return [
+        f"FSDP ({', '.join(fsdp)}) beside the stage axis: every pipeline iteration gathers its layers' weights and "
+        f"reduce-scatters their gradients, so a step gathers each of a stage's layers {gathers:g} times "
+        f"((R*M + S - 1)/R) where FSDP without a pipeline gathers it once; prefer data beside stage"
+    ]
+
+
 def setup(
     cfg: TrainConfig,
     mesh=None,
@@ -328,18 +394,27 @@ def setup(
 
     ``model`` and ``loss``: your own module instead of the preset ``cfg.model`` (see
     :func:`train`). ``recorded``: a run's record of its model (see :func:`model_architecture`).
+    On a mesh with a ``stage`` axis the plan includes the pipeline
+    (``Setup.pipeline``), checked against the model's depth and the batch here, before
+    anything is allocated.
     """
     cfg.validate()
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     rules = resolve(cfg.rules, mesh, min_shard_bytes=cfg.min_shard_bytes)
     m = run_model(cfg, model, loss, recorded=recorded)
     check_shapes(cfg, rules, m)
+    pipe = run_pipeline(cfg, rules)
     d = cfg.data
 
     factory = lambda: m.build(nnx.Rngs(cfg.seed))  # noqa: E731
     graphdef, abs_model_state = abstract_state(factory, mesh, rules)
     check_params_only(m, abs_model_state)
     param_sh = _pure(jax.tree.map(lambda v: v.replace(v.get_value().sharding), abs_model_state, is_leaf=_is_var))
+    stacked = None
+    if pipe is not None:
+        shapes = jax.tree.leaves(_pure(abs_model_state))
+        shardings = jax.tree.leaves(param_sh, is_leaf=lambda x: isinstance(x, NamedSharding))
+        stacked = check_pipeline(pipe, cfg, rules, m.name, [(a.shape, sh.spec) for a, sh in zip(shapes, shardings)])
     mask = decay_mask(abs_model_state)
     tx, schedule = make_optimizer(cfg, mask)
     replicated = NamedSharding(mesh, P())
@@ -387,15 +462,52 @@ def setup(
         abstract_batch={"inputs": batch, "targets": batch},
         factory=factory,
         init_fn=init_fn,
+        pipeline=pipe,
+        stacked_layers=stacked,
     )
 
 
 def init_state(s: Setup, params=None):
-    """Create the train state directly in its sharded layout (or around given params)."""
+    """Create the train state directly in its sharded layout (or around given params), in
+    the order the step runs it (:func:`run_order`)."""
     if params is None:  # the one sharded-init path, shared with `nnxscale init`
         params = _pure(nnx.state(sharded_init(s.factory, s.mesh, s.rules)))
     with jax.set_mesh(s.mesh):
-        return jax.jit(s.init_fn, out_shardings=s.state_shardings, donate_argnums=0)(params)
+        state = jax.jit(s.init_fn, out_shardings=s.state_shardings, donate_argnums=0)(params)
+    return run_order(s, state)
+
+
+def run_order(s: Setup, state, *, donate: bool = True):
+    """A train state in layer order (created, restored) -> the order the step runs it.
+
+    For the circular pipeline that is stage order (:func:`nnxscale.pipeline.to_stage_order`,
+    parameters and optimizer moments alike, once per init or restore); otherwise the state
+    itself. ``donate``: the layer-order state is used up.
+    """
+    if s.pipeline is None or s.pipeline.repeats == 1:
+        return state
+    return to_stage_order(state, s.pipeline, s.state_shardings, donate=donate)
+
+
+def saved_order(s: Setup, state):
+    """The inverse of :func:`run_order`, for what leaves the run: checkpoints are always in
+    layer order, so they move between pipelined and unpipelined meshes. ``state`` is kept
+    (the circular pipeline's copy costs one more stacked state of memory while it is saved)."""
+    if s.pipeline is None or s.pipeline.repeats == 1:
+        return state
+    return to_layer_order(state, s.pipeline, s.state_shardings)
+
+
+def describe_pipeline(s: Setup) -> str:
+    """One line: the run's pipeline layout (schedule, layers per stage, microbatches, bubble)."""
+    p, n = s.pipeline, s.stacked_layers
+    rows = s.cfg.data.batch_size // (s.rules.batch_shard_count * p.microbatches)
+    groups = f", {p.repeats} groups of {n // (p.stages * p.repeats)} per stage" if p.repeats > 1 else ""
+    return (
+        f"pipeline: {'GPipe' if p.repeats == 1 else 'circular'} over {p.stages} stages, {n // p.stages} of {n} layers "
+        f"per stage{groups}; {p.microbatches} microbatches of {rows} rows per batch shard, "
+        f"{p.iterations} iterations a pass, bubble {p.bubble:.1%}"
+    )
 
 
 def loss_fn(graphdef, params, inputs, targets, key, loss: Callable):
@@ -441,7 +553,7 @@ def make_train_step(s: Setup):
         return skip_nonfinite(state, new_state, metrics)
 
     return jax.jit(
-        _under_rules(step, s.rules),
+        _under_rules(step, s),
         in_shardings=(s.state_shardings, s.batch_sharding),
         out_shardings=(s.state_shardings, None),
         donate_argnums=0,
@@ -470,17 +582,18 @@ def skip_nonfinite(state, new_state, metrics):
 def make_eval_step(s: Setup):
     graphdef, objective = s.graphdef, s.model.loss
     return jax.jit(
-        _under_rules(lambda params, batch: loss_fn(graphdef, params, batch["inputs"], batch["targets"], None, objective), s.rules),
+        _under_rules(lambda params, batch: loss_fn(graphdef, params, batch["inputs"], batch["targets"], None, objective), s),
         in_shardings=(s.param_shardings, s.batch_sharding),
     )
 
 
-def _under_rules(fn: Callable, rules: MeshRules) -> Callable:
-    """``fn`` traced with ``rules`` in force, so the model's ``constrain`` calls apply them."""
+def _under_rules(fn: Callable, s: Setup) -> Callable:
+    """``fn`` traced with the run's rules in force, so the model's ``constrain`` calls apply
+    them, and its pipeline, so :func:`nnxscale.scan_layers` runs the stages."""
 
     @functools.wraps(fn)
     def traced(*args):
-        with use_rules(rules):
+        with use_rules(s.rules), use_pipeline(s.pipeline, s.mesh):
             return fn(*args)
 
     return traced
@@ -956,6 +1069,7 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool,
         skipped_before = 0
         if ckpt.steps():
             start, state, extras = ckpt.restore_intact(s.abstract, warn=log, set_aside=True)
+            state = run_order(s, state)  # checkpoints hold layer order
             ckpt.remove_surplus()
             train_it.set_state(extras["data"])
             if extras.get("data_fingerprint") not in (None, tokens.fingerprint):
@@ -977,6 +1091,11 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool,
             if tokenizer is not None:
                 _keep_tokenizer(tokenizer, run_dir)
         log(describe_decay(s.decay_mask, s.abstract["params"], cfg.optim.weight_decay))
+        if s.pipeline is not None:
+            log(describe_pipeline(s))
+            specs = [sh.spec for sh in jax.tree.leaves(s.param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))]
+            for note in pipeline_notes(s.pipeline, s.rules, specs):
+                log(f"lint: {note}")
 
         step_fn = make_train_step(s)
         eval_fn = make_eval_step(s)
@@ -1006,7 +1125,7 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool,
             skips.check(latest_saved)
             extras = {"data": train_it.get_state(), "data_fingerprint": tokens.fingerprint, "config": cfg.to_dict(),
                       "skipped_steps": skips.total}  # fmt: skip
-            ckpt.save(step, state, extras, force=True)
+            ckpt.save(step, saved_order(s, state), extras, force=True)
 
         # A signal may reach one process only: every process stops at the step they agree on.
         vote, stopping = StopVote(lag=MAX_IN_FLIGHT), None

@@ -85,6 +85,10 @@ _TRAIN_FLAGS = [
     ("dropout", "--dropout", float, "dropout rate"),
     ("dtype", "--dtype", str, "compute dtype: float32 or bfloat16 (parameters stay float32)"),
     ("min_shard_bytes", "--min-shard-bytes", int, "parameters smaller than this are not split over FSDP axes"),
+    ("microbatches", "--microbatches", int, "pipeline microbatches, needed by (and only with) a stage mesh axis, "
+     "e.g. --mesh stage=2,data=4 --microbatches 8: at least the stages, dividing each batch shard's rows"),
+    ("pipeline_repeats", "--pipeline-repeats", int, "groups of layers per pipeline stage: 1 is GPipe, R > 1 the circular "
+     "schedule (bubble (S-1)/(R*M+S-1); layers must divide by stages x R)"),
     ("init_from", "--init-from", str, "start from a seed checkpoint (nnxscale init) or a Hugging Face directory of the model's family"),
 ]
 
@@ -209,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_remat(pl)
     pl.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16 (default: float32)")
     pl.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation micro-batches (default: 1)")
+    pl.add_argument("--microbatches", type=int, default=None,
+                    help="pipeline microbatches, with a stage mesh axis (e.g. --mesh stage=2,data=4 --microbatches 8)")
+    pl.add_argument("--pipeline-repeats", type=int, default=1,
+                    help="groups of layers per pipeline stage: 1 GPipe, R > 1 circular (default: 1)")  # fmt: skip
     pl.add_argument("--min-shard-bytes", type=int, default=None, help="parameters below this are not split over FSDP axes (default: 1 MiB)")
     memory = pl.add_mutually_exclusive_group()
     memory.add_argument("--device-memory", help="memory of one device for the verdict, e.g. 16GiB or 80GB")
@@ -367,6 +375,7 @@ def _plan(args) -> int:
         "model": args.model, "mesh": args.mesh, "rules": args.rules, "dtype": args.dtype,
         "data.batch_size": args.batch_size, "data.seq_len": args.seq_len or family.dims(preset).context,
         "optim.grad_accum": args.grad_accum, "remat": args.remat or "none",
+        "microbatches": args.microbatches, "pipeline_repeats": args.pipeline_repeats,
     }  # fmt: skip
     if args.min_shard_bytes is not None:
         fields["min_shard_bytes"] = args.min_shard_bytes
@@ -390,7 +399,8 @@ def _plan(args) -> int:
     if step.activations:
         print("\nactivations (logical names -> the activation rules' layout, per call):")
         for a in step.activations:
-            print(f"  ({', '.join(a['names'])}) {tuple(a['shape'])}: {a['spec']}")
+            inside = f" (per shard inside the pipeline, manual over {', '.join(a['manual'])})" if a.get("manual") else ""
+            print(f"  ({', '.join(a['names'])}) {tuple(a['shape'])}: {a['spec']}{inside}")
     lay = planlib.layout_figures(cfg, sizes)
     model, rules = lay["abstract"], lay["rules"]
     if args.table:

@@ -1,0 +1,174 @@
+"""Pipeline parallelism on 8 CPU devices: memory, permutes and bubble compiled, step time measured.
+
+Two parts, one run (``python bench/pipeline.py``, about 5 minutes on 2 cores):
+
+1. **Compiled ahead of time, nothing allocated**: nnxscale's real train step for gpt2
+   (124M, float32, no remat), global batch 64 x 256 tokens, on ``data=8`` (the baseline)
+   and pipelined: GPipe on ``stage=2,data=4`` at M = 4, 8, 16 microbatches and on
+   ``stage=4,data=2`` at M = 8; circular (R = 2 repeats) on ``stage=2,data=4`` at M = 4, 8.
+   Per device: the compiler's temporaries and peak (``memory_analysis()``), the
+   ``collective-permute`` bytes of a step counted in the compiled HLO beside
+   :func:`nnxscale.pipeline.pipeline_cost`'s figure, every collective's bytes, and the
+   theoretical bubble ``(S-1)/(R*M+S-1)``.
+2. **Measured**: the step time of ``gpt2-mini`` (4 layers, width 128), global batch 32 x 128,
+   on ``data=8`` and on ``stage=2,data=4`` with GPipe (M=4) and circular (R=2, M=4), the same
+   global batch; median of 15 steps after 3 of warm-up, the three configs timed in turns
+   (so that a shared machine's load falls on each alike), as a ratio to ``data=8``.
+
+Last line, JSON: ``{"gpipe_bubble", "circular_bubble", "pp_over_dp_step_time"}``: the
+bubbles of gpt2 on ``stage=2,data=4`` at M=8 (GPipe, and circular with R=2), and the
+measured GPipe step time over the ``data=8`` one.
+
+**What the CPU ratio predicts, and what it does not.** The 8 devices are threads of one
+2-core process, so the measured ratio is the compute the pipeline adds over data
+parallelism, and not what it saves in communication. It includes the bubble as real idle
+(or rather, wasted) compute: every stage computes all ``R*M + S - 1`` iterations, the
+bubble's on stale data, so at M=4 on 2 stages 25% more layer work than the useful work, and
+the microbatch bookkeeping of the scan (buffer updates, selects). It includes collectives
+only as memory copies: a ``ppermute`` between two simulated devices is a memcpy in shared
+memory, and the gradient all-reduce over 8 devices that data parallelism needs (and the
+pipeline shrinks, each stage reducing only its own layers over 4 devices) is nearly free.
+So on real accelerators joined by slow links (between nodes), where data parallelism's
+all-reduce of every parameter is what limits the step, the pipeline does better than this
+ratio says; within a node with fast links, this ratio is close to an upper bound of the
+bubble's cost: expect ``1 + bubble`` or so when the pipeline's permutes overlap compute.
+Small microbatches also use an accelerator less well (a few rows per matmul), which 2 CPU
+cores cannot show.
+
+Measured (2 cores shared with another test run, load average about 5.8): GPipe M=4 1.51x
+``data=8``, circular R=2 M=4 1.07x. The bubble alone predicts about 1.25x and 1.125x (the
+share of wasted iterations): the circular step is close to it; the GPipe step costs more
+than its bubble on this machine, not investigated further (noise on a loaded machine, or
+XLA:CPU scheduling of the two-layer stage body). Bytes and bubbles are exact; times are not.
+The full output of one run is in ``bench/pipeline.out.txt``.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from nnxscale._config import TrainConfig, with_overrides  # noqa: E402
+from nnxscale._layout import format_bytes  # noqa: E402
+from nnxscale._plan import measure  # noqa: E402
+from nnxscale._train import init_state, make_train_step, setup  # noqa: E402
+from nnxscale.pipeline import pipeline_cost  # noqa: E402
+
+BATCH, SEQ = 64, 256  # compiled part: gpt2
+COMPILED = [  # (mesh, microbatches, repeats)
+    ("data=8", None, 1),
+    ("stage=2,data=4", 4, 1),
+    ("stage=2,data=4", 8, 1),
+    ("stage=2,data=4", 16, 1),
+    ("stage=4,data=2", 8, 1),
+    ("stage=2,data=4", 4, 2),
+    ("stage=2,data=4", 8, 2),
+]
+TIMED_BATCH, TIMED_SEQ = 32, 128  # measured part: gpt2-mini
+TIMED = [("data=8", None, 1), ("stage=2,data=4", 4, 1), ("stage=2,data=4", 4, 2)]
+WARMUP, STEPS = 3, 15
+
+
+def config(model: str, mesh: str, microbatches, repeats: int, batch: int, seq: int) -> TrainConfig:
+    fields = {"model": model, "mesh": mesh, "microbatches": microbatches, "pipeline_repeats": repeats,
+              "data.batch_size": batch, "data.seq_len": seq}  # fmt: skip
+    return with_overrides(TrainConfig(), fields)
+
+
+def name(mesh: str, microbatches, repeats: int) -> str:
+    if microbatches is None:
+        return mesh
+    return f"{mesh} {'GPipe' if repeats == 1 else f'circ R={repeats}'} M={microbatches}"
+
+
+def compiled_rows() -> dict:
+    print(f"gpt2 (124M) train step, global batch {BATCH} x {SEQ}, float32, no remat, 8 CPU devices (compiled, not run)")
+    header = (f"{'config':<30}{'temp/dev':>11}{'peak/dev':>11}{'permute/dev':>13}{'pipeline_cost':>15}"
+              f"{'all coll/dev':>14}{'bubble':>8}{'compile s':>11}")  # fmt: skip
+    print(header)
+    print("-" * len(header))
+    rows = {}
+    for mesh, m, r in COMPILED:
+        cfg = config("gpt2", mesh, m, r, BATCH, SEQ)
+        s = setup(cfg)
+        t = time.perf_counter()
+        with jax.set_mesh(s.mesh):
+            compiled = make_train_step(s).lower(s.abstract, s.abstract_batch).compile()
+        seconds = time.perf_counter() - t
+        fig = measure(compiled)
+        permute = fig["collective_bytes"].get("collective-permute", 0)
+        expected, bubble = 0, 0.0
+        if s.pipeline is not None:
+            cost = pipeline_cost(s.pipeline, s.stacked_layers, (BATCH, SEQ, 768), batch_shards=s.rules.batch_shard_count)
+            expected, bubble = cost.permute_bytes, cost.bubble
+        key = name(mesh, m, r)
+        rows[key] = dict(temp=fig["temp_bytes"], peak=fig["peak_bytes"], permute=permute, expected=expected,
+                         collectives=sum(fig["collective_bytes"].values()), bubble=bubble, compile_s=seconds)  # fmt: skip
+        print(
+            f"{key:<30}{format_bytes(fig['temp_bytes']):>11}{format_bytes(fig['peak_bytes']):>11}{format_bytes(permute):>13}"
+            f"{format_bytes(expected):>15}{format_bytes(rows[key]['collectives']):>14}{bubble:>8.1%}{seconds:>11.1f}",
+            flush=True,
+        )
+    return rows
+
+
+def prepared_step(mesh: str, microbatches, repeats: int):
+    """``run()``: one gpt2-mini train step (real arrays, a fixed random batch), waited for."""
+    s = setup(config("gpt2-mini", mesh, microbatches, repeats, TIMED_BATCH, TIMED_SEQ))
+    tokens = jax.random.randint(jax.random.key(0), (TIMED_BATCH, TIMED_SEQ), 0, 256, jnp.int32)
+    batch = {k: jax.device_put(tokens, s.batch_sharding) for k in ("inputs", "targets")}
+    step, box = make_train_step(s), {"state": init_state(s)}
+
+    def run():
+        with jax.set_mesh(s.mesh):
+            box["state"], metrics = step(box["state"], batch)
+        jax.block_until_ready(metrics)
+
+    return run
+
+
+def step_times() -> dict:
+    """Median seconds per step of each TIMED config, timed in turns (round-robin), so that
+    the load of a shared machine falls on every config alike."""
+    runs = {name(*c): prepared_step(*c) for c in TIMED}
+    for run in runs.values():
+        for _ in range(WARMUP):
+            run()
+    times = {key: [] for key in runs}
+    for _ in range(STEPS):
+        for key, run in runs.items():
+            t = time.perf_counter()
+            run()
+            times[key].append(time.perf_counter() - t)
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
+def main() -> None:
+    rows = compiled_rows()
+    print("permute/dev: collective-permute bytes per device per step in the compiled HLO; pipeline_cost: the")
+    print("analytical figure (one microbatch of activations per iteration, forward and backward); all coll/dev:")
+    print("every collective's bytes per device per step; bubble (S-1)/(R*M+S-1)")
+    print()
+    print(f"gpt2-mini train step, global batch {TIMED_BATCH} x {TIMED_SEQ}, measured (median of {STEPS} steps, timed in turns)")
+    times = step_times()
+    base = times[name(*TIMED[0])]
+    for key, seconds in times.items():
+        print(f"  {key:<30}{seconds * 1e3:>9.1f} ms  {seconds / base:5.2f}x data=8")
+    gpipe = times[name(*TIMED[1])] / times[name(*TIMED[0])]
+    result = {
+        "gpipe_bubble": round(rows[name("stage=2,data=4", 8, 1)]["bubble"], 4),
+        "circular_bubble": round(rows[name("stage=2,data=4", 8, 2)]["bubble"], 4),
+        "pp_over_dp_step_time": round(gpipe, 3),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
