@@ -469,7 +469,12 @@ def _join(args):
     fields = [f.name for f in dataclasses.fields(distributed.JobSpec)]  # the flags of _add_job
     job = distributed.join(distributed.JobSpec.from_flags(**{f: getattr(args, f) for f in fields}))
     if job.process_id != 0:  # results and progress come from process 0 only
-        sys.stdout = open(os.devnull, "w")
+        # At the descriptor, not only sys.stdout: native libraries write to fd 1 too (a CI
+        # run once caught bare numbers from one); stderr keeps going to the process's log.
+        sys.stdout.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
     return job
 
 
