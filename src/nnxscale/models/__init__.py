@@ -21,7 +21,7 @@ import inspect
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import jax.numpy as jnp
 import optax
