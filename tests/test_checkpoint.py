@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscale import make_mesh
-from nnxscale._checkpoint import CheckpointError, Checkpointer, checkpoint_dir
+from nnxscale import _integrity as integrity
+from nnxscale._checkpoint import CheckpointError, Checkpointer, _key_text, checkpoint_dir
 
 # Saved layout on data=8, and the layout a data=2,model=4 run restores into.
 SAVE_SPECS = {
@@ -441,18 +442,55 @@ def test_damaged_data_is_found_and_the_newest_intact_step_restored(tmp_path, mes
 
 
 def test_a_checkpoint_saved_without_checksums_still_restores(tmp_path, mesh8):
-    """Checkpoints from before checksums (no checksum entry in the extras) load unverified."""
+    """Checkpoints from before checksums (no checksums item, no entry in the extras) load unverified."""
     directory = checkpoint_dir(tmp_path)
     _save_steps(directory, mesh8, (5,))
-    extras_file = directory / "5" / "extras" / "metadata"
-    saved = json.loads(extras_file.read_text())
-    assert set(saved["nnxscale.checksums"]["arrays"]) == {
+    record = json.loads((directory / "5" / "checksums" / "process_0.json").read_text())
+    assert set(record["arrays"]) == {
         "params.wte", "params.h.0.kernel", "params.h.0.bias", "params.h.1.kernel", "params.h.1.bias",
         "opt.mu", "step", "rng",
     }  # fmt: skip
-    del saved["nnxscale.checksums"]
-    extras_file.write_text(json.dumps(saved))
+    assert record["algorithm"] == integrity.ALGORITHM and record["processes"] == 1
+    shutil.rmtree(directory / "5" / "checksums")
     with Checkpointer(directory) as ckpt:
         state, extras = ckpt.restore(abstract(host_state(0), SAVE_SPECS, mesh8))
     assert_bit_equal(state, host_state(5))
     assert extras == {"step": 5}
+
+
+def test_checksums_kept_in_the_extras_by_earlier_versions_are_verified(tmp_path, mesh8):
+    """nnxscale before the checksums item kept v1 checksums inside the extras: such a
+    checkpoint restores verified, and damage to it is still found."""
+    directory = checkpoint_dir(tmp_path)
+    _save_steps(directory, mesh8, (4, 5))
+    for step in (4, 5):  # rewrite both as the earlier version wrote them
+        shutil.rmtree(directory / str(step) / "checksums")
+        leaves = jax.tree_util.tree_flatten_with_path(place(host_state(step), SAVE_SPECS, mesh8))[0]
+        sums = integrity.checksums([x for _, x in leaves], integrity.ALGORITHM_V1)
+        paths = [_key_text(p) for p, _ in leaves]
+        extras_file = directory / str(step) / "extras" / "metadata"
+        saved = json.loads(extras_file.read_text())
+        saved["nnxscale.checksums"] = {"algorithm": integrity.ALGORITHM_V1, "arrays": dict(zip(paths, sums))}
+        extras_file.write_text(json.dumps(saved))
+    target = abstract(host_state(0), RESTORE_SPECS, make_mesh("data=2,model=4"))
+    with Checkpointer(directory) as ckpt:
+        state, extras = ckpt.restore(target)
+        assert_bit_equal(state, host_state(5))
+        assert extras == {"step": 5}
+    shutil.rmtree(directory / "5" / "state")  # step 4's data under step 5's name
+    shutil.copytree(directory / "4" / "state", directory / "5" / "state")
+    with Checkpointer(directory) as ckpt:
+        with pytest.raises(CheckpointError, match="does not match its checksum"):
+            ckpt.restore(target)
+
+
+def test_a_missing_process_checksum_file_is_damage(tmp_path, mesh8):
+    """A step whose checksum parts are incomplete cannot be verified: it is damaged, not trusted."""
+    directory = checkpoint_dir(tmp_path)
+    _save_steps(directory, mesh8, (1, 2))
+    record = json.loads((directory / "2" / "checksums" / "process_0.json").read_text())
+    record["processes"] = 2  # as if saved by 2 processes, and process 1's file lost
+    (directory / "2" / "checksums" / "process_0.json").write_text(json.dumps(record))
+    with Checkpointer(directory) as ckpt:
+        with pytest.raises(CheckpointError, match=r"checksums of process 1 of 2 are missing"):
+            ckpt.restore(abstract(host_state(0), SAVE_SPECS, mesh8))

@@ -5,8 +5,9 @@ A checkpoint is two items, written by one ``orbax.checkpoint.CheckpointManager``
     run_dir/checkpoints/
       300/                        a finalized step
         state/                    the array state: each process writes its own shards
-        extras/metadata           the JSON extras: data iterator state, run config, and
-                                  a checksum of every array (nnxscale._integrity)
+        extras/metadata           the JSON extras: data iterator state, run config
+        checksums/process_<i>.json  each process's part of every array's checksum
+                                  (nnxscale._integrity); their sum is the checksum
       400.orbax-checkpoint-tmp/   a save in progress, or one killed mid-way: never listed
       200.damaged/                a step whose data failed its checksum, set aside
 
@@ -27,12 +28,23 @@ devices that hold it (:mod:`nnxscale._integrity`: the same value on any mesh), a
 :meth:`Checkpointer.restore` recomputes it on the restored arrays: damaged data raises
 :class:`DamagedCheckpointError` naming the step instead of restoring garbage.
 :meth:`Checkpointer.restore_intact` falls back to the newest step that is intact.
-Checkpoints saved before checksums existed restore unverified.
+The checksum programs are dispatched by ``save`` and awaited in Orbax's background
+commit, so the training loop does not wait for them, and the step is finalized only once
+every process has written its part. Checkpoints saved before checksums existed restore
+unverified; those with the checksums inside their extras (nnxscale before the
+``checksums`` item) are verified as before.
+
+Many processes: every barrier here and in Orbax goes through JAX's coordination service,
+never through a device collective (Orbax's default barrier is an all-gather over every
+device, run from its background threads). A program with cross-process collectives that
+is not ordered after the training step can start in a different order on different
+devices and deadlock the job (see docs/multiprocess.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -55,7 +67,8 @@ from nnxscale.errors import CheckpointError, os_reason
 
 _STATE = "state"
 _EXTRAS = "extras"
-#: Key of the checksums inside the extras item (hidden from callers).
+_CHECKSUM_ITEM = "checksums"
+#: Key of the checksums inside the extras item (written before the checksums item existed).
 _CHECKSUMS = "nnxscale.checksums"
 #: Suffix of a step directory set aside as damaged: ``<step>.damaged``.
 DAMAGED_SUFFIX = ".damaged"
@@ -71,6 +84,77 @@ class DamagedCheckpointError(CheckpointError):
         super().__init__(message)
         self.step = step
         self.what = what
+
+
+@dataclasses.dataclass
+class _PendingChecksums:
+    """Checksums dispatched by ``save``, resolved in Orbax's background commit."""
+
+    paths: list[str]
+    partials: list  # one (devices, 2) uint32 jax.Array per array, maybe still computing
+
+    def resolve(self) -> dict:
+        """This process's part of each checksum (blocks until the devices are done)."""
+        sums = integrity.to_hex(integrity.local_sums(self.partials))
+        return {
+            "algorithm": integrity.ALGORITHM,
+            "process": jax.process_index(),
+            "processes": jax.process_count(),
+            "arrays": dict(zip(self.paths, sums)),
+        }
+
+
+@dataclasses.dataclass
+class _ChecksumSave(ocp.args.CheckpointArgs):
+    pending: _PendingChecksums
+
+
+@dataclasses.dataclass
+class _ChecksumRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+class _ChecksumHandler(ocp.handlers.AsyncCheckpointHandler):
+    """The ``checksums`` item: every process writes ``process_<i>.json``, its part of each sum.
+
+    The write waits for the checksum programs in Orbax's commit thread, so ``save``
+    returns without waiting for them; Orbax finalizes the step only after every process's
+    commit, so a finalized step always has all its parts.
+    """
+
+    async def async_save(self, directory: epath.Path, args: _ChecksumSave):
+        return [ocp.future.CommitFutureAwaitingContractedSignals(self._write(directory, args.pending),
+                                                                 name="nnxscale_checksums")]  # fmt: skip
+
+    async def _write(self, directory: epath.Path, pending: _PendingChecksums) -> None:
+        record = pending.resolve()
+        (directory / f"process_{record['process']}.json").write_text(json.dumps(record))
+
+    def save(self, directory: epath.Path, args: _ChecksumSave) -> None:
+        record = args.pending.resolve()
+        (directory / f"process_{record['process']}.json").write_text(json.dumps(record))
+
+    def restore(self, directory: epath.Path, args: Optional[_ChecksumRestore] = None) -> dict:
+        """``{"algorithm", "arrays": {path: checksum}}``: every process's part, added up."""
+        records = [json.loads(f.read_text()) for f in sorted(directory.glob("process_*.json"))]
+        if not records:
+            raise ValueError(f"no process_<i>.json in {directory}")
+        expected = records[0]["processes"]
+        found = sorted(r["process"] for r in records)
+        if found != list(range(expected)):
+            missing = sorted(set(range(expected)) - set(found))
+            raise ValueError(f"the checksums of process {missing[0] if missing else '?'} of {expected} are missing")
+        paths = list(records[0]["arrays"])
+        if any(list(r["arrays"]) != paths or r["algorithm"] != records[0]["algorithm"] for r in records):
+            raise ValueError("the processes' checksum files list different arrays")
+        total = integrity.add([integrity.from_hex(list(r["arrays"].values())) for r in records])
+        return {"algorithm": records[0]["algorithm"], "arrays": dict(zip(paths, integrity.to_hex(total)))}
+
+    def finalize(self, directory: epath.Path) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def checkpoint_dir(run_dir) -> Path:
@@ -104,17 +188,30 @@ class Checkpointer:
         text = os.fspath(directory)
         self.directory = epath.Path(text if "://" in text else os.path.abspath(os.path.expanduser(text)))
 
+        # Barriers through JAX's coordination service: Orbax's default for a job of several
+        # processes is a device all-gather (sync_global_devices), which, run from its
+        # background threads while training steps are in flight, can deadlock the job.
+        # Naming the processes (all of them) selects the coordination-service barrier.
+        processes = set(range(jax.process_count())) if jax.process_count() > 1 else None
+        multiprocessing = ocp.options.MultiprocessingOptions(active_processes=processes)
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        state_handler = ocp.StandardCheckpointHandler()
-        extras_handler = ocp.JsonCheckpointHandler()
+        state_handler = ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing)
+        extras_handler = ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing)
+        checksum_handler = _ChecksumHandler()
         registry.add(_STATE, ocp.args.StandardSave, state_handler)
         registry.add(_STATE, ocp.args.StandardRestore, state_handler)
         registry.add(_EXTRAS, ocp.args.JsonSave, extras_handler)
         registry.add(_EXTRAS, ocp.args.JsonRestore, extras_handler)
+        registry.add(_CHECKSUM_ITEM, _ChecksumSave, checksum_handler)
+        registry.add(_CHECKSUM_ITEM, _ChecksumRestore, checksum_handler)
+        if processes is not None:  # Orbax creates the directory only without active_processes
+            self.directory.mkdir(parents=True, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(keep),
             enable_async_checkpointing=async_save,
             cleanup_tmp_directories=remove_unfinished,
+            multiprocessing_options=multiprocessing,
+            create=processes is None,
         )
         _quiet_orbax_errors.acquire()
         try:
@@ -133,11 +230,12 @@ class Checkpointer:
         """Start saving ``state`` and ``extras`` as ``step``; returns whether a save started.
 
         Returns ``False`` (and writes nothing) when ``step`` is not newer than the latest
-        checkpoint, unless ``force``. Before this returns, every array's checksum is
-        computed on its devices and the arrays are copied to host memory, so the caller may
-        donate or overwrite them at once; the write continues in the background until
-        :meth:`wait` (or the next ``save``, which waits first). The step is listed by
-        :meth:`steps` only once it is complete on disk.
+        checkpoint, unless ``force``. Before this returns, every array's checksum program
+        is dispatched and the arrays are copied to host memory, so the caller may donate or
+        overwrite them at once (JAX runs the checksum's reads first); the checksums and the
+        write complete in the background until :meth:`wait` (or the next ``save``, which
+        waits first). The step is listed by :meth:`steps` only once it is complete on disk,
+        checksums included.
 
         Raises :class:`CheckpointError` if ``step`` already has a checkpoint (it is never
         overwritten) or if the previous asynchronous save failed.
@@ -160,10 +258,12 @@ class Checkpointer:
 
         self.wait()
         leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-        sums = integrity.checksums([leaf for _, leaf in leaves])
-        recorded = {"algorithm": integrity.ALGORITHM, "arrays": {_key_text(p): c for (p, _), c in zip(leaves, sums)}}
+        pending = _PendingChecksums(
+            paths=[_key_text(p) for p, _ in leaves], partials=integrity.partial_sums([leaf for _, leaf in leaves])
+        )
         args = ocp.args.Composite(
-            **{_STATE: ocp.args.StandardSave(state), _EXTRAS: ocp.args.JsonSave({**extras, _CHECKSUMS: recorded})}
+            **{_STATE: ocp.args.StandardSave(state), _EXTRAS: ocp.args.JsonSave(dict(extras)),
+               _CHECKSUM_ITEM: _ChecksumSave(pending)}  # fmt: skip
         )
         try:
             started = self._manager.save(step, args=args, force=force)
@@ -275,17 +375,19 @@ class Checkpointer:
         if saved is not None:
             self._check_matches(step, saved.tree, target)
 
-        args = ocp.args.Composite(
-            **{_STATE: ocp.args.StandardRestore(target), _EXTRAS: ocp.args.JsonRestore()}
-        )
+        items = {_STATE: ocp.args.StandardRestore(target), _EXTRAS: ocp.args.JsonRestore()}
+        has_checksums = (self._step_dir(step) / _CHECKSUM_ITEM).exists()
+        if has_checksums:
+            items[_CHECKSUM_ITEM] = _ChecksumRestore()
         with _stderr_kept_on_success() as succeeded:
             try:
-                restored = self._manager.restore(step, args=args)
+                restored = self._manager.restore(step, args=ocp.args.Composite(**items))
             except Exception as e:
                 raise self._unreadable(step, available, e) from e
             succeeded()
         state, extras = restored[_STATE], dict(restored[_EXTRAS])
-        self._verify(step, available, state, extras.pop(_CHECKSUMS, None))
+        recorded = extras.pop(_CHECKSUMS, None)  # where nnxscale kept them before the checksums item
+        self._verify(step, available, state, restored[_CHECKSUM_ITEM] if has_checksums else recorded)
         return state, extras
 
     def restore_intact(
@@ -361,10 +463,11 @@ class Checkpointer:
         """Compare the restored arrays with the checksums recorded at save time."""
         if recorded is None:
             return  # saved before checkpoints had checksums
-        if recorded.get("algorithm") != integrity.ALGORITHM:
+        algorithm = recorded.get("algorithm")
+        if algorithm not in integrity.ALGORITHMS:
             raise CheckpointError(
                 f"checkpoint step {step} at {self._step_dir(step)} has checksums of kind "
-                f"{recorded.get('algorithm')!r}, which this nnxscale does not know ({integrity.ALGORITHM}): "
+                f"{algorithm!r}, which this nnxscale does not know ({', '.join(integrity.ALGORITHMS)}): "
                 "restore it with the nnxscale version that saved it"
             )
         leaves = jax.tree_util.tree_flatten_with_path(state)[0]
@@ -373,7 +476,7 @@ class Checkpointer:
         missing = [p for p in paths if p not in sums]
         if missing:
             raise self._damaged(step, available, f"no checksum recorded for {_shown(missing[0])}{_more(len(missing) - 1)}")
-        got = integrity.checksums([leaf for _, leaf in leaves])
+        got = integrity.checksums([leaf for _, leaf in leaves], algorithm)
         bad = [p for p, c in zip(paths, got) if sums[p] != c]
         if bad:
             raise self._damaged(
@@ -450,9 +553,14 @@ _barriers = itertools.count()
 
 
 def _sync(name: str) -> None:
-    """Wait until every process gets here (nothing to wait for in one process)."""
+    """Wait until every process gets here (nothing to wait for in one process).
+
+    A barrier of JAX's coordination service, not a device collective (see the module
+    docstring)."""
     if jax.process_count() > 1:
-        ocp.multihost.sync_global_processes(f"nnxscale_{name}_{next(_barriers)}")
+        from jax._src import distributed  # the client jax.distributed.initialize made
+
+        distributed.global_state.client.wait_at_barrier(f"nnxscale_{name}_{next(_barriers)}", 600_000)
 
 
 class _QuietOrbaxErrors(logging.Filter):

@@ -76,6 +76,7 @@ class TrainConfig:
     save_every: int = 100
     keep: int = 3
     max_bad_steps: int = 5  # consecutive steps with a non-finite loss or gradient norm before stopping
+    hang_timeout: Optional[float] = None  # seconds without progress before the job is ended; None: default; 0: off
     init_from: Optional[str] = None
     microbatches: Optional[int] = None  # pipeline microbatches; needs a `stage` mesh axis (and one needs it)
     pipeline_repeats: int = 1  # 1: GPipe; R > 1: circular, R groups of layers per stage
@@ -106,6 +107,7 @@ class TrainConfig:
             "save_every": (lambda v: v >= 0, "0 (only at the end) or positive"),
             "keep": at_least(1),
             "max_bad_steps": at_least(1),
+            "hang_timeout": (lambda v: v is None or v >= 0, "0 (off) or a positive number of seconds"),
             "optim.lr": (lambda v: v > 0, "positive"),
             "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
             "optim.warmup_steps": at_least(0),
@@ -238,7 +240,7 @@ def _typed(path: str, value, hint, *, strict: bool):
 #: takes the run's own, so growing ``--steps`` does not restart warmup.
 RESUMABLE_FIELDS = frozenset(
     {"steps", "mesh", "rules", "run_dir", "log_every", "eval_every", "save_every", "keep", "remat", "init_from",
-     "min_shard_bytes", "max_bad_steps", "data.eval_batches", "microbatches", "pipeline_repeats"}
+     "min_shard_bytes", "max_bad_steps", "hang_timeout", "data.eval_batches", "microbatches", "pipeline_repeats"}
 )
 
 

@@ -12,7 +12,10 @@ with torchrun's contract:
   save it (the launcher then exits 130 or 143, as they do); a second signal kills them;
 - when one process fails (exits non-zero, or dies of a signal), the others get SIGTERM and,
   ``grace`` seconds later, SIGKILL; the launcher prints one line naming the process and
-  how it ended, and exits non-zero. No process outlives the launcher: each runs in its
+  how it ended, and exits non-zero. When the failure is a process that stopped making
+  progress (exit code 4, the trainer's ``--hang-timeout``), every process is first
+  resumed (SIGCONT) and asked for its stacks (SIGUSR1, written by ``faulthandler`` to
+  ``RUN_DIR/logs/stacks_<id>.txt``), and the line names the stalled phase. No process outlives the launcher: each runs in its
   own session, is ended with its whole process group, and on Linux gets SIGKILL if the
   launcher itself dies.
 
@@ -41,6 +44,7 @@ from nnxscale.distributed import (
     EXIT_PEER_FAILED,
     JobSpec,
 )
+from nnxscale._watchdog import EXIT_HUNG
 from nnxscale.errors import JobError
 
 #: The nnxscale commands that use devices, and so can run as processes of a job.
@@ -54,6 +58,7 @@ DEFAULT_TOTAL_CPU_DEVICES = 8  # as a single process: the launcher splits them b
 _GLOO_CHATTER = b"connected peer ranks"
 
 _POLL_S = 0.05
+_STACKS_S = 1.0  # after SIGUSR1, how long the processes get to write their stacks
 _STOP_WAIT_S = 120.0  # after one process stopped on a signal, how long the others may take to save and stop
 
 
@@ -162,6 +167,8 @@ def _free_port(port: Optional[int], host: str = "127.0.0.1") -> int:
 
 def _ending(code: int) -> str:
     """How a process ended, from its ``returncode``."""
+    if code == EXIT_HUNG:
+        return f"made no progress for its --hang-timeout (exit code {code})"
     if code < 0:
         try:
             name = signal.Signals(-code).name
@@ -271,6 +278,10 @@ class _Supervisor:
             expected |= {128 + self.forwarded, -self.forwarded}
         else:  # a process stopped on its own signal: the others stop at the same step, shortly
             expected |= {128 + signal.SIGINT, 128 + signal.SIGTERM}
+        if code == EXIT_HUNG:  # the others are stuck too: their stacks first, then stop them
+            self._signal_all(signal.SIGCONT)
+            self._signal_all(signal.SIGUSR1)
+            time.sleep(_STACKS_S)
         if code in expected:
             # A process that ended because another failed points at a failure the launcher
             # will see in a moment (or that happened on another machine).
@@ -305,6 +316,10 @@ class _Supervisor:
         for p in self.procs:
             p.wait()
 
+    def _stalled(self, pid: int) -> Optional[str]:
+        """The line the stalled process wrote (phase, last progress, where its stacks are)."""
+        return _read_stall(self.logs, pid)
+
     def _report(self) -> int:
         def as_exit(code: int) -> int:
             return 128 - code if code < 0 else code
@@ -313,8 +328,10 @@ class _Supervisor:
         if blamed is None:  # no failure here; a process that ended for another's failure explains the end
             blamed = next((i for i, c in self.codes.items() if c == EXIT_PEER_FAILED and self.forwarded is None), None)
         if blamed is not None:
+            stalled = self._stalled(self.ids[blamed]) if self.codes[blamed] == EXIT_HUNG else None
+            what = f": {stalled}" if stalled else ""
             print(
-                f"nnxscale launch: process {self.ids[blamed]} {_ending(self.codes[blamed])}; the job is stopped "
+                f"nnxscale launch: process {self.ids[blamed]} {_ending(self.codes[blamed])}{what}; the job is stopped "
                 "(re-run the same command to resume from the last complete checkpoint)",
                 file=sys.stderr,
                 flush=True,
@@ -323,6 +340,15 @@ class _Supervisor:
         if self.forwarded is not None and any(self.codes.values()):
             return 128 + self.forwarded
         return next((as_exit(c) for c in self.codes.values() if c), 0)
+
+
+def _read_stall(logs: Optional[Path], pid: int) -> Optional[str]:
+    if logs is None:
+        return None
+    try:
+        return (logs / f"hang_{pid}.txt").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _die_with_parent() -> None:

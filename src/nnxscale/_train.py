@@ -53,6 +53,7 @@ from nnxscale._progress import ProgressBar
 from nnxscale._rules import MeshRules, resolve
 from nnxscale._runlock import RunLock
 from nnxscale._sharding import abstract_state, layout_bytes, sharded_init, variable_logical_axes
+from nnxscale._watchdog import ProgressWatchdog, timeout_from
 from nnxscale.distributed import StopVote, current
 from nnxscale.errors import DivergenceError, ModelError, RunFileError, storage_error
 from nnxscale.models import (
@@ -516,13 +517,19 @@ def loss_fn(graphdef, params, inputs, targets, key, loss: Callable):
     return loss(model, inputs, targets, rngs=None if key is None else nnx.Rngs(dropout=key))
 
 
-def make_train_step(s: Setup):
-    """The jitted step: ``(state, batch) -> (state, metrics)``; donates the old state."""
+def make_train_step(s: Setup, *, vote: bool = False):
+    """The jitted step: ``(state, batch) -> (state, metrics)``; donates the old state.
+
+    ``vote``: the step takes a third argument, every process's stop request
+    (:meth:`nnxscale.distributed.StopVote.ballot`), and ``metrics["stop"]`` is the largest:
+    the vote's all-reduce is part of the step, so it can never run in a different order
+    than the step's own collectives on some device (see docs/multiprocess.md).
+    """
     graphdef, tx, schedule, objective = s.graphdef, s.tx, s.schedule, s.model.loss
     accum = s.cfg.optim.grad_accum
     grad_fn = jax.value_and_grad(lambda p, x, y, k: loss_fn(graphdef, p, x, y, k, objective))
 
-    def step(state, batch):
+    def step(state, batch, votes=None):
         params = state["params"]
         key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), state["step"])
         x, y = batch["inputs"], batch["targets"]  # (B, T) int32
@@ -550,11 +557,16 @@ def make_train_step(s: Setup):
             "key": state["key"],
         }
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+        if votes is not None:
+            metrics["stop"] = StopVote.reduce(votes)
         return skip_nonfinite(state, new_state, metrics)
 
+    in_shardings = (s.state_shardings, s.batch_sharding)
+    if vote:
+        in_shardings += (StopVote.sharding(s.mesh),)
     return jax.jit(
         _under_rules(step, s),
-        in_shardings=(s.state_shardings, s.batch_sharding),
+        in_shardings=in_shardings,
         out_shardings=(s.state_shardings, None),
         donate_argnums=0,
     )
@@ -1064,11 +1076,23 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool,
     except BaseException:
         lock.release()
         raise
+    try:
+        watch = ProgressWatchdog(
+            timeout_from(cfg.hang_timeout), run_dir / "logs", process=jax.process_index(),
+            resume_hint="Re-run the same command to resume from the last complete checkpoint.",
+        )  # fmt: skip
+    except ValueError as e:
+        ckpt.close()
+        lock.release()
+        raise ConfigError(str(e)) from None
     try:  # the checkpointer's background threads must be closed on every path
+        watch.__enter__()
         metrics_path = run_dir / "metrics.jsonl"
         skipped_before = 0
         if ckpt.steps():
+            watch.phase("restoring the latest checkpoint", compiles=True, kind="save")
             start, state, extras = ckpt.restore_intact(s.abstract, warn=log, set_aside=True)
+            watch.progress(f"restored step {start}")
             state = run_order(s, state)  # checkpoints hold layer order
             ckpt.remove_surplus()
             train_it.set_state(extras["data"])
@@ -1081,6 +1105,7 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool,
         else:
             start = 0
             init_from = cfg.init_from or (pretrained_source(cfg) if model is None else None)
+            watch.phase("initializing the model", compiles=True, kind="save")
             params = load_init_params(s, init_from, warn=log) if init_from else None
             state = init_state(s, params)
             if is_main:
@@ -1106,15 +1131,32 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool,
         skips = _SkipCounter(cfg.max_bad_steps, skipped_before, cfg.optim.lr, run_dir)
 
         def evaluate(params) -> Optional[float]:
+            # One batch at a time: evaluation programs are independent of each other, and two
+            # with cross-process collectives in flight at once can deadlock (docs/multiprocess.md).
             if not val_batches:
                 return None
-            losses = [eval_fn(params, datalib.to_global(b, s.batch_sharding)) for b in val_batches]
-            return float(np.mean(jax.device_get(losses)))
+            watch.phase(f"evaluating at step {step}", compiles=not evaluated, kind="eval")
+            losses = [float(eval_fn(params, datalib.to_global(b, s.batch_sharding))) for b in val_batches]
+            evaluated.append(step)
+            watch.progress(f"evaluation at step {step}")
+            return float(np.mean(losses))
+
+        def account() -> None:
+            """Account for the oldest step in flight, and for the stop vote it carries."""
+            done, metrics = in_flight.popleft()
+            watch.phase(f"training step {done}", compiles=done == start + 1)
+            metrics = jax.device_get(metrics)
+            now = time.perf_counter()
+            watch.progress(f"step {done}", step_time=(now - completed[0]) / (done - completed[1]) if completed else None)
+            completed[:] = [now, done]
+            skips.seen(done, metrics)
+            if metrics.get("stop"):  # the same on every process, seen at the same step
+                agreed.append(int(metrics["stop"]))
 
         def settle() -> None:
             """Account for every step dispatched so far (they are done or nearly)."""
             while in_flight:
-                skips.seen(*jax.device_get(in_flight.popleft()))
+                account()
 
         def latest_saved() -> Optional[int]:
             ckpt.wait()
@@ -1125,10 +1167,22 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool,
             skips.check(latest_saved)
             extras = {"data": train_it.get_state(), "data_fingerprint": tokens.fingerprint, "config": cfg.to_dict(),
                       "skipped_steps": skips.total}  # fmt: skip
-            ckpt.save(step, saved_order(s, state), extras, force=True)
+            watch.phase(f"saving step {step}", compiles=not saved, kind="save")
+            ordered = saved_order(s, state)
+            if ordered is not state:  # a program with collectives beside the step's chain: let it finish
+                jax.block_until_ready(ordered)
+            ckpt.save(step, ordered, extras, force=True)
+            saved.append(step)
+            watch.progress(f"save of step {step} (started)")
 
-        # A signal may reach one process only: every process stops at the step they agree on.
-        vote, stopping = StopVote(lag=MAX_IN_FLIGHT), None
+        # A signal may reach one process only: every process stops at the step they agree on,
+        # through a vote inside the step (read MAX_IN_FLIGHT steps later, when it is done).
+        vote, stopping, agreed = StopVote(s.mesh), None, []
+        completed: list = []  # (time, step) of the last step accounted for
+        saved: list[int] = []
+        evaluated: list[int] = []
+        if vote.needed:
+            step_fn = make_train_step(s, vote=True)
         bar = ProgressBar(progress and is_main, "train", cfg.steps, completed=start)
         last_loss = last_val = tokens_per_s = None
         t_last, s_last = time.perf_counter(), start
@@ -1140,19 +1194,24 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool,
             while step < cfg.steps and not stopping:
                 batch = datalib.to_global(next(train_it), s.batch_sharding)
                 with jax.set_mesh(s.mesh):
-                    state, metrics = step_fn(state, batch)
+                    if vote.needed:
+                        state, metrics = step_fn(state, batch, vote.ballot(stop.signal))
+                    else:
+                        state, metrics = step_fn(state, batch)
                 step += 1
                 in_flight.append((step, metrics))
                 if len(in_flight) > MAX_IN_FLIGHT:
-                    skips.seen(*jax.device_get(in_flight.popleft()))
-                stopping = vote(stop.signal, final=step == cfg.steps)
+                    account()
+                stopping = (agreed[0] if agreed else None) if vote.needed else stop.signal
                 if step == start + 1:  # first step includes compilation; time from here on
                     jax.block_until_ready(metrics)
                     t_last, s_last = time.perf_counter(), step
                 do_eval = bool(val_batches) and (step % cfg.eval_every == 0 or step == cfg.steps)
                 if step % cfg.log_every == 0 or step == cfg.steps or do_eval or stopping:
                     settle()
-                    m = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "skipped"}
+                    if vote.needed and agreed:
+                        stopping = agreed[0]
+                    m = {k: float(v) for k, v in jax.device_get(metrics).items() if k not in ("skipped", "stop")}
                     now = time.perf_counter()
                     record = {"step": step, **m, "skipped_steps": skips.total}
                     if step > s_last:
@@ -1178,11 +1237,13 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool,
                     t_last = time.perf_counter()  # the host-side part of a save is not step time
         finally:
             bar.close()
+            watch.phase("writing the last checkpoint", kind="save")
             ckpt.wait()
     finally:
         try:
             ckpt.close()
         finally:
+            watch.__exit__(None, None, None)
             lock.release()
     if is_main:
         plot_metrics(run_dir)

@@ -73,6 +73,9 @@ _TRAIN_FLAGS = [
     ("keep", "--keep", int, "checkpoints to keep"),
     ("max_bad_steps", "--max-bad-steps", int,
      "stop after this many steps in a row with a non-finite loss or gradient norm (each one is skipped)"),
+    ("hang_timeout", "--hang-timeout", float, "end the job when no step, save or evaluation completes for this many "
+     "seconds, with every thread's stacks in RUN_DIR/logs (env NNXSCALE_HANG_TIMEOUT; 0: off; default: 50 step "
+     "times, at least 300 s, 900 s for a save, 1800 s until the first step)"),
     ("optim.lr", "--lr", float, "peak learning rate"),
     ("optim.min_lr_ratio", "--min-lr-ratio", float, "final learning rate as a fraction of the peak (cosine decay)"),
     ("optim.warmup_steps", "--warmup-steps", int, "linear warmup steps"),

@@ -29,8 +29,9 @@ ends in seconds rather than JAX's minutes:
 
 **Stopping together** (:class:`StopVote`): a SIGTERM or SIGINT reaches one process (or
 all, at different moments), but a collective save needs every process at the same step.
-Each step every process contributes its own flag to a one-integer all-reduce and reads
-the result a few steps later, so all of them see the same answer at the same step.
+Each step every process contributes its own flag to a one-integer all-reduce inside the
+training step and reads the result a few steps later, so all of them see the same answer
+at the same step.
 
 **Failing fast** (:func:`leave`): a process that fails (an exception, an error of ours,
 an uncoordinated Ctrl-C) writes one key in JAX's coordination service and exits at once,
@@ -162,6 +163,14 @@ class Job:
 
 _job = Job()
 _watchdog: Optional[_Watchdog] = None
+_stacks = None  # an open file: where the watchdog writes this process's stacks on a peer's failure
+
+
+def stacks_on_peer_failure(file) -> None:
+    """When another process fails, write every thread's stacks to ``file`` (an open text
+    file; ``None``: don't) before ending this one: set by the trainer's progress watchdog."""
+    global _stacks
+    _stacks = file
 _leaving = threading.Lock()  # taken by whichever of leave() and the watchdog ends the process
 
 
@@ -312,48 +321,77 @@ class _InitDeadline:
 class StopVote:
     """Whether to stop, agreed by every process of the job at the same step.
 
-    Call once per step with this process's own request (the signal number its handler
-    recorded, or ``None``). Every process gets the same answer from the same call: the
-    largest signal number any process had recorded ``lag`` calls earlier, or ``None``.
-    ``final=True`` (the last step) reads every pending vote, so a signal during the last
-    ``lag`` steps is not lost. In a single process the answer is the request, at once.
+    A SIGTERM or SIGINT may reach one process only, or all at different moments, but a
+    collective save needs every process at the same step. Each step, every process puts
+    its own request (a signal number, or 0) on each of its devices with :meth:`ballot`, and
+    the training step itself reduces the ballots (``jnp.max``, :meth:`reduce`): the
+    all-reduce is part of the step's program, ordered with the step's own collectives on
+    every device. A separate vote program would not be: on XLA:CPU two independent
+    programs with cross-process collectives can start in different orders on different
+    devices and wait for each other forever. The trainer reads the result with the step's
+    metrics, a few steps later, so the host never waits for it.
 
-    Cost per call: an all-reduce of one int32 per device, read ``lag`` steps after it was
-    dispatched, by when the step it follows has finished anyway: the host does not wait
-    for it (with ``lag`` equal to the steps kept in flight).
+    ``needed`` is false in a single process, where a request is the answer at once.
+
+    Calling the vote (``vote(request, final=...)``, the API before the vote moved into
+    the step) runs it as its own program and waits for it: use it only when no other
+    program with collectives is in flight.
     """
 
-    def __init__(self, lag: int = 2):
+    def __init__(self, mesh=None, lag: int = 2):
         import jax
 
         self.lag = lag
+        self.needed = jax.process_count() > 1
         self._pending: collections.deque = collections.deque()
-        self._single = jax.process_count() == 1
-        if self._single:
+        if not self.needed:
             return
-        import jax.numpy as jnp
-        import numpy as np
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        if mesh is None:
+            import numpy as np
+            from jax.sharding import Mesh
 
-        mesh = Mesh(np.array(jax.devices()), ("devices",))
-        self._sharding = NamedSharding(mesh, P("devices"))
+            mesh = Mesh(np.array(jax.devices()), ("devices",))
+        self._sharding = self.sharding(mesh)
         self._shape = (mesh.size,)
-        self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, P()))
+        self._max = None
 
-    def __call__(self, request: Optional[int], *, final: bool = False) -> Optional[int]:
-        if self._single:
-            return request
+    @staticmethod
+    def sharding(mesh):
+        """Where the ballots live: one int32 per device of ``mesh``."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        return NamedSharding(mesh, P(tuple(mesh.axis_names)))
+
+    def ballot(self, request: Optional[int]):
+        """This process's request (``None``: carry on) on each of its devices, as the step's input."""
         import jax
         import numpy as np
 
-        flag = np.full((1,), request or 0, np.int32)  # this process's vote on each of its devices
-        votes = jax.make_array_from_callback(self._shape, self._sharding, lambda _: flag)
-        self._pending.append(self._max(votes))
+        flag = np.full((1,), request or 0, np.int32)
+        return jax.make_array_from_callback(self._shape, self._sharding, lambda _: flag)
+
+    @staticmethod
+    def reduce(ballots):
+        """Inside the step: the agreed request, the largest signal number (0: carry on)."""
+        import jax.numpy as jnp
+
+        return jnp.max(ballots)
+
+    def __call__(self, request: Optional[int], *, final: bool = False) -> Optional[int]:
+        if not self.needed:
+            return request
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        if self._max is None:
+            self._max = jax.jit(self.reduce, out_shardings=NamedSharding(self._sharding.mesh, P()))
+        agreed = int(self._max(self.ballot(request)))  # waits: no other collective may be in flight
+        self._pending.append(agreed)
         while len(self._pending) > (0 if final else self.lag):
-            agreed = int(self._pending.popleft())
-            if agreed:
+            value = self._pending.popleft()
+            if value:
                 self._pending.clear()
-                return agreed
+                return value
         return None
 
 
@@ -409,12 +447,28 @@ class _Watchdog(threading.Thread):
                 f"({failure['reason']}); ending process {self.job.process_id} too. Re-run the same command "
                 "to resume from the last complete checkpoint"
             )
+            _dump_stacks(f"process {failure['process']} failed: {failure['reason']}")
             _acknowledge(self.client)
             _exit(EXIT_PEER_FAILED)
 
     def stop(self) -> None:
         self._stopped.set()
         self.join(timeout=2 * _WATCH_MS / 1000)
+
+
+def _dump_stacks(why: str) -> None:
+    stacks = _stacks
+    if stacks is None:
+        return
+    try:
+        import faulthandler
+
+        stacks.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} {why}\n")
+        stacks.flush()
+        faulthandler.dump_traceback(stacks, all_threads=True)
+        stacks.flush()
+    except (OSError, ValueError):  # a closed or unwritable file: the stacks are a courtesy
+        pass
 
 
 def _acknowledge(client) -> None:
