@@ -6,8 +6,8 @@ The state is the one ``nnxscale train`` saves: parameters, AdamW moments, step a
 (``setup`` + ``init_state``; for gpt2 float32, 373M numbers, 1.49 GB), laid out on the mesh
 of simulated CPU devices. Each round saves it with :class:`nnxscale.Checkpointer`
 and restores it onto the same layout, once with checksums (as shipped) and once without
-(the checksum function replaced by a constant, which is also how a checkpoint saved before
-checksums restores: unverified). The two are interleaved and each figure is the median over
+(no checksum programs at save, no verification at restore: how a checkpoint saved before
+checksums restores). The two are interleaved and each figure is the median over
 rounds, so a noisy neighbour on a shared machine does not decide the result.
 
   save      ``save()`` then ``wait()``: from the call until the step is final on disk
@@ -39,7 +39,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from nnxscale import _integrity as integrity  # noqa: E402
-from nnxscale._checkpoint import Checkpointer  # noqa: E402
+from nnxscale._checkpoint import Checkpointer, _PendingChecksums  # noqa: E402
 from nnxscale._config import TrainConfig  # noqa: E402
 from nnxscale._train import init_state, setup  # noqa: E402
 
@@ -47,7 +47,11 @@ from nnxscale._train import init_state, setup  # noqa: E402
 def one_round(state, target, directory: str, checksums: bool) -> dict[str, float]:
     """Save ``state`` as step 1 in a fresh ``directory``, restore it; seconds per phase."""
     shutil.rmtree(directory, ignore_errors=True)
-    fake = mock.patch.object(integrity, "checksums", lambda leaves: ["0" * 16] * len(leaves))
+    fake = contextlib.ExitStack()
+    fake.enter_context(mock.patch.object(integrity, "partial_sums", lambda leaves, algorithm=None: []))
+    fake.enter_context(mock.patch.object(_PendingChecksums, "resolve", lambda self: {
+        "algorithm": integrity.ALGORITHM, "process": 0, "processes": 1, "arrays": {}}))
+    fake.enter_context(mock.patch.object(Checkpointer, "_verify", lambda *args: None))
     with contextlib.nullcontext() if checksums else fake:
         with Checkpointer(directory, keep=1) as ckpt:
             t0 = time.perf_counter()

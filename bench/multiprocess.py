@@ -48,14 +48,14 @@ import os, sys, time
 import nnxscale._train as t
 if os.environ["NNXSCALE_PROCESS_ID"] == "1":
     real = t.make_train_step
-    def make(s):
-        step, calls = real(s), []
-        def maybe_raise(state, batch):
+    def make(s, **options):
+        step, calls = real(s, **options), []
+        def maybe_raise(state, batch, *votes):
             calls.append(1)
             if len(calls) == 3:
                 print(f"RAISED_AT {time.time()}", file=sys.stderr, flush=True)
                 raise RuntimeError("boom")
-            return step(state, batch)
+            return step(state, batch, *votes)
         return maybe_raise
     t.make_train_step = make
 from nnxscale.cli import run

@@ -127,8 +127,7 @@ class _ChecksumHandler(ocp.handlers.AsyncCheckpointHandler):
                                                                  name="nnxscale_checksums")]  # fmt: skip
 
     async def _write(self, directory: epath.Path, pending: _PendingChecksums) -> None:
-        record = pending.resolve()
-        (directory / f"process_{record['process']}.json").write_text(json.dumps(record))
+        self.save(directory, _ChecksumSave(pending))
 
     def save(self, directory: epath.Path, args: _ChecksumSave) -> None:
         record = args.pending.resolve()

@@ -1122,7 +1122,10 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool,
             for note in pipeline_notes(s.pipeline, s.rules, specs):
                 log(f"lint: {note}")
 
-        step_fn = make_train_step(s)
+        # A signal may reach one process only: every process stops at the step they agree on,
+        # through a vote inside the step (read MAX_IN_FLIGHT steps later, when it is done).
+        vote, stopping, agreed = StopVote(s.mesh), None, []
+        step_fn = make_train_step(s, vote=True) if vote.needed else make_train_step(s)
         eval_fn = make_eval_step(s)
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
         flops_per_token = s.flops_per_token()
@@ -1175,14 +1178,9 @@ def _train(cfg: TrainConfig, stop: _StopSignals, *, model, loss, progress: bool,
             saved.append(step)
             watch.progress(f"save of step {step} (started)")
 
-        # A signal may reach one process only: every process stops at the step they agree on,
-        # through a vote inside the step (read MAX_IN_FLIGHT steps later, when it is done).
-        vote, stopping, agreed = StopVote(s.mesh), None, []
         completed: list = []  # (time, step) of the last step accounted for
         saved: list[int] = []
         evaluated: list[int] = []
-        if vote.needed:
-            step_fn = make_train_step(s, vote=True)
         bar = ProgressBar(progress and is_main, "train", cfg.steps, completed=start)
         last_loss = last_val = tokens_per_s = None
         t_last, s_last = time.perf_counter(), start
