@@ -101,7 +101,7 @@ class ProgressWatchdog:
         return self
 
     def __exit__(self, *exc) -> None:
-        if not self.enabled:
+        if self._thread is None:  # off, or __enter__ failed before starting it
             return
         self._stop.set()
         self._thread.join(timeout=2 * _CHECK_S)
