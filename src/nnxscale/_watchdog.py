@@ -86,7 +86,8 @@ class ProgressWatchdog:
             return self
         self.logs.mkdir(parents=True, exist_ok=True)
         self._stacks = open(stacks_file(self.logs, self.process), "a")
-        if not faulthandler.is_enabled():  # a crash or abort leaves the stacks here too
+        self._enabled_faulthandler = not faulthandler.is_enabled()  # the caller's own stays as it is
+        if self._enabled_faulthandler:  # a crash or abort leaves the stacks here too
             faulthandler.enable(self._stacks, all_threads=True)
         from nnxscale import distributed
 
@@ -112,7 +113,7 @@ class ProgressWatchdog:
             faulthandler.unregister(signal.SIGUSR1)
         except (AttributeError, ValueError):
             pass
-        if faulthandler.is_enabled():
+        if self._enabled_faulthandler:
             faulthandler.disable()
         self._stacks.close()
         if os.path.getsize(self._stacks.name) == 0:
