@@ -562,6 +562,9 @@ def _sync(name: str) -> None:
         distributed.global_state.client.wait_at_barrier(f"nnxscale_{name}_{next(_barriers)}", 600_000)
 
 
+_FILTERED_LOGGERS = ("absl", "asyncio", "concurrent.futures")
+
+
 class _QuietOrbaxErrors(logging.Filter):
     """Hold back the echoes of a failed save while a Checkpointer is open.
 
@@ -581,6 +584,9 @@ class _QuietOrbaxErrors(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR or os.environ.get("NNXSCALE_DEBUG"):
             return True
+        if record.name == "concurrent.futures":  # a done-callback into the loop of an abandoned write
+            error = record.exc_info[1] if record.exc_info else None
+            return not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed")
         if record.name == "asyncio":  # an abandoned write: its future names orbax's coroutine
             return "orbax" not in record.getMessage()
         return f"{os.sep}orbax{os.sep}" not in record.pathname
@@ -592,7 +598,7 @@ class _QuietOrbaxErrors(logging.Filter):
 
     def acquire(self) -> None:
         if self._users == 0:
-            for name in ("absl", "asyncio"):
+            for name in _FILTERED_LOGGERS:
                 logging.getLogger(name).addFilter(self)
             self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         self._users += 1
@@ -600,7 +606,7 @@ class _QuietOrbaxErrors(logging.Filter):
     def release(self) -> None:
         self._users -= 1
         if self._users == 0:
-            for name in ("absl", "asyncio"):
+            for name in _FILTERED_LOGGERS:
                 logging.getLogger(name).removeFilter(self)
             sys.unraisablehook = self._previous_hook
 
