@@ -557,9 +557,9 @@ def _sync(name: str) -> None:
     A barrier of JAX's coordination service, not a device collective (see the module
     docstring)."""
     if jax.process_count() > 1:
-        from jax._src import distributed  # the client jax.distributed.initialize made
+        from nnxscale.distributed import _client
 
-        distributed.global_state.client.wait_at_barrier(f"nnxscale_{name}_{next(_barriers)}", 600_000)
+        _client().wait_at_barrier(f"nnxscale_{name}_{next(_barriers)}", 600_000)
 
 
 _FILTERED_LOGGERS = ("absl", "asyncio", "concurrent.futures")
