@@ -1,6 +1,6 @@
-"""Your own module from Python: the README's example, run as the README shows it.
+"""Your own module from Python: the example of docs/own-model.md, run as the page shows it.
 
-The code is the README's block itself (the first python block under "Train your own model
+The code is the page's block itself (the first python block under "Train your own model
 from Python"), so the two cannot drift apart: it trains, samples, and resumes; in this
 process its classes are checked for the layout the rules give and the decay mask.
 """
@@ -16,12 +16,12 @@ from test_cli import assert_one_error_line, run_main
 
 import nnxscale
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-HEADING = "## Train your own model from Python"
+DOC = Path(__file__).resolve().parent.parent / "docs" / "own-model.md"
+HEADING = "# Train your own model from Python"
 
 
-def readme_example() -> str:
-    text = README.read_text()
+def doc_example() -> str:
+    text = DOC.read_text()
     start = text.index("```python\n", text.index(HEADING)) + len("```python\n")
     return text[start : text.index("```\n", start)]
 
@@ -33,8 +33,8 @@ def run_example(code: str, cwd: Path) -> str:
     return proc.stdout
 
 
-def test_the_readme_example_trains_samples_and_resumes(tmp_path, capsys):
-    code = readme_example()
+def test_the_doc_example_trains_samples_and_resumes(tmp_path, capsys):
+    code = doc_example()
     out = run_example(code, tmp_path).splitlines()
     assert out[0].startswith("weight decay 0.1 on 9 of 22 parameter arrays"), out
     assert out[1].startswith("step 40: loss "), out
@@ -55,11 +55,11 @@ def test_the_readme_example_trains_samples_and_resumes(tmp_path, capsys):
     assert [r["step"] for r in nnxscale.read_metrics(run_dir)][-1] == 50
 
 
-def test_the_readme_example_is_laid_out_by_its_rules(tmp_path, monkeypatch):
-    code = readme_example()
+def test_the_doc_example_is_laid_out_by_its_rules(tmp_path, monkeypatch):
+    code = doc_example()
     definitions = code[: code.index("result = nnxscale.train(")].replace('os.environ["XLA_FLAGS"]', "_unused")
     scope: dict = {}
-    exec(compile(definitions, str(README), "exec"), scope)
+    exec(compile(definitions, str(DOC), "exec"), scope)
     monkeypatch.chdir(tmp_path)
     s = nnxscale.setup(scope["cfg"], model=scope["my_lm"])
     specs = {jax.tree_util.keystr(p): sh.spec for p, sh in jax.tree_util.tree_flatten_with_path(s.param_shardings)[0]}
