@@ -43,17 +43,12 @@ def cli_command(run_dir, data, *extra) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory) -> dict:
-    """Environment for trainer processes that share JAX's persistent compilation cache.
-
-    The first process compiles (about 10 s on 2 cores), the next ones load the same
-    executables in about 1 s. A test warms it with a run that is not killed, since a kill
-    in the middle of writing an entry would waste it (JAX then compiles again).
-    """
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
+def compile_cache() -> dict:
+    """Extra environment for trainer processes: none, since they inherit the suite's
+    persistent compilation cache (``conftest.py``). The first process compiles (about 10 s
+    on 2 cores), the next ones load the same executables in about 1 s; a kill in the middle
+    of writing an entry only wastes that entry (JAX then compiles again)."""
+    return {}
 
 
 def popen(command, env: dict = None) -> subprocess.Popen:

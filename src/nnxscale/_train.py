@@ -213,13 +213,19 @@ def make_optimizer(cfg: TrainConfig, mask):
     o = cfg.optim
     length = o.decay_steps or cfg.steps
     warmup = min(o.warmup_steps, max(length - 1, 0))
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=o.lr,
-        warmup_steps=warmup,
-        decay_steps=max(length, warmup + 1),
-        end_value=o.lr * o.min_lr_ratio,
-    )
+    if o.min_lr_ratio == 1.0 and warmup > 0:
+        # No decay: the same values as the cosine from peak to peak, without the run's length
+        # among the program's constants, so runs of any length share one compiled step.
+        ramp = optax.linear_schedule(init_value=0.0, end_value=o.lr, transition_steps=warmup)
+        schedule = optax.join_schedules([ramp, optax.constant_schedule(o.lr)], [warmup])
+    else:
+        schedule = optax.warmup_cosine_decay_schedule(
+            init_value=0.0,
+            peak_value=o.lr,
+            warmup_steps=warmup,
+            decay_steps=max(length, warmup + 1),
+            end_value=o.lr * o.min_lr_ratio,
+        )
     parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip > 0 else []
     parts.append(optax.adamw(schedule, b1=o.beta1, b2=o.beta2, weight_decay=o.weight_decay, mask=mask))
     return optax.chain(*parts), schedule

@@ -233,6 +233,7 @@ def join(spec: JobSpec = JobSpec()) -> Job:
         raise JobError(f"could not join the job at {where} ({type(e).__name__}: {str(e).strip()}){hint}") from None
     finally:
         watch.cancel()
+    _keep_compilation_cache_per_process()
     client = _client()
     _job = Job(
         process_id=jax.process_index(),
@@ -245,6 +246,27 @@ def join(spec: JobSpec = JobSpec()) -> Job:
     _watchdog.start()
     atexit.register(_watchdog.stop)  # runs before JAX's own atexit shutdown (registered earlier)
     return _job
+
+
+def _keep_compilation_cache_per_process() -> None:
+    """Give each process of a CPU job its own persistent compilation cache, or none.
+
+    JAX writes cache entries from process 0 only and lets every process read them, which
+    assumes that all processes run the same executable. On XLA:CPU they do not: seen on
+    2026-11-23, a process that loaded process 0's entry ran its gloo collectives out of step
+    with its peer ("Received data size doesn't match expected size (48 vs 4)") or hung. So
+    on the CPU each process gets a subdirectory of the cache named by its index and the job's
+    size; only process 0's is ever filled, and every process runs an executable it compiled
+    itself (now or in an earlier job of the same shape).
+    """
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory or jax.process_count() == 1 or jax.default_backend() != "cpu":
+        return
+    from jax._src import compilation_cache  # the cache keeps its directory once first used
+
+    own = os.path.join(directory, f"process-{jax.process_index()}-of-{jax.process_count()}")
+    jax.config.update("jax_compilation_cache_dir", own)
+    compilation_cache.reset_cache()
 
 
 def _host_names(client, process_id: int, timeout_s: int) -> tuple[str, ...]:
