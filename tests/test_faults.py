@@ -24,11 +24,12 @@ import pytest
 from fault_injection import can_mount, small_filesystem
 from test_train import PINNED_SCHEDULE, quiet_train, tiny_cfg
 
-from nnxscale._checkpoint import Checkpointer, checkpoint_dir
-from nnxscale.cli import main
-from nnxscale._config import TrainConfig
+from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
+from nnxscale.cli.commands import main
+from nnxscale.training.config import TrainConfig
 from nnxscale.errors import RunFileError
-from nnxscale._train import read_metrics, setup
+from nnxscale.training.rundir import read_metrics
+from nnxscale.training.state import setup
 
 
 def cli_command(run_dir, data, *extra) -> list[str]:
@@ -193,7 +194,7 @@ def test_a_failed_metrics_write_leaves_whole_lines(tmp_path):
 import resource, signal
 from pathlib import Path
 from nnxscale.errors import StorageError
-from nnxscale._train import _append_metrics
+from nnxscale.training.rundir import _append_metrics
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, ({path.stat().st_size + 20}, resource.RLIM_INFINITY))
 try:

@@ -6,7 +6,7 @@ out of the box; GPUs and TPUs are used as they are. The setting must reach XLA b
 is imported, which is why this module imports nothing from jax at the top.
 
 Every command that uses devices joins a job of several processes when asked (flags,
-environment or a detected cluster: :mod:`nnxscale.distributed`); in such a job only
+environment or a detected cluster: :mod:`nnxscale.jobs.distributed`); in such a job only
 process 0 writes to standard output, and every process writes its errors to standard
 error. ``nnxscale launch`` starts the processes of a job on this machine.
 """
@@ -110,7 +110,7 @@ def _add_remat(p: argparse.ArgumentParser) -> None:
 
 
 def _defaults():
-    from nnxscale._config import TrainConfig, flatten
+    from nnxscale.training.config import TrainConfig, flatten
 
     return flatten(TrainConfig().to_dict())
 
@@ -126,7 +126,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _add_job(p: argparse.ArgumentParser) -> None:
-    from nnxscale import distributed as d
+    from nnxscale.jobs import distributed as d
 
     g = p.add_argument_group(
         "multi-process job",
@@ -269,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> int:
-    from nnxscale._config import TrainConfig, load_config_file, with_overrides
-    from nnxscale._train import train
+    from nnxscale.training.config import TrainConfig, load_config_file, with_overrides
+    from nnxscale.training.loop import train
 
     cfg = TrainConfig()
     if args.config:
@@ -316,7 +316,7 @@ def _merge(base: dict, override: dict) -> dict:
 
 
 def _sample(args) -> int:
-    from nnxscale._generate import sample
+    from nnxscale.training.sampling import sample
 
     text = sample(
         args.run_dir,
@@ -333,8 +333,8 @@ def _sample(args) -> int:
 
 
 def _tokenize(args) -> int:
-    from nnxscale._layout import format_bytes
-    from nnxscale._text import tokenize
+    from nnxscale.data.text import tokenize
+    from nnxscale.sharding.layout import format_bytes
 
     info = tokenize(args.tokenizer, args.data, args.out, progress=not args.no_progress)
     skipped = f" ({info['skipped']} empty or binary files skipped)" if info["skipped"] else ""
@@ -347,8 +347,8 @@ def _tokenize(args) -> int:
 
 
 def _init(args) -> int:
-    from nnxscale._layout import format_bytes
-    from nnxscale._train import init_run
+    from nnxscale.sharding.layout import format_bytes
+    from nnxscale.training.seed import init_run
 
     info = init_run(args.model, args.mesh, args.run_dir, rules=args.rules, seed=args.seed)
     print(
@@ -360,7 +360,9 @@ def _init(args) -> int:
 
 
 def _known_devices() -> list[str]:
-    from nnxscale._devices import MEMORY  # plain data: jax must not start before --cpu-devices is set
+    from nnxscale.sharding.devices import (
+        MEMORY,  # plain data: jax must not start before --cpu-devices is set
+    )
 
     return list(MEMORY)
 
@@ -368,10 +370,10 @@ def _known_devices() -> list[str]:
 def _plan(args) -> int:
     import json
 
-    from nnxscale import _plan as planlib
-    from nnxscale._config import TrainConfig, with_overrides
-    from nnxscale._sharding import lint, sharding_table
     from nnxscale.models import find_preset
+    from nnxscale.planning import planner as planlib
+    from nnxscale.sharding.state import lint, sharding_table
+    from nnxscale.training.config import TrainConfig, with_overrides
 
     family, preset = find_preset(args.model)
     fields = {
@@ -435,7 +437,7 @@ def group_findings(findings) -> list[str]:
 
 
 def _launch(args) -> int:
-    from nnxscale._launch import COMMANDS, launch
+    from nnxscale.jobs.launch import COMMANDS, launch
 
     command = args.child[1:] if args.child[:1] == ["--"] else args.child
     log_dir = args.log_dir
@@ -459,7 +461,7 @@ def _run_dir(args) -> Optional[str]:
     """The run directory a parsed device command writes to (``None`` for plan)."""
     if getattr(args, "run_dir", None) is not None or args.command != "train":
         return getattr(args, "run_dir", None)
-    from nnxscale._config import TrainConfig, load_config_file
+    from nnxscale.training.config import TrainConfig, load_config_file
 
     from_file = load_config_file(args.config).get("run_dir") if args.config else None
     return from_file or TrainConfig().run_dir
@@ -467,7 +469,7 @@ def _run_dir(args) -> Optional[str]:
 
 def _join(args):
     """Join the job the flags, environment or cluster describe (a no-op for a single process)."""
-    from nnxscale import distributed
+    from nnxscale.jobs import distributed as distributed
 
     fields = [f.name for f in dataclasses.fields(distributed.JobSpec)]  # the flags of _add_job
     job = distributed.join(distributed.JobSpec.from_flags(**{f: getattr(args, f) for f in fields}))
@@ -496,7 +498,7 @@ def main(argv=None) -> int:
             print(f"nnxscale: error: {e}", file=sys.stderr)
             return 2
     handler = {"train": _train, "sample": _sample, "init": _init, "plan": _plan}[args.command]
-    from nnxscale.distributed import current, leave
+    from nnxscale.jobs.distributed import current, leave
 
     # In a job of several processes a failure must reach the others (leave): they may be
     # waiting for this process in a collective.
