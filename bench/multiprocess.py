@@ -45,7 +45,7 @@ ENV = {k: v for k, v in os.environ.items() if not k.startswith("NNXSCALE_")}
 # Process 1 raises at its third step and prints when.
 RAISES = """
 import os, sys, time
-import nnxscale.training.step as t
+import nnxscale.training.loop as t
 if os.environ["NNXSCALE_PROCESS_ID"] == "1":
     real = t.make_train_step
     def make(s, **options):

@@ -157,7 +157,7 @@ def test_a_diverging_run_skips_its_bad_steps_stops_and_keeps_finite_checkpoints(
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not can_mount(), reason="needs root to mount a small tmpfs (CI runs as root)")
+@pytest.mark.skipif(not can_mount(), reason="mounting a small tmpfs is not possible here (tried: mount -t tmpfs)")
 def test_a_disk_that_fills_mid_run_then_a_resume(tmp_path, text_data, compile_cache):
     """A 5 MB file system holds 3 checkpoints (1.5 MB each): the 4th save fails mid-run.
     One line says so, naming where; the finished checkpoints stay intact; after space is
@@ -194,11 +194,11 @@ def test_a_failed_metrics_write_leaves_whole_lines(tmp_path):
 import resource, signal
 from pathlib import Path
 from nnxscale.errors import StorageError
-from nnxscale.training.rundir import _append_metrics
+from nnxscale.training.rundir import append_metrics
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, ({path.stat().st_size + 20}, resource.RLIM_INFINITY))
 try:
-    _append_metrics(Path({str(path)!r}), {{"step": 2, "loss": 1.5, "grad_norm": 0.25, "lr": 0.001}})
+    append_metrics(Path({str(path)!r}), {{"step": 2, "loss": 1.5, "grad_norm": 0.25, "lr": 0.001}})
 except StorageError as e:
     print(e)
 """

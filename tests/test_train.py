@@ -21,7 +21,7 @@ import optax
 import pytest
 from flax import nnx
 
-import nnxscale.training.step as train_mod
+import nnxscale.training.loop as train_mod
 from nnxscale.cli import commands as cli
 from nnxscale.data import tokens as datalib
 from nnxscale.checkpoint.checkpointer import checkpoint_dir

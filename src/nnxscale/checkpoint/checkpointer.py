@@ -64,6 +64,7 @@ from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 from nnxscale.checkpoint import integrity as integrity
 from nnxscale.errors import CheckpointError, DamagedCheckpointError, os_reason
+from nnxscale.jobs.process import owns_process
 
 _STATE = "state"
 _EXTRAS = "extras"
@@ -200,11 +201,15 @@ class Checkpointer:
             multiprocessing_options=multiprocessing,
             create=processes is None,
         )
-        _quiet_orbax_errors.acquire()
+        # The command holds back the echoes of errors it reports itself; a library call leaves logging alone.
+        self._quiet = owns_process()
+        if self._quiet:
+            _quiet_orbax_errors.acquire()
         try:
             self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         except BaseException:
-            _quiet_orbax_errors.release()
+            if self._quiet:
+                _quiet_orbax_errors.release()
             raise
         # The manager's own step naming (no prefix, no padding), used to list finalized steps.
         self._names = ocp.step.standard_name_format()
@@ -288,7 +293,8 @@ class Checkpointer:
             try:
                 self._manager.close()
             finally:
-                _quiet_orbax_errors.release()
+                if self._quiet:
+                    _quiet_orbax_errors.release()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -366,7 +372,7 @@ class Checkpointer:
         has_checksums = (self._step_dir(step) / _CHECKSUM_ITEM).exists()
         if has_checksums:
             items[_CHECKSUM_ITEM] = _ChecksumRestore()
-        with _stderr_kept_on_success() as succeeded:
+        with _stderr_kept_on_success() if owns_process() else _stderr_untouched() as succeeded:
             try:
                 restored = self._manager.restore(step, args=ocp.args.Composite(**items))
             except Exception as e:
@@ -600,6 +606,11 @@ class _QuietOrbaxErrors(logging.Filter):
 
 
 _quiet_orbax_errors = _QuietOrbaxErrors()
+
+
+@contextlib.contextmanager
+def _stderr_untouched():
+    yield lambda: None
 
 
 @contextlib.contextmanager

@@ -370,12 +370,12 @@ def _known_devices() -> list[str]:
 def _plan(args) -> int:
     import json
 
-    from nnxscale.models import find_preset
     from nnxscale.planning import planner as planlib
     from nnxscale.sharding.state import lint, sharding_table
     from nnxscale.training.config import TrainConfig, with_overrides
+    from nnxscale.training.model import model_architecture
 
-    family, preset = find_preset(args.model)
+    family, preset = model_architecture(args.model)  # a preset, or a Hugging Face directory as in `train`
     fields = {
         "model": args.model, "mesh": args.mesh, "rules": args.rules, "dtype": args.dtype,
         "data.batch_size": args.batch_size, "data.seq_len": args.seq_len or family.dims(preset).context,
@@ -406,8 +406,7 @@ def _plan(args) -> int:
         for a in step.activations:
             inside = f" (per shard inside the pipeline, manual over {', '.join(a['manual'])})" if a.get("manual") else ""
             print(f"  ({', '.join(a['names'])}) {tuple(a['shape'])}: {a['spec']}{inside}")
-    lay = planlib.layout_figures(cfg, sizes)
-    model, rules = lay["abstract"], lay["rules"]
+    model, rules = step.layout["abstract"], step.layout["rules"]
     if args.table:
         print()
         print(sharding_table(model, sizes, rules))
@@ -502,10 +501,13 @@ def main(argv=None) -> int:
 
     # In a job of several processes a failure must reach the others (leave): they may be
     # waiting for this process in a collective.
+    from nnxscale.jobs.process import owned_by_command
+
     try:
         configure_cpu_devices(args.cpu_devices)  # before jax starts; a bad value is one line
         _join(args)
-        return handler(args)
+        with owned_by_command():  # the command owns its process (nnxscale.jobs.process)
+            return handler(args)
     except KeyboardInterrupt:
         print("nnxscale: interrupted", file=sys.stderr)
         return leave(130, "interrupted by SIGINT")

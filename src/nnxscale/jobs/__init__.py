@@ -3,7 +3,8 @@
 ``distributed`` joins a job (``jax.distributed``: flags, environment or a detected
 cluster), watches its peers through the coordination service so a dead process ends the
 job fast, and votes on stopping; ``launch`` starts the processes of a job on this
-machine; ``watchdog`` ends a process that stops making progress, with its stacks.
+machine; ``watchdog`` ends a process that stops making progress, with its stacks;
+``process`` says who owns the process (the command, or the program that called nnxscale).
 
 Loads lazily, on first use of a name: the CLI reads parts of the tree before jax may be imported.
 """
@@ -18,6 +19,8 @@ _EXPORTS = {
     "join": "nnxscale.jobs.distributed",
     "leave": "nnxscale.jobs.distributed",
     "ProgressWatchdog": "nnxscale.jobs.watchdog",
+    "owns_process": "nnxscale.jobs.process",
+    "owned_by_command": "nnxscale.jobs.process",
 }
 
 __all__ = sorted(_EXPORTS)

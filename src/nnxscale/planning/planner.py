@@ -119,6 +119,9 @@ class StepPlan:
     activations: list = dataclasses.field(default_factory=list)  # {names, shape, spec, dropped} per constrained activation
     notes: list = dataclasses.field(default_factory=list)
     pipeline: Optional[dict] = None  # the pipeline's layout and costs (see pipeline_figures); None without one
+    #: :func:`layout_figures` of the plan (the abstract model, resolved rules, rows): reused by
+    #: callers (``nnxscale plan``'s table and lint) instead of being built again.
+    layout: Optional[dict] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def activation_bytes(self) -> int:
@@ -257,7 +260,7 @@ def plan(
         batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.optim.grad_accum,
         num_params=lay["num_params"], full_param_bytes=lay["full_param_bytes"], param_bytes=lay["param_bytes"],
         optimizer_bytes=lay["optimizer_bytes"], gradient_bytes=lay["gradient_bytes"], batch_bytes=lay["batch_bytes"],
-        textbook=textbook_collectives(cfg, lay), device_memory=device_memory,
+        textbook=textbook_collectives(cfg, lay), device_memory=device_memory, layout=lay,
     )  # fmt: skip
     family = lay["model"].family.name
     calibration = [] if family == ESTIMATE_FAMILY else [

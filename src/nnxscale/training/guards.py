@@ -9,18 +9,20 @@ import signal
 from pathlib import Path
 from typing import Callable, Optional
 
-from nnxscale.data import text as text
 from nnxscale.errors import DivergenceError
+from nnxscale.jobs.process import owns_process
 
 
-class _StopSignals:
+class StopSignals:
     """SIGTERM and SIGINT (Ctrl-C) ask the run to stop cleanly: it saves, then returns.
 
-    Installed first thing in :func:`train`, so a signal during the sharded init or the
-    first compilation is a request like any other: Python's default, a KeyboardInterrupt
-    raised inside XLA's compiler, ended the process in a segmentation fault at exit. A
-    second signal stops at once, without saving (exit code 128 + signal): like ``kill
-    -9``, after which a resume continues from the last complete checkpoint.
+    Installed first thing in :func:`~nnxscale.training.loop.train` and removed when it
+    returns, so a signal during the sharded init or the first compilation is a request like
+    any other: Python's default, a KeyboardInterrupt raised inside XLA's compiler, ended the
+    process in a segmentation fault at exit. A second signal stops at once, without saving:
+    the command exits (code 128 + signal, like ``kill -9``, after which a resume continues
+    from the last complete checkpoint); a caller from Python gets ``KeyboardInterrupt``
+    (:mod:`nnxscale.jobs.process`).
     """
 
     def __init__(self):
@@ -30,7 +32,7 @@ class _StopSignals:
     def __bool__(self) -> bool:
         return self.signal is not None
 
-    def __enter__(self) -> _StopSignals:
+    def __enter__(self) -> StopSignals:
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -39,18 +41,25 @@ class _StopSignals:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
 
     def _handle(self, signum, _frame) -> None:
-        if self.signal is not None:
-            os._exit(128 + signum)
-        self.signal = signum
         name = signal.Signals(signum).name
+        if self.signal is not None:
+            if owns_process():
+                os._exit(128 + signum)
+            self._restore()  # the caller's handlers again, before its KeyboardInterrupt
+            raise KeyboardInterrupt(f"{name} while stopping: the run ended at once, without saving")
+        self.signal = signum
         os.write(2, f"\nnnxscale: {name}: stopping as soon as it is safe; {name} again stops at once, unsaved\n".encode())
 
 
-class _SkipCounter:
+class SkipCounter:
     """The host's half of the divergence guard: counts the steps that the jitted step
     skipped (:func:`skip_nonfinite`); :meth:`check` stops the run after ``limit`` in a row."""
 

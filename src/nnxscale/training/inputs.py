@@ -13,7 +13,7 @@ from nnxscale.models import (
     is_pretrained_dir,
 )  # fmt: skip
 from nnxscale.training.config import ConfigError, TrainConfig
-from nnxscale.training.rundir import _write_atomic
+from nnxscale.training.rundir import write_atomic
 
 #: A run directory's copy of the tokenizer it trains with (and ``sample`` decodes with).
 TOKENIZER_FILE = "tokenizer.json"
@@ -72,7 +72,7 @@ def load_data(cfg: TrainConfig, tokenizer: Optional[text.TextTokenizer], vocab_s
     return tokens
 
 
-def _keep_tokenizer(tokenizer: text.TextTokenizer, run_dir: Path) -> None:
+def keep_tokenizer(tokenizer: text.TextTokenizer, run_dir: Path) -> None:
     """Copy the tokenizer (and its tokenizer_config.json) into the run directory, once."""
     if tokenizer.path == run_dir / TOKENIZER_FILE:
         return
@@ -83,4 +83,4 @@ def _keep_tokenizer(tokenizer: text.TextTokenizer, run_dir: Path) -> None:
                 content = source.read_text()
             except OSError as e:
                 raise storage_error("reading", source, e) from None
-            _write_atomic(run_dir / name, content)
+            write_atomic(run_dir / name, content)

@@ -17,7 +17,7 @@ from nnxscale.errors import RunFileError, storage_error
 from nnxscale.training.config import ConfigError, TrainConfig, config_conflicts
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     """Write ``path`` whole or not at all: a temporary file, then a rename."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     try:
@@ -50,7 +50,7 @@ def saved_config(run_dir) -> Optional[dict]:
     return saved
 
 
-def _fix_schedule_length(cfg: TrainConfig, run_dir: Path) -> TrainConfig:
+def with_saved_schedule_length(cfg: TrainConfig, run_dir: Path) -> TrainConfig:
     """The LR schedule's length is set by a run's first command and kept on resume.
 
     So ``--steps`` can grow when resuming without restarting warmup or stretching the decay:
@@ -115,12 +115,12 @@ def _json_line(record: dict) -> str:
     return json.dumps(clean, allow_nan=False) + "\n"
 
 
-def _append_metrics(path: Path, record: dict) -> None:
+def append_metrics(path: Path, record: dict) -> None:
     """Append one record to ``metrics.jsonl``.
 
     A write that fails part-way (a full disk) is cut back off, so the file holds whole
     lines only; a crash in the middle of the write leaves at most a partial last line,
-    which :func:`_repair_metrics` removes when the run resumes.
+    which :func:`repair_metrics` removes when the run resumes.
     """
     data = memoryview(_json_line(record).encode())
     try:
@@ -177,10 +177,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [r for _, r in _metrics_lines(Path(run_dir) / "metrics.jsonl") if r is not None]
 
 
-def _repair_metrics(path: Path, last_step: int) -> None:
+def repair_metrics(path: Path, last_step: int) -> None:
     """Drop records past the checkpoint being resumed from (they are logged again), and a
     partial last line left by a crash. Rewrites the file atomically, and only if needed."""
     lines = _metrics_lines(path)
     keep = [line for line, r in lines if r is not None and r["step"] <= last_step]
     if len(keep) < len(lines):
-        _write_atomic(path, "".join(line + "\n" for line in keep))
+        write_atomic(path, "".join(line + "\n" for line in keep))

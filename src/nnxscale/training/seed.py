@@ -17,7 +17,7 @@ from nnxscale.sharding.rules import resolve
 from nnxscale.sharding.state import layout_bytes, sharded_init
 from nnxscale.training.config import ConfigError, TrainConfig
 from nnxscale.training.model import run_model
-from nnxscale.training.state import _pure
+from nnxscale.training.state import pure_dict
 
 
 def init_run(model: str, mesh_spec, run_dir, *, rules="auto", seed: int = 0, min_shard_bytes: Optional[int] = None) -> dict:
@@ -35,7 +35,7 @@ def init_run(model: str, mesh_spec, run_dir, *, rules="auto", seed: int = 0, min
     resolved = resolve(rules, mesh, min_shard_bytes=min_shard_bytes)
     created = sharded_init(lambda: m.build(nnx.Rngs(seed)), mesh, resolved)
     per_device, total = layout_bytes(created, mesh, resolved)
-    params = _pure(nnx.state(created))
+    params = pure_dict(nnx.state(created))
     del created
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -95,7 +95,7 @@ class Setup:
         return 6 * self.num_params
 
 
-def _pure(tree):
+def pure_dict(tree):
     """nnx State (Variables at the leaves) -> plain nested dict of the Variables' values."""
     return nnx.to_pure_dict(tree)
 
@@ -218,10 +218,10 @@ def setup(
     factory = lambda: m.build(nnx.Rngs(cfg.seed))  # noqa: E731
     graphdef, abs_model_state = abstract_state(factory, mesh, rules)
     check_params_only(m, abs_model_state)
-    param_sh = _pure(jax.tree.map(lambda v: v.replace(v.get_value().sharding), abs_model_state, is_leaf=is_variable))
+    param_sh = pure_dict(jax.tree.map(lambda v: v.replace(v.get_value().sharding), abs_model_state, is_leaf=is_variable))
     stacked = None
     if pipe is not None:
-        shapes = jax.tree.leaves(_pure(abs_model_state))
+        shapes = jax.tree.leaves(pure_dict(abs_model_state))
         shardings = jax.tree.leaves(param_sh, is_leaf=lambda x: isinstance(x, NamedSharding))
         stacked = check_pipeline(pipe, cfg, rules, m.name, [(a.shape, sh.spec) for a, sh in zip(shapes, shardings)])
     mask = decay_mask(abs_model_state)
@@ -236,7 +236,7 @@ def setup(
             "key": jax.random.key_data(jax.random.key(cfg.seed)),
         }
 
-    abs_params = _pure(abs_model_state)  # ShapeDtypeStructs: no second trace of the model
+    abs_params = pure_dict(abs_model_state)  # ShapeDtypeStructs: no second trace of the model
     abs_state = jax.eval_shape(state_from, abs_params)
     opt_sh = optax.tree_map_params(
         tx,
@@ -280,7 +280,7 @@ def init_state(s: Setup, params=None):
     """Create the train state directly in its sharded layout (or around given params), in
     the order the step runs it (:func:`run_order`)."""
     if params is None:  # the one sharded-init path, shared with `nnxscale init`
-        params = _pure(nnx.state(sharded_init(s.factory, s.mesh, s.rules)))
+        params = pure_dict(nnx.state(sharded_init(s.factory, s.mesh, s.rules)))
     with jax.set_mesh(s.mesh):
         state = jax.jit(s.init_fn, out_shardings=s.state_shardings, donate_argnums=0)(params)
     return run_order(s, state)
@@ -343,7 +343,7 @@ def load_init_params(s: Setup, source: str, *, warn: Callable[[str], None] = pri
         model = family.from_pretrained(path, mesh=s.mesh, rules=s.rules)
         if differences := architecture_differences(family, model.config, m.config):
             raise ConfigError(f"--init-from {path} is not the architecture of --model {m.name} ({'; '.join(differences)})")
-        params = _pure(nnx.state(model))
+        params = pure_dict(nnx.state(model))
         return jax.tree.map(lambda a, want: a if a.dtype == want.dtype else a.astype(want.dtype), params, s.abstract["params"])
     ckpt_root = checkpoint_dir(path)
     if not ckpt_root.exists():
