@@ -154,13 +154,22 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    defaults = _defaults()
     parser = _Parser(
         prog="nnxscale",
         description="Sharded training with JAX and Flax NNX: plan, create, train, save and restore models in their sharded layout.",
     )
+    defaults = _defaults()
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _train_parser(sub, defaults)
+    _sample_parser(sub)
+    _init_parser(sub)
+    _plan_parser(sub)
+    _tokenize_parser(sub)
+    _launch_parser(sub)
+    return parser
 
+
+def _train_parser(sub, defaults: dict) -> None:
     t = sub.add_parser(
         "train",
         help="train a model on a mesh (no arguments: the quick start)",
@@ -175,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_common(t)
 
+
+def _sample_parser(sub) -> None:
     s = sub.add_parser("sample", help="generate text from a run's latest checkpoint")
     s.add_argument("--run-dir", required=True, help="run directory written by nnxscale train")
     s.add_argument("--prompt", default="", help="text to continue")
@@ -185,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer", help="tokenizer.json to decode with (default: the run's own, or bytes)")
     _add_common(s)
 
+
+def _init_parser(sub) -> None:
     i = sub.add_parser(
         "init",
         help="create a model directly in its sharded layout and save it (a seed checkpoint)",
@@ -198,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--seed", type=int, default=0)
     _add_common(i)
 
+
+def _plan_parser(sub) -> None:
     pl = sub.add_parser(
         "plan",
         help="will a run fit, and what will it cost? Memory per device and collectives per step, nothing allocated",
@@ -232,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="end with one JSON line: the plan (a list of plans with --sweep)")
     _add_common(pl)
 
+
+def _tokenize_parser(sub) -> None:
     tk = sub.add_parser(
         "tokenize",
         help="encode a text corpus once into a token file train reads (.bin uint16 or .npy)",
@@ -245,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     tk.add_argument("--out", required=True, help="token file to write: FILE.bin or FILE.npy")
     tk.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+
+def _launch_parser(sub) -> None:
     la = sub.add_parser(
         "launch",
         help="start the processes of a multi-process job on this machine: nnxscale launch -n 2 -- train ...",
@@ -265,7 +284,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds between SIGTERM and SIGKILL when stopping the processes (default 3)")  # fmt: skip
     la.add_argument("--log-dir", default=None, help="where the per-process logs go (default: RUN_DIR/logs)")
     la.add_argument("child", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the nnxscale command, e.g. -- train --mesh data=8")
-    return parser
 
 
 def _train(args) -> int:

@@ -191,6 +191,8 @@ def pipeline_notes(pipe: Pipeline, rules: MeshRules, specs) -> list[str]:
     ]
 
 
+# One function on purpose (83 lines): every sharding of a run is derived here, in one order,
+# for the trainer, the planner, `init` and `sample` alike.
 def setup(
     cfg: TrainConfig,
     mesh=None,
