@@ -38,10 +38,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from nnxscale import _integrity as integrity  # noqa: E402
-from nnxscale._checkpoint import Checkpointer, _PendingChecksums  # noqa: E402
-from nnxscale._config import TrainConfig  # noqa: E402
-from nnxscale._train import init_state, setup  # noqa: E402
+from nnxscale.checkpoint import integrity as integrity  # noqa: E402
+from nnxscale.checkpoint.checkpointer import Checkpointer, _PendingChecksums  # noqa: E402
+from nnxscale.training.config import TrainConfig  # noqa: E402
+from nnxscale.training.state import init_state, setup  # noqa: E402
 
 
 def one_round(state, target, directory: str, checksums: bool) -> dict[str, float]:

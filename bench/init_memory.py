@@ -36,7 +36,7 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import nnxscale  # noqa: E402
-from nnxscale._layout import format_bytes  # noqa: E402
+from nnxscale.sharding.layout import format_bytes  # noqa: E402
 
 N_LAYERS, D_IN, D_OUT = 4, 4096, 16384
 N_DEVICES = 8

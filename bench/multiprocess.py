@@ -45,7 +45,7 @@ ENV = {k: v for k, v in os.environ.items() if not k.startswith("NNXSCALE_")}
 # Process 1 raises at its third step and prints when.
 RAISES = """
 import os, sys, time
-import nnxscale._train as t
+import nnxscale.training.loop as t
 if os.environ["NNXSCALE_PROCESS_ID"] == "1":
     real = t.make_train_step
     def make(s, **options):
@@ -58,7 +58,7 @@ if os.environ["NNXSCALE_PROCESS_ID"] == "1":
             return step(state, batch, *votes)
         return maybe_raise
     t.make_train_step = make
-from nnxscale.cli import run
+from nnxscale.cli.commands import run
 sys.argv[0] = "nnxscale"
 run()
 """

@@ -8,7 +8,7 @@ Two parts, one run (``python bench/pipeline.py``, about 5 minutes on 2 cores):
    ``stage=4,data=2`` at M = 8; circular (R = 2 repeats) on ``stage=2,data=4`` at M = 4, 8.
    Per device: the compiler's temporaries and peak (``memory_analysis()``), the
    ``collective-permute`` bytes of a step counted in the compiled HLO beside
-   :func:`nnxscale.pipeline.pipeline_cost`'s figure, every collective's bytes, and the
+   :func:`nnxscale.layers.pipeline.pipeline_cost`'s figure, every collective's bytes, and the
    theoretical bubble ``(S-1)/(R*M+S-1)``.
 2. **Measured**: the step time of ``gpt2-mini`` (4 layers, width 128), global batch 32 x 128,
    on ``data=8`` and on ``stage=2,data=4`` with GPipe (M=4) and circular (R=2, M=4), the same
@@ -55,11 +55,12 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from nnxscale._config import TrainConfig, with_overrides  # noqa: E402
-from nnxscale._layout import format_bytes  # noqa: E402
-from nnxscale._plan import measure  # noqa: E402
-from nnxscale._train import init_state, make_train_step, setup  # noqa: E402
-from nnxscale.pipeline import pipeline_cost  # noqa: E402
+from nnxscale.training.config import TrainConfig, with_overrides  # noqa: E402
+from nnxscale.sharding.layout import format_bytes  # noqa: E402
+from nnxscale.planning.planner import measure  # noqa: E402
+from nnxscale.training.state import init_state, setup  # noqa: E402
+from nnxscale.training.step import make_train_step  # noqa: E402
+from nnxscale.layers.pipeline import pipeline_cost  # noqa: E402
 
 BATCH, SEQ = 64, 256  # compiled part: gpt2
 COMPILED = [  # (mesh, microbatches, repeats)

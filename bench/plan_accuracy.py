@@ -1,7 +1,7 @@
 """How close is the planner's analytical estimate to the compiler? (And refit it.)
 
 Compiles nnxscale's real train step ahead of time on 8 simulated CPU devices for a grid of
-models, meshes, remat policies and batch shapes, and compares ``nnxscale._plan.estimate``
+models, meshes, remat policies and batch shapes, and compares ``nnxscale.planning.planner.estimate``
 (the baseline being the compiler's own memory analysis and collectives) config by config.
 The grid has two parts: the configs the coefficients are fitted to (gpt2-mini at two batch
 shapes and with gradient accumulation, gpt2, gpt2-medium; six meshes; three remat
@@ -28,8 +28,8 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from nnxscale import _plan as plan  # noqa: E402
-from nnxscale._config import TrainConfig, with_overrides  # noqa: E402
+from nnxscale.planning import planner as plan  # noqa: E402
+from nnxscale.training.config import TrainConfig, with_overrides  # noqa: E402
 
 MESHES = ["data=8", "fsdp=8", "data=2,model=4", "data=4,model=2", "fsdp=4,model=2", "model=8"]
 REMATS = ["none", "full", "dots"]

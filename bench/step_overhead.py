@@ -48,9 +48,10 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from nnxscale import _data as datalib  # noqa: E402
-from nnxscale._config import TrainConfig, with_overrides  # noqa: E402
-from nnxscale._train import init_state, make_train_step, setup  # noqa: E402
+from nnxscale.data import tokens as datalib  # noqa: E402
+from nnxscale.training.config import TrainConfig, with_overrides  # noqa: E402
+from nnxscale.training.state import init_state, setup  # noqa: E402
+from nnxscale.training.step import make_train_step  # noqa: E402
 
 MODEL, MESH, SEQ, BATCH = "gpt2-tiny", "data=8", 32, 8
 

@@ -28,10 +28,11 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from nnxscale._config import TrainConfig, with_overrides  # noqa: E402
-from nnxscale._layout import format_bytes  # noqa: E402
-from nnxscale._plan import estimate, layout_figures, measure, mesh_sizes  # noqa: E402
-from nnxscale._train import make_train_step, setup  # noqa: E402
+from nnxscale.training.config import TrainConfig, with_overrides  # noqa: E402
+from nnxscale.sharding.layout import format_bytes  # noqa: E402
+from nnxscale.planning.planner import estimate, layout_figures, measure, mesh_sizes  # noqa: E402
+from nnxscale.training.state import setup  # noqa: E402
+from nnxscale.training.step import make_train_step  # noqa: E402
 
 CONFIGS = [
     ("data=8", "gpt2", "data=8", "none"),
@@ -76,7 +77,7 @@ def main() -> None:
             flush=True,
         )
     print("collectives: bytes per device per step over the parameter bytes; estimate: the analytical")
-    print("estimate's peak against the compiler's (nnxscale._plan.estimate)")
+    print("estimate's peak against the compiler's (nnxscale.planning.planner.estimate)")
     setups = {m: setup(config(m, "fsdp=8", "none")) for m in ("gpt2", "gpt2-large")}
     best = {m: float("inf") for m in setups}
     for _ in range(3):

@@ -8,7 +8,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import nnxscale
-from nnxscale._rules import batch_spec
+from nnxscale.sharding.rules import batch_spec
 
 
 def randomize(model, seed=0, scale=0.05):

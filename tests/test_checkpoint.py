@@ -20,8 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscale import make_mesh
-from nnxscale import _integrity as integrity
-from nnxscale._checkpoint import CheckpointError, Checkpointer, _key_text, checkpoint_dir
+from nnxscale.checkpoint import integrity as integrity
+from nnxscale.checkpoint.checkpointer import CheckpointError, Checkpointer, _key_text, checkpoint_dir
 
 # Saved layout on data=8, and the layout a data=2,model=4 run restores into.
 SAVE_SPECS = {
@@ -346,7 +346,7 @@ jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from nnxscale import make_mesh
-from nnxscale._checkpoint import Checkpointer
+from nnxscale.checkpoint.checkpointer import Checkpointer
 
 host = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
 def put(mesh, spec):

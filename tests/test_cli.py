@@ -13,8 +13,8 @@ import pytest
 
 from fault_injection import flip_bytes
 
-from nnxscale._checkpoint import checkpoint_dir
-from nnxscale.cli import main
+from nnxscale.checkpoint.checkpointer import checkpoint_dir
+from nnxscale.cli.commands import main
 
 
 def train_args(run_dir, data, *extra) -> list[str]:
@@ -316,7 +316,7 @@ def test_config_file_with_an_unknown_field(tmp_path, capsys):
 
 def test_user_errors_are_one_line_but_a_bug_keeps_its_traceback(monkeypatch, capsys):
     import nnxscale
-    from nnxscale import cli
+    from nnxscale.cli import commands as cli
 
     for name in ("MeshError", "LayoutError", "RulesError", "ConfigError", "ModelError", "DataError", "CheckpointError"):
         assert issubclass(getattr(nnxscale, name), nnxscale.NnxscaleError), name
@@ -331,8 +331,8 @@ def test_user_errors_are_one_line_but_a_bug_keeps_its_traceback(monkeypatch, cap
 
 
 def test_remat_takes_a_policy_and_a_bare_flag_means_full():
-    from nnxscale.cli import build_parser
-    from nnxscale._config import TrainConfig
+    from nnxscale.cli.commands import build_parser
+    from nnxscale.training.config import TrainConfig
 
     parse = build_parser().parse_args
     assert parse(train_args("r", "d", "--remat")).remat == "full"
@@ -346,6 +346,6 @@ def test_remat_takes_a_policy_and_a_bare_flag_means_full():
 
 def test_the_command_line_reads_its_arguments_before_jax_starts():
     # --cpu-devices must reach XLA before jax is imported: building the parser must not import it
-    code = "import sys; from nnxscale import cli; cli.build_parser(); assert 'jax' not in sys.modules, 'jax imported'"
+    code = "import sys; from nnxscale.cli import commands as cli; cli.build_parser(); assert 'jax' not in sys.modules, 'jax imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -9,9 +9,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnxscale
-from nnxscale import _data as data
-from nnxscale import _text as text
-from nnxscale._data import DataError
+from nnxscale.data import tokens as data
+from nnxscale.data import text as text
+from nnxscale.data.tokens import DataError
 
 T = 8  # seq_len of the synthetic streams
 W = T + 1  # window

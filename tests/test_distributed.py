@@ -23,11 +23,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from nnxscale import cli, distributed
-from nnxscale._checkpoint import checkpoint_dir
+from nnxscale.cli import commands as cli
+from nnxscale.jobs import distributed
+from nnxscale.checkpoint.checkpointer import checkpoint_dir
 from nnxscale.errors import JobError, MeshError
-from nnxscale._mesh import process_findings, process_split
-from nnxscale._train import read_metrics
+from nnxscale.sharding.mesh import process_findings, process_split
+from nnxscale.training.rundir import read_metrics
 
 TINY = [
     "--model", "gpt2-tiny", "--batch-size", "16", "--seq-len", "32", "--log-every", "1", "--eval-every", "0",
@@ -151,7 +152,7 @@ def assert_same_losses(got: list[dict], want: list[dict], what: str) -> None:
 # joined once (from the environment), as a real `nnxscale train` does.
 _COMMANDS_WORKER = """
 import json, sys
-from nnxscale import cli
+from nnxscale.cli import commands as cli
 for argv in json.loads(sys.argv[1]):
     code = cli.main(argv)
     assert code == 0, (argv, code)
@@ -295,11 +296,11 @@ def test_a_killed_process_ends_the_job_fast_and_nothing_is_left(tmp_path, text_d
 # for process 1 in its first collective.
 _RAISES_WORKER = """
 import os, sys
-import nnxscale._train
+import nnxscale.training.loop
 if os.environ["NNXSCALE_PROCESS_ID"] == "1":
     def train(*args, **kwargs):
         raise RuntimeError("boom on process 1")
-    nnxscale._train.train = train
+    nnxscale.training.loop.train = train
 from nnxscale.cli import run
 sys.argv[0] = "nnxscale"
 run()
@@ -394,7 +395,7 @@ def test_a_stalled_process_ends_the_job_with_stacks_and_the_phase(tmp_path, text
 _STALLS_WORKER = """
 import sys, time
 from pathlib import Path
-from nnxscale._watchdog import ProgressWatchdog
+from nnxscale.jobs.watchdog import ProgressWatchdog
 with ProgressWatchdog(float(sys.argv[2]), Path(sys.argv[1]), resume_hint="Resume.") as watch:
     watch.progress("step 1", step_time=0.1)
     watch.phase("saving step 2", kind="save")

@@ -24,11 +24,12 @@ import pytest
 from fault_injection import can_mount, small_filesystem
 from test_train import PINNED_SCHEDULE, quiet_train, tiny_cfg
 
-from nnxscale._checkpoint import Checkpointer, checkpoint_dir
-from nnxscale.cli import main
-from nnxscale._config import TrainConfig
+from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
+from nnxscale.cli.commands import main
+from nnxscale.training.config import TrainConfig
 from nnxscale.errors import RunFileError
-from nnxscale._train import read_metrics, setup
+from nnxscale.training.rundir import read_metrics
+from nnxscale.training.state import setup
 
 
 def cli_command(run_dir, data, *extra) -> list[str]:
@@ -43,17 +44,12 @@ def cli_command(run_dir, data, *extra) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory) -> dict:
-    """Environment for trainer processes that share JAX's persistent compilation cache.
-
-    The first process compiles (about 10 s on 2 cores), the next ones load the same
-    executables in about 1 s. A test warms it with a run that is not killed, since a kill
-    in the middle of writing an entry would waste it (JAX then compiles again).
-    """
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
+def compile_cache() -> dict:
+    """Extra environment for trainer processes: none, since they inherit the suite's
+    persistent compilation cache (``conftest.py``). The first process compiles (about 10 s
+    on 2 cores), the next ones load the same executables in about 1 s; a kill in the middle
+    of writing an entry only wastes that entry (JAX then compiles again)."""
+    return {}
 
 
 def popen(command, env: dict = None) -> subprocess.Popen:
@@ -161,7 +157,7 @@ def test_a_diverging_run_skips_its_bad_steps_stops_and_keeps_finite_checkpoints(
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not can_mount(), reason="needs root to mount a small tmpfs (CI runs as root)")
+@pytest.mark.skipif(not can_mount(), reason="mounting a small tmpfs is not possible here (tried: mount -t tmpfs)")
 def test_a_disk_that_fills_mid_run_then_a_resume(tmp_path, text_data, compile_cache):
     """A 5 MB file system holds 3 checkpoints (1.5 MB each): the 4th save fails mid-run.
     One line says so, naming where; the finished checkpoints stay intact; after space is
@@ -198,11 +194,11 @@ def test_a_failed_metrics_write_leaves_whole_lines(tmp_path):
 import resource, signal
 from pathlib import Path
 from nnxscale.errors import StorageError
-from nnxscale._train import _append_metrics
+from nnxscale.training.rundir import append_metrics
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, ({path.stat().st_size + 20}, resource.RLIM_INFINITY))
 try:
-    _append_metrics(Path({str(path)!r}), {{"step": 2, "loss": 1.5, "grad_norm": 0.25, "lr": 0.001}})
+    append_metrics(Path({str(path)!r}), {{"step": 2, "loss": 1.5, "grad_norm": 0.25, "lr": 0.001}})
 except StorageError as e:
     print(e)
 """

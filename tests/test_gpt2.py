@@ -18,7 +18,7 @@ import gpt2_reference
 import nnxscale
 from model_testing import jit_logits, params_by_path, randomize, rules_for, sharded_logits
 from nnxscale.models.gpt2 import GPT2, PRESETS, GPT2Config, from_pretrained, preset, save_pretrained
-from nnxscale._rules import batch_spec
+from nnxscale.sharding.rules import batch_spec
 
 TINY = preset("gpt2-tiny")  # vocab 256, 2 layers, 8 heads, 64 wide, context 128
 
@@ -259,7 +259,7 @@ ACTIVATIONS = {
 
 @pytest.mark.parametrize("spec", ACTIVATIONS)
 def test_activations_take_the_layout_of_the_activation_rules(spec, tokens):
-    from nnxscale._activations import record_activations
+    from nnxscale.sharding.activations import record_activations
 
     mesh = nnxscale.make_mesh(spec)
     model = nnxscale.sharded_init(lambda: GPT2(TINY, rngs=nnx.Rngs(0)), mesh, rules=rules_for(mesh))

@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import nnxscale
-from nnxscale import _hlo as hlo
+from nnxscale.planning import hlo as hlo
 
 
 def _compiled_scan(layers: int):

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import nnxscale
-from nnxscale._layout import LayoutError
+from nnxscale.sharding.layout import LayoutError
 
 MESHES = ["data=8", "model=8", "data=2,model=4", "data=4,model=2", "data=2,fsdp=2,tensor=2"]
 

@@ -19,9 +19,9 @@ from safetensors.numpy import load_file, save_file
 import llama_reference
 import nnxscale
 from model_testing import jit_logits, params_by_path, randomize, rules_for, sharded_logits
-from nnxscale._activations import record_activations
+from nnxscale.sharding.activations import record_activations
 from nnxscale.models.llama import PRESETS, Llama, LlamaConfig, RopeScaling, from_pretrained, preset, rope_frequencies, save_pretrained
-from nnxscale._rules import batch_spec
+from nnxscale.sharding.rules import batch_spec
 
 # llama-tiny: vocab 256, 2 layers, 128 wide, 16 query heads sharing 8 K/V heads (8 wide), tied.
 TINY = preset("llama-tiny")

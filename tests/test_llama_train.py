@@ -15,8 +15,8 @@ from test_train import _Captured, assert_params_equal, capture_first_state, capt
 from tokenizers import Tokenizer
 
 import nnxscale
-from nnxscale._checkpoint import checkpoint_dir
-from nnxscale._train import read_metrics
+from nnxscale.checkpoint.checkpointer import checkpoint_dir
+from nnxscale.training.rundir import read_metrics
 from nnxscale.models import llama
 
 STEPS = 4

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 import nnxscale
-from nnxscale._mesh import MeshError, parse_mesh_spec
+from nnxscale.sharding.mesh import MeshError, parse_mesh_spec
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ from flax import nnx
 from test_cli import assert_one_error_line, run_main, train_args
 
 import nnxscale
-from nnxscale import _train
-from nnxscale._sharding import variable_logical_axes
+from nnxscale.training import optimizer, state
+from nnxscale.sharding.state import variable_logical_axes
 from nnxscale.models import FAMILIES, ModelDims, find_preset, gpt2, pretrained_family
 from nnxscale.errors import ModelError
 
@@ -35,7 +35,7 @@ def test_every_preset_of_every_family_builds_with_its_dimensions():
         smallest = min(family.presets.values(), key=lambda c: c.num_params())
         state = nnx.state(nnx.eval_shape(lambda: family.build(smallest, rngs=nnx.Rngs(0))), nnx.Param)
         variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        decayed = [v for v in variables if _train.decays(v)]
+        decayed = [v for v in variables if optimizer.decays(v)]
         assert all(len([n for n in variable_logical_axes(v) or () if n != "layers"]) >= 2 for v in decayed), family.name
         size = lambda vs: sum(math.prod(v.get_value().shape) for v in vs)  # noqa: E731
         assert size(decayed) > 0.9 * size(variables), family.name  # embeddings and projections are most of a model
@@ -81,7 +81,7 @@ def test_gpt2_decays_its_matrices_only():
         "['h']['mlp']['c_proj']['kernel']", "['wpe']['embedding']", "['wte']['embedding']",
     ]  # fmt: skip
     assert len(flat) == 16  # the biases (c_attn's is (layers, 3, heads, head_dim)) and the LayerNorms do not
-    line = _train.describe_decay(s.decay_mask, s.abstract["params"], 0.1)
+    line = optimizer.describe_decay(s.decay_mask, s.abstract["params"], 0.1)
     assert line == "weight decay 0.1 on 6 of 16 parameter arrays, 480.0 KiB of 487.0 KiB (matrices; not norms or biases)"
 
 
@@ -96,7 +96,7 @@ def test_a_weight_decay_flag_and_unannotated_parameters():
         def __call__(self, x):
             return self.plain(self.kept(x)) * self.gate
 
-    mask = _train.decay_mask(nnx.state(nnx.eval_shape(lambda: Net(nnx.Rngs(0)))))
+    mask = optimizer.decay_mask(nnx.state(nnx.eval_shape(lambda: Net(nnx.Rngs(0)))))
     assert mask == {"kept": {"kernel": False, "bias": False}, "gate": True, "plain": {"kernel": True, "bias": False}}
 
 
@@ -135,4 +135,4 @@ def test_a_second_family_is_found_planned_and_checked_like_the_first(monkeypatch
         nnxscale.setup(dataclasses.replace(cfg, dropout=0.1))
     gpt2.save_pretrained(gpt2.GPT2(gpt2.preset("gpt2-tiny"), rngs=nnx.Rngs(0)), tmp_path / "hf")
     with pytest.raises(nnxscale.ConfigError, match="holds a gpt2 model, but --model toy-tiny is a toy preset"):
-        _train.load_init_params(nnxscale.setup(cfg), str(tmp_path / "hf"))
+        state.load_init_params(nnxscale.setup(cfg), str(tmp_path / "hf"))

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnxscale
-from nnxscale._parallel import (
+from nnxscale.teaching.shard_map import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallelMLP,
@@ -287,7 +287,7 @@ def test_unknown_axis_and_wrong_input_width_are_rejected(meshes):
 @pytest.mark.parametrize("layer_cls, spec", [(ColumnParallelLinear, P(None, "model")), (RowParallelLinear, P("model", None))])
 def test_kernel_is_created_in_its_shards(meshes, layer_cls, spec):
     """The jitted initializer never holds the full kernel: XLA partitions the generation."""
-    from nnxscale._parallel import _default_kernel_init, _initializer
+    from nnxscale.teaching.shard_map import _default_kernel_init, _initializer
 
     mesh = meshes["model=8"]
     layer = layer_cls(1024, 2048, mesh=mesh, rngs=nnx.Rngs(0))

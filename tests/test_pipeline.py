@@ -3,7 +3,7 @@
 Every pipelined program here is compiled once and checked three ways: its outputs and
 gradients against the unpipelined scan (float32, 1e-6 relative), its stacked parameters
 held one stage per device, and its collective-permutes against the analytical
-:func:`nnxscale.pipeline.pipeline_cost`. Then: how dropout keys are drawn, GPT-2 pipelined
+:func:`nnxscale.layers.pipeline.pipeline_cost`. Then: how dropout keys are drawn, GPT-2 pipelined
 without a change to its code, a checkpoint moving into a circular pipeline and out again,
 stage order and what moving into it costs, memory that does not grow with iterations, and
 bad input.
@@ -17,10 +17,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import nnxscale
-from nnxscale import _hlo as hlo
+from nnxscale.planning import hlo as hlo
 from nnxscale.errors import ConfigError, NnxscaleError
 from nnxscale.models import gpt2
-from nnxscale.pipeline import (
+from nnxscale.layers.pipeline import (
     Pipeline,
     bubble_fraction,
     pipeline_cost,
@@ -30,8 +30,8 @@ from nnxscale.pipeline import (
     to_stage_order,
     use_pipeline,
 )
-from nnxscale._rules import logical
-from nnxscale.stack import scan_layers, stack_layers
+from nnxscale.sharding.rules import logical
+from nnxscale.layers.stack import scan_layers, stack_layers
 
 L, D, B, T = 8, 32, 16, 4  # layers, width, batch, length
 SCALE = jnp.linspace(0.5, 1.5, D)  # an argument every layer gets unchanged
@@ -190,7 +190,7 @@ def test_gpt2_runs_pipelined_without_changing_the_model():
 def test_checkpoints_move_in_and_out_of_a_circular_pipeline(tmp_path):
     """Saved on data=8, one step on stage=2,data=4 (circular), saved, resumed on data=8:
     the numbers of that step taken on data=8, because a checkpoint is always in layer order."""
-    from nnxscale._checkpoint import Checkpointer
+    from nnxscale.checkpoint.checkpointer import Checkpointer
 
     graphdef, host = nnx.split(stack_layers(lambda r: Block(D, r), L, rngs=nnx.Rngs(0)))
     x = jax.random.normal(jax.random.key(1), (B, T, D))

@@ -15,12 +15,13 @@ from flax import nnx
 from test_cli import assert_one_error_line, run_main, train_args
 
 import nnxscale
-from nnxscale._checkpoint import checkpoint_dir
-from nnxscale._config import TrainConfig, with_overrides
-from nnxscale._plan import plan
-from nnxscale._train import read_metrics, train
+from nnxscale.checkpoint.checkpointer import checkpoint_dir
+from nnxscale.training.config import TrainConfig, with_overrides
+from nnxscale.planning.planner import plan
+from nnxscale.training.loop import train
+from nnxscale.training.rundir import read_metrics
 from nnxscale.errors import ConfigError
-from nnxscale.pipeline import Pipeline, pipeline_cost
+from nnxscale.layers.pipeline import Pipeline, pipeline_cost
 
 STEPS = 4
 CIRCULAR = {"mesh": "stage=2,data=4", "microbatches": 4, "pipeline_repeats": 2}

@@ -7,10 +7,11 @@ import math
 import jax
 import pytest
 
-from nnxscale import _plan as planlib
-from nnxscale.cli import main
-from nnxscale._config import ConfigError, TrainConfig, with_overrides
-from nnxscale._train import init_state, make_train_step, setup
+from nnxscale.planning import planner as planlib
+from nnxscale.cli.commands import main
+from nnxscale.training.config import ConfigError, TrainConfig, with_overrides
+from nnxscale.training.state import init_state, setup
+from nnxscale.training.step import make_train_step
 
 
 def tiny(mesh: str, **fields) -> TrainConfig:

@@ -7,7 +7,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import nnxscale
-from nnxscale._rules import LOGICAL_KEY, RulesError, batch_shard_count, batch_spec
+from nnxscale.sharding.rules import LOGICAL_KEY, RulesError, batch_shard_count, batch_spec
 
 L = nnxscale.logical
 _init = nnx.initializers.lecun_normal()
@@ -288,7 +288,7 @@ def aspec(names, rules, mesh, shape=None):
 
 @pytest.mark.parametrize("preset", sorted(nnxscale.PRESETS))
 def test_every_preset_defines_both_tables_for_every_logical_name(preset):
-    from nnxscale._rules import LOGICAL_NAMES
+    from nnxscale.sharding.rules import LOGICAL_NAMES
 
     rules = nnxscale.PRESETS[preset]
     for table in (rules.params, rules.activations):
@@ -343,7 +343,7 @@ def test_no_lookup_ever_produces_an_invalid_spec(mesh):
 
 
 def test_small_parameters_are_not_split_over_fsdp_axes():
-    from nnxscale._rules import MIN_SHARD_BYTES
+    from nnxscale.sharding.rules import MIN_SHARD_BYTES
 
     assert MIN_SHARD_BYTES == 1 << 20
     r = nnxscale.resolve("auto", {"fsdp": 8})

@@ -45,7 +45,7 @@ def no_fsdp_minimum():
     """The models here are kilobytes: switch the FSDP minimum size off so that their FSDP
     layouts show (the minimum itself is tested in test_rules.py)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(nnxscale._rules, "MIN_SHARD_BYTES", 0)
+        mp.setattr(nnxscale.sharding.rules, "MIN_SHARD_BYTES", 0)
         yield
 
 
@@ -482,7 +482,7 @@ def test_compile_init_memory_is_a_few_shards():
 
     shard = nnxscale.layout_bytes(nnx.eval_shape(factory), mesh)[0]
     assert shard == 4 * (1024 * 4096 + 4096) // 8 * 4  # kernels by rule, biases by the rank fallback P("model")
-    for group_bytes in (nnxscale._sharding.INIT_GROUP_BYTES, 1 << 40):  # grouped, and one program
+    for group_bytes in (nnxscale.sharding.state.INIT_GROUP_BYTES, 1 << 40):  # grouped, and one program
         mem = nnxscale.compile_init(factory, mesh, group_bytes=group_bytes).memory()
         assert shard <= mem["output"] <= shard + 1024  # plus XLA's output tuple tables
         assert mem["peak"] <= 4 * shard, (group_bytes, mem)

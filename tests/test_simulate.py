@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnxscale
-from nnxscale.simulate import (
+from nnxscale.teaching.simulate import (
     mesh_init_simulate,
     partition_spec_layout,
     shard_map_simulate,

@@ -14,7 +14,7 @@ from test_cli import assert_one_error_line, run_main, train_args
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import nnxscale
-from nnxscale import _text as text
+from nnxscale.data import text as text
 from nnxscale.models import gpt2
 
 

@@ -21,14 +21,17 @@ import optax
 import pytest
 from flax import nnx
 
-import nnxscale._train as train_mod
-from nnxscale import cli
-from nnxscale import _data as datalib
-from nnxscale._checkpoint import checkpoint_dir
-from nnxscale._config import TrainConfig, with_overrides
-from nnxscale._generate import sample
+import nnxscale.training.loop as train_mod
+from nnxscale.cli import commands as cli
+from nnxscale.data import tokens as datalib
+from nnxscale.checkpoint.checkpointer import checkpoint_dir
+from nnxscale.training.config import TrainConfig, with_overrides
+from nnxscale.training.sampling import sample
 from nnxscale.models import gpt2
-from nnxscale._train import init_state, make_train_step, read_metrics, setup, train
+from nnxscale.training.loop import train
+from nnxscale.training.rundir import read_metrics
+from nnxscale.training.state import init_state, setup
+from nnxscale.training.step import make_train_step
 
 # The learning-rate schedule below does not depend on --steps (2 warmup steps, then a
 # constant peak), so runs of different lengths share their first steps exactly. With the

@@ -1,17 +1,29 @@
 """nnxscale: plan, create, train, save and restore Flax NNX models in their sharded layout.
 
-The public API is what this file names, and nothing else (equinox's layout):
+The public API is what this file names, and the public names of its packages:
 
-- the names of :data:`_EXPORTS`, each re-exported from the private module that implements
-  it (``nnxscale/_*.py``: how the code is split into files is not part of the API);
-- the public submodules of :data:`_SUBMODULES`, namespaces used by their qualified names:
-  ``nnxscale.models`` (model families: ``nnxscale.models.gpt2``, ``FAMILIES``),
-  ``nnxscale.errors``, ``nnxscale.distributed`` (jobs of several processes),
-  ``nnxscale.simulate``, ``nnxscale.stack`` and ``nnxscale.cli`` (the command line).
+- the names of :data:`_EXPORTS`, the everyday API, each re-exported from where it lives;
+- the packages of :data:`_SUBMODULES`, each with an ``__all__`` and a docstring saying what
+  it holds. The tree shows the architecture, bottom to top:
 
-No name is both: ``nnxscale.train`` is the function. Both kinds load lazily, on first use,
-so that ``import nnxscale`` does not import jax: the CLI must set the number of simulated
-CPU devices before jax starts.
+  ``errors`` (every user-facing error), ``sharding`` (meshes, axis names, layouts, logical
+  axis rules, state shardings, activations), ``layers`` (stacked and scanned blocks,
+  pipelines), ``models`` (families: GPT-2, Llama; Hugging Face in and out), ``data`` (text,
+  tokenizers, token files, sharded batches), ``checkpoint`` (Orbax checkpoints, checksums,
+  the run lock), ``jobs`` (several processes: ``jax.distributed``, the launcher, the
+  watchdog), ``training`` (config, setup, step, loop, sampling), ``planning`` (memory and
+  collectives per device before anything is allocated), ``cli`` (the command line), and
+  ``teaching`` (the single-device simulations and shard_map layers, used by no trainer).
+
+Naming: a module inside a package is that package's implementation; what the package's
+``__init__`` names is its API. Old paths of moved public modules (``nnxscale.stack``,
+``nnxscale.pipeline``, ``nnxscale.distributed``, ``nnxscale.simulate``) still import, with
+a DeprecationWarning, for one release.
+
+No name is both a function and a package: ``nnxscale.train`` is the function,
+``nnxscale.training`` the package. Everything loads lazily, on first use, so that ``import
+nnxscale`` does not import jax: the CLI must set the number of simulated CPU devices before
+jax starts.
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-# public name -> private module that defines it
+# public name -> module that defines it
 _EXPORTS = {
     # errors: every user-facing error derives from NnxscaleError (also in nnxscale.errors)
     "NnxscaleError": "nnxscale.errors",
@@ -31,94 +43,97 @@ _EXPORTS = {
     "ModelError": "nnxscale.errors",
     "DataError": "nnxscale.errors",
     "CheckpointError": "nnxscale.errors",
-    "DamagedCheckpointError": "nnxscale._checkpoint",
+    "DamagedCheckpointError": "nnxscale.errors",
     "JobError": "nnxscale.errors",
     # meshes
-    "make_mesh": "nnxscale._mesh",
-    "parse_mesh_spec": "nnxscale._mesh",
+    "make_mesh": "nnxscale.sharding.mesh",
+    "parse_mesh_spec": "nnxscale.sharding.mesh",
     # layouts
-    "shard_shape": "nnxscale._layout",
-    "shard_bytes": "nnxscale._layout",
-    "full_bytes": "nnxscale._layout",
-    "state_bytes": "nnxscale._layout",
-    "format_bytes": "nnxscale._layout",
+    "shard_shape": "nnxscale.sharding.layout",
+    "shard_bytes": "nnxscale.sharding.layout",
+    "full_bytes": "nnxscale.sharding.layout",
+    "state_bytes": "nnxscale.sharding.layout",
+    "format_bytes": "nnxscale.sharding.layout",
     # logical axis rules
-    "logical": "nnxscale._rules",
-    "get_rules": "nnxscale._rules",
-    "logical_to_spec": "nnxscale._rules",
-    "PRESETS": "nnxscale._rules",
-    "LOGICAL_NAMES": "nnxscale._rules",
-    "AxisRules": "nnxscale._rules",
-    "MeshRules": "nnxscale._rules",
-    "resolve": "nnxscale._rules",
+    "logical": "nnxscale.sharding.rules",
+    "get_rules": "nnxscale.sharding.rules",
+    "logical_to_spec": "nnxscale.sharding.rules",
+    "PRESETS": "nnxscale.sharding.rules",
+    "LOGICAL_NAMES": "nnxscale.sharding.rules",
+    "AxisRules": "nnxscale.sharding.rules",
+    "MeshRules": "nnxscale.sharding.rules",
+    "resolve": "nnxscale.sharding.rules",
     # activations and stacked layers
-    "constrain": "nnxscale._activations",
-    "use_rules": "nnxscale._activations",
-    "record_activations": "nnxscale._activations",
-    "ActivationRecord": "nnxscale._activations",
-    "stack_layers": "nnxscale.stack",
-    "scan_layers": "nnxscale.stack",
-    "REMAT_POLICIES": "nnxscale.stack",
+    "constrain": "nnxscale.sharding.activations",
+    "use_rules": "nnxscale.sharding.activations",
+    "record_activations": "nnxscale.sharding.activations",
+    "ActivationRecord": "nnxscale.sharding.activations",
+    "stack_layers": "nnxscale.layers.stack",
+    "scan_layers": "nnxscale.layers.stack",
+    "REMAT_POLICIES": "nnxscale.layers.stack",
     # pipeline parallelism
-    "Pipeline": "nnxscale.pipeline",
-    "use_pipeline": "nnxscale.pipeline",
-    "pipeline_layers": "nnxscale.pipeline",
-    "pipeline_cost": "nnxscale.pipeline",
-    "to_stage_order": "nnxscale.pipeline",
-    "to_layer_order": "nnxscale.pipeline",
+    "Pipeline": "nnxscale.layers.pipeline",
+    "use_pipeline": "nnxscale.layers.pipeline",
+    "pipeline_layers": "nnxscale.layers.pipeline",
+    "pipeline_cost": "nnxscale.layers.pipeline",
+    "to_stage_order": "nnxscale.layers.pipeline",
+    "to_layer_order": "nnxscale.layers.pipeline",
     # state sharding
-    "state_specs": "nnxscale._sharding",
-    "state_shardings": "nnxscale._sharding",
-    "abstract_state": "nnxscale._sharding",
-    "place": "nnxscale._sharding",
-    "reshard": "nnxscale._sharding",
-    "layout_bytes": "nnxscale._sharding",
-    "lint": "nnxscale._sharding",
-    "sharding_table": "nnxscale._sharding",
-    "sharded_init": "nnxscale._sharding",
-    "compile_init": "nnxscale._sharding",
-    "layouts": "nnxscale._sharding",
+    "state_specs": "nnxscale.sharding.state",
+    "state_shardings": "nnxscale.sharding.state",
+    "abstract_state": "nnxscale.sharding.state",
+    "place": "nnxscale.sharding.state",
+    "reshard": "nnxscale.sharding.state",
+    "layout_bytes": "nnxscale.sharding.state",
+    "lint": "nnxscale.sharding.state",
+    "sharding_table": "nnxscale.sharding.state",
+    "sharded_init": "nnxscale.sharding.state",
+    "compile_init": "nnxscale.sharding.state",
+    "layouts": "nnxscale.sharding.state",
     # data and tokenizers
-    "load_tokens": "nnxscale._data",
-    "train_batches": "nnxscale._data",
-    "eval_batches": "nnxscale._data",
-    "to_global": "nnxscale._data",
-    "batch_rows": "nnxscale._data",
-    "TokenData": "nnxscale._data",
-    "load_tokenizer": "nnxscale._text",
-    "tokenize": "nnxscale._text",
+    "load_tokens": "nnxscale.data.tokens",
+    "train_batches": "nnxscale.data.tokens",
+    "eval_batches": "nnxscale.data.tokens",
+    "to_global": "nnxscale.data.tokens",
+    "batch_rows": "nnxscale.data.tokens",
+    "TokenData": "nnxscale.data.tokens",
+    "load_tokenizer": "nnxscale.data.text",
+    "tokenize": "nnxscale.data.text",
     # checkpoints
-    "Checkpointer": "nnxscale._checkpoint",
-    "checkpoint_dir": "nnxscale._checkpoint",
+    "Checkpointer": "nnxscale.checkpoint.checkpointer",
+    "checkpoint_dir": "nnxscale.checkpoint.checkpointer",
     # training
-    "TrainConfig": "nnxscale._config",
-    "OptimConfig": "nnxscale._config",
-    "DataConfig": "nnxscale._config",
-    "train": "nnxscale._train",
-    "TrainResult": "nnxscale._train",
-    "setup": "nnxscale._train",
-    "Setup": "nnxscale._train",
-    "init_state": "nnxscale._train",
-    "make_train_step": "nnxscale._train",
-    "read_metrics": "nnxscale._train",
-    "init_run": "nnxscale._train",
+    "TrainConfig": "nnxscale.training.config",
+    "OptimConfig": "nnxscale.training.config",
+    "DataConfig": "nnxscale.training.config",
+    "train": "nnxscale.training.loop",
+    "TrainResult": "nnxscale.training.loop",
+    "setup": "nnxscale.training.state",
+    "Setup": "nnxscale.training.state",
+    "init_state": "nnxscale.training.state",
+    "make_train_step": "nnxscale.training.step",
+    "read_metrics": "nnxscale.training.rundir",
+    "init_run": "nnxscale.training.seed",
     # sampling
-    "sample": "nnxscale._generate",
-    "load_model": "nnxscale._generate",
+    "sample": "nnxscale.training.sampling",
+    "load_model": "nnxscale.training.sampling",
     # planning: memory per device and collectives per step
-    "plan": "nnxscale._plan",
-    "sweep": "nnxscale._plan",
-    "StepPlan": "nnxscale._plan",
-    "collective_bytes": "nnxscale._hlo",
+    "plan": "nnxscale.planning.planner",
+    "sweep": "nnxscale.planning.planner",
+    "StepPlan": "nnxscale.planning.planner",
+    "collective_bytes": "nnxscale.planning.hlo",
     # shard_map
-    "data_parallel_apply": "nnxscale._parallel",
-    "ColumnParallelLinear": "nnxscale._parallel",
-    "RowParallelLinear": "nnxscale._parallel",
-    "TensorParallelMLP": "nnxscale._parallel",
+    "data_parallel_apply": "nnxscale.teaching.shard_map",
+    "ColumnParallelLinear": "nnxscale.teaching.shard_map",
+    "RowParallelLinear": "nnxscale.teaching.shard_map",
+    "TensorParallelMLP": "nnxscale.teaching.shard_map",
 }
 
 # public submodules: namespaces, used by their qualified names
-_SUBMODULES = ("models", "errors", "distributed", "simulate", "stack", "pipeline", "cli")
+_SUBMODULES = ("models", "errors", "progress", "sharding", "layers", "training", "data", "checkpoint", "planning", "jobs", "teaching", "cli")
+
+# old paths of moved public modules: aliases of the new ones for one release (a DeprecationWarning on import)
+_MOVED = {"stack": "nnxscale.layers.stack", "pipeline": "nnxscale.layers.pipeline", "distributed": "nnxscale.jobs.distributed", "simulate": "nnxscale.teaching.simulate"}
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 
@@ -126,6 +141,8 @@ __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 def __getattr__(name: str):
     if name in _SUBMODULES:
         return importlib.import_module(f"nnxscale.{name}")  # the import binds it here too
+    if name in _MOVED:
+        return importlib.import_module(f"nnxscale.{name}")  # the alias module warns, then is the new one
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'nnxscale' has no attribute {name!r}")

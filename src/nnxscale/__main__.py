@@ -1,3 +1,3 @@
-from nnxscale.cli import run
+from nnxscale.cli.commands import run
 
 run()

@@ -53,6 +53,18 @@ class CheckpointError(NnxscaleError, RuntimeError):
     """A checkpoint that cannot be saved or restored as asked; the message says what to do."""
 
 
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint whose files cannot be read or whose data fails its checksums.
+
+    ``step`` is the damaged step, ``what`` what is wrong with it (part of the message).
+    """
+
+    def __init__(self, message: str, step: int, what: str):
+        super().__init__(message)
+        self.step = step
+        self.what = what
+
 class JobError(NnxscaleError, ValueError):
     """A multi-process job that cannot be joined or launched as asked (flags, ports, processes)."""
 

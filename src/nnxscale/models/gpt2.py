@@ -35,15 +35,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxscale._activations import constrain
 from nnxscale.errors import ModelError
+from nnxscale.layers.stack import scan_layers, stack_layers
 from nnxscale.models.dropout import dropout, dropout_keys
 from nnxscale.models.hf_checkpoint import (
-    HFLayout, HFParam, SafetensorsFiles, hf_tensors, key_part, load_module, read_config, save_safetensors,
+    HFLayout,
+    HFParam,
+    SafetensorsFiles,
+    hf_tensors,
+    key_part,
+    load_module,
+    read_config,
+    save_safetensors,
 )  # fmt: skip
 from nnxscale.models.model_config import ModelConfig, choose_preset
-from nnxscale._rules import logical
-from nnxscale.stack import scan_layers, stack_layers
+from nnxscale.sharding.activations import constrain
+from nnxscale.sharding.rules import logical
 
 _normal = nnx.initializers.normal
 _zeros = nnx.initializers.zeros_init()
@@ -62,7 +69,7 @@ class GPT2Config(ModelConfig):
     ``dtype`` is the compute dtype (parameters are cast at use; logits are always
     float32), ``param_dtype`` the storage dtype of the parameters. ``dropout`` applies to
     embeddings and residual branches, and only when ``GPT2.__call__`` gets ``rngs``.
-    ``remat`` is a policy of :data:`nnxscale.stack.REMAT_POLICIES` (``"none"``,
+    ``remat`` is a policy of :data:`nnxscale.layers.stack.REMAT_POLICIES` (``"none"``,
     ``"full"``: keep each block's input only, ``"dots"``: keep the weight matmuls'
     outputs); ``True`` means ``"full"``.
     """

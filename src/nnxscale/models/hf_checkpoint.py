@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from nnxscale.errors import ModelError, ModelFileNotFoundError
+from nnxscale.sharding.state import is_variable
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -101,10 +102,6 @@ def _short(names: list[str], most: int = 8) -> str:
     if len(names) <= most:
         return str(names)
     return f"{names[:most]} ... ({len(names)} in all)"
-
-
-def _is_var(x) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 def read_config(path: Path, family: str) -> dict[str, Any]:
@@ -196,7 +193,7 @@ def load_state(
     it must hold exactly the names the model needs. Each device reads only its own slice
     (replicas read it once).
     """
-    flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_var)[0]
+    flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_variable)[0]
     params = {tuple(p): hf_param(p, tuple(v.get_value().shape)) for p, v in flat}
     expected = {k for param in params.values() for k in param.keys}
     if missing := sorted(expected - set(names), key=_natural):
@@ -232,7 +229,7 @@ def load_state(
 
         return v.replace(jax.make_array_from_callback(shape, sharding, callback))
 
-    return jax.tree_util.tree_map_with_path(load, abstract, shardings, is_leaf=_is_var)
+    return jax.tree_util.tree_map_with_path(load, abstract, shardings, is_leaf=is_variable)
 
 
 def load_module(files: SafetensorsFiles, factory: Callable[[], nnx.Module], hf_param, names, *, mesh, rules, model_name: str):
@@ -247,8 +244,8 @@ def state_shardings(abstract, mesh, rules):
     """One device for ``mesh=None``; else the layout ``rules`` give on ``mesh``."""
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return jax.tree.map(lambda v: device, abstract, is_leaf=_is_var)
-    from nnxscale._sharding import state_shardings as shardings
+        return jax.tree.map(lambda v: device, abstract, is_leaf=is_variable)
+    from nnxscale.sharding.state import state_shardings as shardings
 
     return shardings(abstract, mesh, rules)
 
@@ -256,7 +253,7 @@ def state_shardings(abstract, mesh, rules):
 def hf_tensors(model, hf_param: Callable[[tuple, tuple[int, ...]], HFParam]) -> Iterable[tuple[str, Callable[[], np.ndarray], int]]:
     """``(HF name, fetch, bytes)`` for every tensor of ``model``'s parameters; ``fetch()``
     copies one tensor (one layer of a stacked parameter) to the host in HF's layout."""
-    flat = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=_is_var)[0]
+    flat = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=is_variable)[0]
     for p, v in flat:
         value = v.get_value()
         param = hf_param(p, tuple(value.shape))

@@ -39,15 +39,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxscale._activations import constrain
 from nnxscale.errors import ModelError
+from nnxscale.layers.stack import scan_layers, stack_layers
 from nnxscale.models.dropout import dropout, dropout_keys
 from nnxscale.models.hf_checkpoint import (
-    HFLayout, HFParam, SafetensorsFiles, hf_tensors, key_part, load_module, read_config, save_safetensors,
+    HFLayout,
+    HFParam,
+    SafetensorsFiles,
+    hf_tensors,
+    key_part,
+    load_module,
+    read_config,
+    save_safetensors,
 )  # fmt: skip
 from nnxscale.models.model_config import ModelConfig, choose_preset
-from nnxscale._rules import logical
-from nnxscale.stack import scan_layers, stack_layers
+from nnxscale.sharding.activations import constrain
+from nnxscale.sharding.rules import logical
 
 _normal = nnx.initializers.normal(0.02)  # HF's initializer_range for every weight matrix
 _ones = nnx.initializers.ones_init()
@@ -97,7 +104,7 @@ class LlamaConfig(ModelConfig):
     (parameters are cast at use; logits are always float32), ``param_dtype`` the storage
     dtype. ``dropout`` applies to embeddings and residual branches, and only when
     ``Llama.__call__`` gets ``rngs``. ``remat`` is a policy of
-    :data:`nnxscale.stack.REMAT_POLICIES` (``True`` means ``"full"``).
+    :data:`nnxscale.layers.stack.REMAT_POLICIES` (``True`` means ``"full"``).
     """
 
     vocab_size: int

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from nnxscale.errors import ModelError
-from nnxscale.stack import REMAT_POLICIES
+from nnxscale.layers.stack import REMAT_POLICIES
 
 DTYPES = ("float32", "bfloat16")
 

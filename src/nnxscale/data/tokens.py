@@ -4,7 +4,7 @@ Sources (:func:`load_tokens`):
 
 - text: ``None`` or ``"stdlib"`` (the default corpus, the running Python's standard library
   source), a text file, or a directory of text files, each file one document
-  (``nnxscale._text``). Its tokens are its bytes (vocabulary 256, documents joined by byte 0),
+  (``nnxscale.data.text``). Its tokens are its bytes (vocabulary 256, documents joined by byte 0),
   or with a tokenizer (``tokenizer.json``) the tokenizer's ids, documents joined by its
   end-of-text token.
 - ``.bin`` (uint16, nanoGPT's layout) or ``.npy`` (1-D integer array) token files, memory
@@ -36,7 +36,7 @@ import grain
 import jax
 import numpy as np
 
-from nnxscale import _text as text
+from nnxscale.data import text as text
 from nnxscale.errors import DataError
 
 TokenSource = Union[str, os.PathLike, None]

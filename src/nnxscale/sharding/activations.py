@@ -24,10 +24,12 @@ import dataclasses
 from typing import Optional
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import LayoutError
-from nnxscale._rules import MeshRules, TensorLayout, resolve
+from nnxscale.sharding.axes import entry_axes
+from nnxscale.sharding.rules import MeshRules, TensorLayout, resolve
 
 _CURRENT: contextvars.ContextVar[Optional[MeshRules]] = contextvars.ContextVar("nnxscale_rules", default=None)
 _RECORDS: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("nnxscale_activation_records", default=None)
@@ -125,6 +127,6 @@ def constrain(x: jax.Array, *names: Optional[str]) -> jax.Array:
 def _without(entry, manual: set):
     if entry is None:
         return None
-    axes = (entry,) if isinstance(entry, str) else tuple(entry)
+    axes = entry_axes(entry)
     kept = tuple(a for a in axes if a not in manual)
     return None if not kept else kept[0] if len(kept) == 1 else kept

@@ -36,10 +36,11 @@ import sys
 import time
 from typing import Any, Optional
 
-from nnxscale._config import ConfigError, TrainConfig, with_overrides
-from nnxscale._devices import MEMORY
-from nnxscale._layout import format_bytes, full_bytes, shard_bytes
-from nnxscale._mesh import format_mesh, resolve_mesh_shape
+from nnxscale.sharding.axes import STAGE, entry_axes
+from nnxscale.sharding.devices import MEMORY
+from nnxscale.sharding.layout import format_bytes, full_bytes, shard_bytes
+from nnxscale.sharding.mesh import format_mesh, resolve_mesh_shape
+from nnxscale.training.config import ConfigError, TrainConfig, with_overrides
 
 #: Memory of one device, by name (``--device``), in bytes.
 KNOWN_DEVICES = MEMORY
@@ -118,6 +119,9 @@ class StepPlan:
     activations: list = dataclasses.field(default_factory=list)  # {names, shape, spec, dropped} per constrained activation
     notes: list = dataclasses.field(default_factory=list)
     pipeline: Optional[dict] = None  # the pipeline's layout and costs (see pipeline_figures); None without one
+    #: :func:`layout_figures` of the plan (the abstract model, resolved rules, rows): reused by
+    #: callers (``nnxscale plan``'s table and lint) instead of being built again.
+    layout: Optional[dict] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def activation_bytes(self) -> int:
@@ -256,7 +260,7 @@ def plan(
         batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.optim.grad_accum,
         num_params=lay["num_params"], full_param_bytes=lay["full_param_bytes"], param_bytes=lay["param_bytes"],
         optimizer_bytes=lay["optimizer_bytes"], gradient_bytes=lay["gradient_bytes"], batch_bytes=lay["batch_bytes"],
-        textbook=textbook_collectives(cfg, lay), device_memory=device_memory,
+        textbook=textbook_collectives(cfg, lay), device_memory=device_memory, layout=lay,
     )  # fmt: skip
     family = lay["model"].family.name
     calibration = [] if family == ESTIMATE_FAMILY else [
@@ -265,7 +269,7 @@ def plan(
     ]  # fmt: skip
     pipe = lay["pipeline"]
     if pipe is not None:
-        from nnxscale._train import pipeline_notes
+        from nnxscale.training.state import pipeline_notes
 
         calibration.append(
             "the analytical estimate does not model the pipeline (fitted without one: no microbatch buffer, bubble or "
@@ -300,12 +304,12 @@ def plan(
 def pipeline_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional[dict] = None) -> Optional[dict]:
     """The pipeline of a plan: its layout (schedule, stages, layers per stage, repeats,
     microbatches and their rows per batch shard), its bubble, and per device and step the
-    ``collective-permute`` bytes, from :func:`nnxscale.pipeline.pipeline_cost` and, when
+    ``collective-permute`` bytes, from :func:`nnxscale.layers.pipeline.pipeline_cost` and, when
     compiled, from the compiled step; ``None`` without a pipeline."""
     pipe, n = lay["pipeline"], lay["stacked_layers"]
     if pipe is None:
         return None
-    from nnxscale.pipeline import pipeline_cost
+    from nnxscale.layers.pipeline import pipeline_cost
 
     d, dims = cfg.data, lay["model"].dims
     cost = pipeline_cost(pipe, n, (d.batch_size, d.seq_len, dims.width), cfg.dtype, batch_shards=lay["rules"].batch_shard_count)
@@ -355,7 +359,7 @@ def describe_pipeline(p: dict, source: str = "compiler") -> list[str]:
 
 def mesh_sizes(spec, devices: Optional[int] = None) -> dict[str, int]:
     """``{axis: size}`` of a mesh spec; ``-1`` takes ``devices`` (default: this job's)."""
-    from nnxscale._mesh import parse_mesh_spec
+    from nnxscale.sharding.mesh import parse_mesh_spec
 
     axes = parse_mesh_spec(spec)
     if -1 in axes.values():
@@ -377,7 +381,7 @@ def mesh_sizes(spec, devices: Optional[int] = None) -> dict[str, int]:
 def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
     """Parameters, optimizer state, gradients and batch per device, from the layout alone.
 
-    Also ``model`` (the run's :class:`~nnxscale._train.RunModel`), ``abstract`` (the model,
+    Also ``model`` (the run's :class:`~nnxscale.training.model.RunModel`), ``abstract`` (the model,
     nothing allocated) and ``rules`` (resolved against ``sizes``).
     """
     import jax
@@ -386,9 +390,11 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
     from flax import nnx
     from jax.sharding import PartitionSpec as P
 
-    from nnxscale._rules import resolve
-    from nnxscale._sharding import layouts, state_specs
-    from nnxscale._train import check_pipeline, check_shapes, decay_mask, make_optimizer, run_model, run_pipeline
+    from nnxscale.sharding.rules import resolve
+    from nnxscale.sharding.state import layouts, state_specs
+    from nnxscale.training.model import run_model
+    from nnxscale.training.optimizer import decay_mask, make_optimizer
+    from nnxscale.training.state import check_pipeline, check_shapes, run_pipeline
 
     m = run_model(cfg)
     rules = resolve(cfg.rules, sizes, min_shard_bytes=cfg.min_shard_bytes)
@@ -437,7 +443,7 @@ def _split(rows, rules) -> dict[str, float]:
     batch = {a for a in rules.batch_axes if rules.sizes[a] > 1}
     out = {"fsdp": 0.0, "replicated": 0.0}
     for row in rows:
-        axes = {a for e in row.spec for a in ((e,) if isinstance(e, str) else e or ())}
+        axes = {a for e in row.spec for a in entry_axes(e)}
         share = full_bytes(row.shape, row.dtype) / math.prod(rules.sizes[a] for a in axes - batch)
         out["fsdp" if axes & batch else "replicated"] += share
     return out
@@ -451,7 +457,7 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
     backward pass, reduce-scatter the gradients: 3x what FSDP splits. Tensor parallel
     (Megatron): two all-reduces of the ``(B, T, C)`` activations per layer forward and two
     backward (two more with rematerialization); in a pipeline, a stage's layers in every
-    iteration, bubble included. Pipeline: :func:`nnxscale.pipeline.pipeline_cost`'s
+    iteration, bubble included. Pipeline: :func:`nnxscale.layers.pipeline.pipeline_cost`'s
     permutes and stage-boundary all-reduces.
     """
     rules, dims, full = lay["rules"], lay["model"].dims, max(lay["full_param_bytes"], 1)
@@ -463,7 +469,7 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
         out.append(("data-parallel gradient all-reduce", split["replicated"] / full))
     if split["fsdp"]:
         out.append(("FSDP 2 gathers + reduce-scatter", 3 * split["fsdp"] / full))
-    tensor = math.prod(s for a, s in rules.sizes.items() if a not in rules.batch_axes and a != "stage")
+    tensor = math.prod(s for a, s in rules.sizes.items() if a not in rules.batch_axes and a != STAGE)
     pipe = lay.get("pipeline")
     layers = dims.layers
     if pipe is not None:  # a stage runs L/S layers, over R*M + S - 1 iterations of R*M microbatches' worth
@@ -561,7 +567,7 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
     s = 4
 
     def split(name: str, size: int) -> int:
-        return math.prod(rules.sizes[a] for e in rules.activation_spec((name,), (size,)) for a in _axes(e))
+        return math.prod(rules.sizes[a] for e in rules.activation_spec((name,), (size,)) for a in entry_axes(e))
 
     tp, tph, tpv = split("mlp", dims.mlp_width), split("heads", N), split("vocab", V)
     parts = _split(lay["rows"], rules)
@@ -587,10 +593,6 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
         "coll_tp": L * act * tp_reductions * accum,
         "coll_vocab": 2 * act * accum if tpv > 1 else 0.0,
     }
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def estimate(cfg: TrainConfig, lay: Optional[dict] = None) -> dict[str, Any]:
@@ -620,7 +622,8 @@ def compile_step(cfg: TrainConfig, mesh=None):
     """``(setup, compiled step)``: the real train step of ``cfg`` compiled, nothing allocated."""
     import jax
 
-    from nnxscale._train import make_train_step, setup
+    from nnxscale.training.state import setup
+    from nnxscale.training.step import make_train_step
 
     s = setup(cfg, mesh)
     with jax.set_mesh(s.mesh):
@@ -630,7 +633,7 @@ def compile_step(cfg: TrainConfig, mesh=None):
 
 def measure(compiled) -> dict[str, Any]:
     """The compiler's own figures for a compiled step, per device."""
-    from nnxscale import _hlo as hlo
+    from nnxscale.planning import hlo as hlo
 
     ma = compiled.memory_analysis()
     peak = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
@@ -654,8 +657,8 @@ def compiled_figures(cfg: TrainConfig, n: int) -> dict[str, Any]:
 def _compile_here(cfg: TrainConfig, n: int) -> dict[str, Any]:
     import jax
 
-    from nnxscale._activations import record_activations
-    from nnxscale._mesh import make_mesh
+    from nnxscale.sharding.activations import record_activations
+    from nnxscale.sharding.mesh import make_mesh
 
     mesh = make_mesh(cfg.mesh, devices=jax.devices()[:n])
     t = time.perf_counter()
@@ -680,7 +683,7 @@ def _compile_in_child(cfg: TrainConfig, n: int) -> dict[str, Any]:
     env["JAX_PLATFORMS"] = "cpu"
     env["NNXSCALE_PLAN_CHILD"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "nnxscale._plan"],
+        [sys.executable, "-m", "nnxscale.planning.planner"],
         input=json.dumps(cfg.to_dict()),
         capture_output=True,
         text=True,
@@ -738,7 +741,7 @@ def sweep(
     Sorted by peak memory per device. ``compile="never"`` (the default) uses the estimate:
     quick, and each plan says so; ``"auto"`` compiles each.
     """
-    from nnxscale._train import run_model
+    from nnxscale.training.model import run_model
 
     if cfg.microbatches is not None:
         raise ConfigError("--sweep plans meshes without a stage axis: plan a pipeline without --sweep (drop --microbatches)")

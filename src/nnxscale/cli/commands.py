@@ -6,7 +6,7 @@ out of the box; GPUs and TPUs are used as they are. The setting must reach XLA b
 is imported, which is why this module imports nothing from jax at the top.
 
 Every command that uses devices joins a job of several processes when asked (flags,
-environment or a detected cluster: :mod:`nnxscale.distributed`); in such a job only
+environment or a detected cluster: :mod:`nnxscale.jobs.distributed`); in such a job only
 process 0 writes to standard output, and every process writes its errors to standard
 error. ``nnxscale launch`` starts the processes of a job on this machine.
 """
@@ -110,7 +110,7 @@ def _add_remat(p: argparse.ArgumentParser) -> None:
 
 
 def _defaults():
-    from nnxscale._config import TrainConfig, flatten
+    from nnxscale.training.config import TrainConfig, flatten
 
     return flatten(TrainConfig().to_dict())
 
@@ -126,7 +126,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _add_job(p: argparse.ArgumentParser) -> None:
-    from nnxscale import distributed as d
+    from nnxscale.jobs import distributed as d
 
     g = p.add_argument_group(
         "multi-process job",
@@ -154,13 +154,22 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    defaults = _defaults()
     parser = _Parser(
         prog="nnxscale",
         description="Sharded training with JAX and Flax NNX: plan, create, train, save and restore models in their sharded layout.",
     )
+    defaults = _defaults()
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _train_parser(sub, defaults)
+    _sample_parser(sub)
+    _init_parser(sub)
+    _plan_parser(sub)
+    _tokenize_parser(sub)
+    _launch_parser(sub)
+    return parser
 
+
+def _train_parser(sub, defaults: dict) -> None:
     t = sub.add_parser(
         "train",
         help="train a model on a mesh (no arguments: the quick start)",
@@ -175,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_common(t)
 
+
+def _sample_parser(sub) -> None:
     s = sub.add_parser("sample", help="generate text from a run's latest checkpoint")
     s.add_argument("--run-dir", required=True, help="run directory written by nnxscale train")
     s.add_argument("--prompt", default="", help="text to continue")
@@ -185,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer", help="tokenizer.json to decode with (default: the run's own, or bytes)")
     _add_common(s)
 
+
+def _init_parser(sub) -> None:
     i = sub.add_parser(
         "init",
         help="create a model directly in its sharded layout and save it (a seed checkpoint)",
@@ -198,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--seed", type=int, default=0)
     _add_common(i)
 
+
+def _plan_parser(sub) -> None:
     pl = sub.add_parser(
         "plan",
         help="will a run fit, and what will it cost? Memory per device and collectives per step, nothing allocated",
@@ -232,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="end with one JSON line: the plan (a list of plans with --sweep)")
     _add_common(pl)
 
+
+def _tokenize_parser(sub) -> None:
     tk = sub.add_parser(
         "tokenize",
         help="encode a text corpus once into a token file train reads (.bin uint16 or .npy)",
@@ -245,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     tk.add_argument("--out", required=True, help="token file to write: FILE.bin or FILE.npy")
     tk.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+
+def _launch_parser(sub) -> None:
     la = sub.add_parser(
         "launch",
         help="start the processes of a multi-process job on this machine: nnxscale launch -n 2 -- train ...",
@@ -265,12 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds between SIGTERM and SIGKILL when stopping the processes (default 3)")  # fmt: skip
     la.add_argument("--log-dir", default=None, help="where the per-process logs go (default: RUN_DIR/logs)")
     la.add_argument("child", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the nnxscale command, e.g. -- train --mesh data=8")
-    return parser
 
 
 def _train(args) -> int:
-    from nnxscale._config import TrainConfig, load_config_file, with_overrides
-    from nnxscale._train import train
+    from nnxscale.training.config import TrainConfig, load_config_file, with_overrides
+    from nnxscale.training.loop import train
 
     cfg = TrainConfig()
     if args.config:
@@ -316,7 +334,7 @@ def _merge(base: dict, override: dict) -> dict:
 
 
 def _sample(args) -> int:
-    from nnxscale._generate import sample
+    from nnxscale.training.sampling import sample
 
     text = sample(
         args.run_dir,
@@ -333,8 +351,8 @@ def _sample(args) -> int:
 
 
 def _tokenize(args) -> int:
-    from nnxscale._layout import format_bytes
-    from nnxscale._text import tokenize
+    from nnxscale.data.text import tokenize
+    from nnxscale.sharding.layout import format_bytes
 
     info = tokenize(args.tokenizer, args.data, args.out, progress=not args.no_progress)
     skipped = f" ({info['skipped']} empty or binary files skipped)" if info["skipped"] else ""
@@ -347,8 +365,8 @@ def _tokenize(args) -> int:
 
 
 def _init(args) -> int:
-    from nnxscale._layout import format_bytes
-    from nnxscale._train import init_run
+    from nnxscale.sharding.layout import format_bytes
+    from nnxscale.training.seed import init_run
 
     info = init_run(args.model, args.mesh, args.run_dir, rules=args.rules, seed=args.seed)
     print(
@@ -360,7 +378,9 @@ def _init(args) -> int:
 
 
 def _known_devices() -> list[str]:
-    from nnxscale._devices import MEMORY  # plain data: jax must not start before --cpu-devices is set
+    from nnxscale.sharding.devices import (
+        MEMORY,  # plain data: jax must not start before --cpu-devices is set
+    )
 
     return list(MEMORY)
 
@@ -368,12 +388,12 @@ def _known_devices() -> list[str]:
 def _plan(args) -> int:
     import json
 
-    from nnxscale import _plan as planlib
-    from nnxscale._config import TrainConfig, with_overrides
-    from nnxscale._sharding import lint, sharding_table
-    from nnxscale.models import find_preset
+    from nnxscale.planning import planner as planlib
+    from nnxscale.sharding.state import lint, sharding_table
+    from nnxscale.training.config import TrainConfig, with_overrides
+    from nnxscale.training.model import model_architecture
 
-    family, preset = find_preset(args.model)
+    family, preset = model_architecture(args.model)  # a preset, or a Hugging Face directory as in `train`
     fields = {
         "model": args.model, "mesh": args.mesh, "rules": args.rules, "dtype": args.dtype,
         "data.batch_size": args.batch_size, "data.seq_len": args.seq_len or family.dims(preset).context,
@@ -404,8 +424,7 @@ def _plan(args) -> int:
         for a in step.activations:
             inside = f" (per shard inside the pipeline, manual over {', '.join(a['manual'])})" if a.get("manual") else ""
             print(f"  ({', '.join(a['names'])}) {tuple(a['shape'])}: {a['spec']}{inside}")
-    lay = planlib.layout_figures(cfg, sizes)
-    model, rules = lay["abstract"], lay["rules"]
+    model, rules = step.layout["abstract"], step.layout["rules"]
     if args.table:
         print()
         print(sharding_table(model, sizes, rules))
@@ -435,7 +454,7 @@ def group_findings(findings) -> list[str]:
 
 
 def _launch(args) -> int:
-    from nnxscale._launch import COMMANDS, launch
+    from nnxscale.jobs.launch import COMMANDS, launch
 
     command = args.child[1:] if args.child[:1] == ["--"] else args.child
     log_dir = args.log_dir
@@ -459,7 +478,7 @@ def _run_dir(args) -> Optional[str]:
     """The run directory a parsed device command writes to (``None`` for plan)."""
     if getattr(args, "run_dir", None) is not None or args.command != "train":
         return getattr(args, "run_dir", None)
-    from nnxscale._config import TrainConfig, load_config_file
+    from nnxscale.training.config import TrainConfig, load_config_file
 
     from_file = load_config_file(args.config).get("run_dir") if args.config else None
     return from_file or TrainConfig().run_dir
@@ -467,7 +486,7 @@ def _run_dir(args) -> Optional[str]:
 
 def _join(args):
     """Join the job the flags, environment or cluster describe (a no-op for a single process)."""
-    from nnxscale import distributed
+    from nnxscale.jobs import distributed as distributed
 
     fields = [f.name for f in dataclasses.fields(distributed.JobSpec)]  # the flags of _add_job
     job = distributed.join(distributed.JobSpec.from_flags(**{f: getattr(args, f) for f in fields}))
@@ -496,14 +515,17 @@ def main(argv=None) -> int:
             print(f"nnxscale: error: {e}", file=sys.stderr)
             return 2
     handler = {"train": _train, "sample": _sample, "init": _init, "plan": _plan}[args.command]
-    from nnxscale.distributed import current, leave
+    from nnxscale.jobs.distributed import current, leave
 
     # In a job of several processes a failure must reach the others (leave): they may be
     # waiting for this process in a collective.
+    from nnxscale.jobs.process import owned_by_command
+
     try:
         configure_cpu_devices(args.cpu_devices)  # before jax starts; a bad value is one line
         _join(args)
-        return handler(args)
+        with owned_by_command():  # the command owns its process (nnxscale.jobs.process)
+            return handler(args)
     except KeyboardInterrupt:
         print("nnxscale: interrupted", file=sys.stderr)
         return leave(130, "interrupted by SIGINT")

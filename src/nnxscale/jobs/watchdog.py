@@ -11,7 +11,7 @@ When nothing completes for the phase's limit, the watchdog
    ``RUN_DIR/logs/stacks_<process>.txt`` and one line naming the phase to
    ``RUN_DIR/logs/hang_<process>.txt`` (what ``nnxscale launch`` prints);
 2. prints that line, and ends the process with :data:`EXIT_HUNG`; in a job of several
-   processes it first records the failure (:func:`nnxscale.distributed.leave`), so the
+   processes it first records the failure (:func:`nnxscale.jobs.distributed.leave`), so the
    processes that are still waiting write their stacks and end too.
 
 The limit: ``timeout`` seconds (``--hang-timeout``, ``NNXSCALE_HANG_TIMEOUT``) when given,
@@ -89,7 +89,7 @@ class ProgressWatchdog:
         self._enabled_faulthandler = not faulthandler.is_enabled()  # the caller's own stays as it is
         if self._enabled_faulthandler:  # a crash or abort leaves the stacks here too
             faulthandler.enable(self._stacks, all_threads=True)
-        from nnxscale import distributed
+        from nnxscale.jobs import distributed as distributed
 
         distributed.stacks_on_peer_failure(self._stacks)
         if threading.current_thread() is threading.main_thread():
@@ -106,7 +106,7 @@ class ProgressWatchdog:
             return
         self._stop.set()
         self._thread.join(timeout=2 * _CHECK_S)
-        from nnxscale import distributed
+        from nnxscale.jobs import distributed as distributed
 
         distributed.stacks_on_peer_failure(None)
         try:
@@ -171,7 +171,7 @@ class ProgressWatchdog:
             hang_file(self.logs, self.process).write_text(line + "\n")
         except OSError as e:  # a full or stuck disk must not keep the process alive
             line += f" (could not write them: {e})"
-        from nnxscale.distributed import current, leave
+        from nnxscale.jobs.distributed import current, leave
 
         message = f"nnxscale: error: {line}. {self.resume_hint}".rstrip()
         print(message, file=sys.stderr, flush=True)

@@ -40,8 +40,8 @@ from typing import Optional, Union
 
 import numpy as np
 
-from nnxscale._progress import ProgressBar
 from nnxscale.errors import DataError, StorageError, storage_error
+from nnxscale.progress import ProgressBar
 
 #: Token placed between two documents (files) of byte-level text: byte 0, never in text.
 SEPARATOR = 0

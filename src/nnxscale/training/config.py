@@ -68,7 +68,7 @@ class TrainConfig:
     seed: int = 0
     dropout: float = 0.0
     dtype: str = "float32"  # compute dtype; parameters stay float32
-    remat: str = "none"  # none, full (True), dots: see nnxscale.stack.REMAT_POLICIES
+    remat: str = "none"  # none, full (True), dots: see nnxscale.layers.stack.REMAT_POLICIES
     min_shard_bytes: int = 1 << 20  # parameters below this are not split over FSDP axes
     run_dir: str = "runs/quickstart"
     log_every: int = 10

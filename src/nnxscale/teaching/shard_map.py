@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import LayoutError
+from nnxscale.sharding.mesh import context_mesh
 
 AxisName = Union[str, tuple[str, ...]]
 
@@ -112,19 +113,6 @@ def _layer_mesh(layer: nnx.Module, who: str):
     return mesh
 
 
-def _context_mesh(mesh: Mesh):
-    """The mesh to hand ``jax.shard_map``: ``mesh``, or the context's view of it.
-
-    Inside another shard_map over the same mesh (a TP layer under
-    :func:`data_parallel_apply`) the context mesh has some axes Manual, and shard_map
-    requires that abstract mesh rather than the concrete one.
-    """
-    ctx = jax.sharding.get_abstract_mesh()
-    if not ctx.empty and ctx.manual_axes and (ctx.axis_names, ctx.axis_sizes) == (mesh.axis_names, mesh.axis_sizes):
-        return ctx
-    return mesh
-
-
 def _cached(builder, *key):
     """``builder(*key)`` from its lru_cache; built uncached when a key is unhashable."""
     try:
@@ -147,7 +135,7 @@ def _sharded_param(init, key, shape, dtype, mesh: Mesh, spec: P) -> nnx.Param:
 
     The initializer runs under ``jax.jit`` with ``out_shardings``: on a mesh with Auto axes
     XLA partitions the random generation, so each device computes only its own slice
-    (see ``nnxscale._mesh`` for the measurement). The Param carries ``out_sharding`` metadata
+    (see ``nnxscale.sharding.mesh`` for the measurement). The Param carries ``out_sharding`` metadata
     so ``nnx.get_partition_spec`` and nnxscale's sharding tools report the layout;
     ``eager_sharding=False`` because the value is already placed.
     """
@@ -195,7 +183,7 @@ def _data_parallel_program(graphdef, mesh: Mesh, names: tuple[str, ...]):
 
     def apply(state, x):
         return jax.shard_map(
-            body, mesh=_context_mesh(mesh), in_specs=(P(), P(entry)), out_specs=P(entry), axis_names=frozenset(names)
+            body, mesh=context_mesh(mesh), in_specs=(P(), P(entry)), out_specs=P(entry), axis_names=frozenset(names)
         )(state, x)
 
     return jax.jit(apply)
@@ -216,7 +204,7 @@ def _column_program(mesh: Mesh, names: tuple[str, ...], gather_output: bool, has
         out_spec = P() if gather_output else P(*(None,) * (x.ndim - 1), entry)
         return jax.shard_map(
             body,
-            mesh=_context_mesh(mesh),
+            mesh=context_mesh(mesh),
             in_specs=(P(), P(None, entry)) + (P(entry),) * has_bias,
             out_specs=out_spec,
             axis_names=frozenset(names),
@@ -241,7 +229,7 @@ def _row_program(mesh: Mesh, names: tuple[str, ...], input_is_parallel: bool, ha
         x_spec = P(*(None,) * (x.ndim - 1), entry) if input_is_parallel else P()
         return jax.shard_map(
             body,
-            mesh=_context_mesh(mesh),
+            mesh=context_mesh(mesh),
             in_specs=(x_spec, P(entry, None)) + (P(),) * has_bias,
             out_specs=P(),
             axis_names=frozenset(names),
@@ -262,7 +250,7 @@ def _mlp_program(mesh: Mesh, names: tuple[str, ...]):
     def apply(*args):
         return jax.shard_map(
             body,
-            mesh=_context_mesh(mesh),
+            mesh=context_mesh(mesh),
             in_specs=(P(), P(None, entry), P(entry), P(entry, None), P()),
             out_specs=P(),
             axis_names=frozenset(names),

@@ -50,11 +50,13 @@ from collections.abc import Mapping, Sequence
 from typing import Optional, Union
 
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import RulesError
-from nnxscale._layout import itemsize
-from nnxscale._mesh import TENSOR_PARALLEL_AXES, mesh_axis_sizes
+from nnxscale.sharding.axes import BATCH_AXES, STAGE, entry_axes
+from nnxscale.sharding.layout import itemsize
+from nnxscale.sharding.mesh import TENSOR_PARALLEL_AXES, mesh_axis_sizes
 
 AxisNames = Union[str, tuple[str, ...], None]
 Table = tuple[tuple[str, AxisNames], ...]
@@ -71,7 +73,7 @@ LOGICAL_NAMES = ("batch", "length", "layers", "embed", "mlp", "heads", "kv_heads
 #: Parameters smaller than this are not split over FSDP axes (see the module docstring).
 MIN_SHARD_BYTES = 1 << 20
 
-_BATCH_AXES = ("data", "batch", "fsdp")  # every data-like axis splits the batch
+_BATCH_AXES = BATCH_AXES  # every data-like axis splits the batch
 _TENSOR_AXES = TENSOR_PARALLEL_AXES
 
 _BATCH: Table = (("batch", _BATCH_AXES),)
@@ -82,7 +84,7 @@ _TENSOR: Table = (
     ("vocab", _TENSOR_AXES),  # embedding / output head split by vocabulary
 )
 _FSDP_PARAMS: Table = (("embed", "fsdp"),)  # ZeRO-3: parameters split along their embedding
-_STAGES: Table = (("layers", "stage"),)  # pipeline stages: each holds its own stacked layers
+_STAGES: Table = (("layers", STAGE),)  # pipeline stages: each holds its own stacked layers
 
 
 def _norm_axes(v) -> AxisNames:
@@ -90,14 +92,6 @@ def _norm_axes(v) -> AxisNames:
         return v
     v = tuple(v)
     return v if v else None
-
-
-def _rule_axes(axes: AxisNames) -> tuple[str, ...]:
-    if axes is None:
-        return ()
-    if isinstance(axes, str):
-        return (axes,)
-    return tuple(axes)
 
 
 def _complete(table: Table) -> Table:
@@ -120,7 +114,7 @@ class AxisRules:
 
     def __str__(self) -> str:
         def text(table):
-            return ",".join(f"{n}={'+'.join(_rule_axes(a))}" for n, a in table)
+            return ",".join(f"{n}={'+'.join(entry_axes(a))}" for n, a in table)
 
         if self.params == self.activations:
             return text(self.params)
@@ -245,7 +239,7 @@ def resolve_name(name: Optional[str], table: Table, sizes: Mapping[str, int]) ->
         mentioned = True
         if axes is None:
             return None, True
-        present = tuple(a for a in _rule_axes(axes) if a in sizes)
+        present = tuple(a for a in entry_axes(axes) if a in sizes)
         if present:
             return present, True
     if not mentioned and name in sizes:

@@ -45,7 +45,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from nnxscale.sharding.axes import entry_axes
 
 #: Names the checksum above; stored with the checksums so a future change is recognized.
 ALGORITHM = "nnxscale-sum64-v2"
@@ -203,7 +206,7 @@ _KERNELS = {ALGORITHM: _sums_v2, ALGORITHM_V1: _sums_v1}
 def _spec_entries(spec: P, ndim: int) -> tuple:
     """``P("data", None)`` -> ``(("data",), ())``: the mesh axes of each dimension."""
     entries = tuple(spec) + (None,) * (ndim - len(spec))
-    return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
+    return tuple(entry_axes(e) for e in entries)
 
 
 @functools.lru_cache(maxsize=256)
@@ -280,7 +283,9 @@ def global_sums(local: np.ndarray) -> np.ndarray:
     """
     if jax.process_count() == 1:
         return local
-    from nnxscale.distributed import _client  # the one seam to JAX's private client
+    from nnxscale.jobs.distributed import (
+        _client,  # the one seam to JAX's private client
+    )
 
     client = _client()
     prefix = f"nnxscale/checksums/{next(_exchanges)}"

@@ -14,23 +14,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import LayoutError
-from nnxscale._mesh import mesh_axis_sizes
-
-
-def spec_entry_axes(entry) -> tuple[str, ...]:
-    """The mesh axes one PartitionSpec entry names: ``None`` -> (), ``"a"`` -> ("a",)."""
-    if entry is None:
-        return ()
-    if isinstance(entry, str):
-        return (entry,)
-    if isinstance(entry, (tuple, list)):
-        for a in entry:
-            if not isinstance(a, str):
-                raise LayoutError(f"PartitionSpec entry {entry!r} contains {a!r}, which is not a mesh axis name")
-        return tuple(entry)
-    if entry is P.UNCONSTRAINED:
-        raise LayoutError("PartitionSpec.UNCONSTRAINED has no fixed shard shape")
-    raise LayoutError(f"PartitionSpec entry {entry!r} is not None, a mesh axis name or a tuple of names")
+from nnxscale.sharding.axes import entry_axes
+from nnxscale.sharding.mesh import mesh_axis_sizes
 
 
 def shard_shape(global_shape: Sequence[int], spec, mesh) -> tuple[int, ...]:
@@ -53,7 +38,7 @@ def shard_shape(global_shape: Sequence[int], spec, mesh) -> tuple[int, ...]:
     used: dict[str, int] = {}
     out = list(shape)
     for dim, entry in enumerate(spec):
-        axes = spec_entry_axes(entry)
+        axes = entry_axes(entry)
         for a in axes:
             if a not in sizes:
                 raise LayoutError(

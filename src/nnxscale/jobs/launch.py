@@ -37,15 +37,15 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from nnxscale.distributed import (
+from nnxscale.errors import JobError
+from nnxscale.jobs.distributed import (
     ENV_COORDINATOR,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     EXIT_PEER_FAILED,
     JobSpec,
 )
-from nnxscale._watchdog import EXIT_HUNG
-from nnxscale.errors import JobError
+from nnxscale.jobs.watchdog import EXIT_HUNG
 
 #: The nnxscale commands that use devices, and so can run as processes of a job.
 COMMANDS = ("train", "init", "sample", "plan")

@@ -12,11 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnxscale import _text as text
-from nnxscale._checkpoint import Checkpointer, checkpoint_dir
-from nnxscale._config import MAX_SEED, ConfigError, TrainConfig, with_overrides
-from nnxscale._mesh import make_mesh
-from nnxscale._train import TOKENIZER_FILE, Setup, saved_config, setup
+from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
+from nnxscale.data import text as text
+from nnxscale.sharding.mesh import make_mesh
+from nnxscale.training.config import MAX_SEED, ConfigError, TrainConfig, with_overrides
+from nnxscale.training.inputs import TOKENIZER_FILE
+from nnxscale.training.rundir import saved_config
+from nnxscale.training.state import Setup, setup
 
 
 def _restore(run_dir, model: Optional[Callable], warn: Callable[[str], None]) -> tuple[Setup, nnx.Module]:

@@ -31,6 +31,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from nnxscale.errors import MeshError
+from nnxscale.sharding.axes import TENSOR_PARALLEL_AXES
 
 MeshSpec = Union[str, Mapping[str, int]]
 
@@ -38,7 +39,6 @@ _AXIS_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 #: Mesh axes that carry tensor parallelism under the rules presets: their collectives run
 #: inside every layer, so they belong on the fast links inside one host.
-TENSOR_PARALLEL_AXES = ("model", "tensor")
 
 
 def parse_mesh_spec(spec: MeshSpec) -> dict[str, int]:
@@ -198,7 +198,7 @@ def process_findings(mesh, hosts: Sequence[str] = ()) -> list[str]:
     One line per ``model``/``tensor`` axis along which the devices belong to more than one
     host (read from the mesh's own devices, whoever built it): its collectives run in
     every layer, over the slow links between hosts. ``hosts`` names each process's host,
-    by process id (``nnxscale.distributed.current().hosts``); without it every process
+    by process id (``nnxscale.jobs.distributed.current().hosts``); without it every process
     counts as a host. Empty when the mesh is on one host.
     """
     owner = np.vectorize(lambda d: hosts[d.process_index] if hosts else d.process_index, otypes=[object])(mesh.devices)
@@ -229,3 +229,16 @@ def mesh_axis_sizes(mesh) -> dict[str, int]:
     if isinstance(mesh, Mapping):
         return {str(k): int(v) for k, v in mesh.items()}
     return dict(mesh.shape)
+
+
+def context_mesh(mesh):
+    """The mesh to hand ``jax.shard_map``: ``mesh``, or the context's view of it.
+
+    Inside another shard_map over the same mesh (a TP layer under
+    :func:`data_parallel_apply`) the context mesh has some axes Manual, and shard_map
+    requires that abstract mesh rather than the concrete one.
+    """
+    ctx = jax.sharding.get_abstract_mesh()
+    if not ctx.empty and ctx.manual_axes and (ctx.axis_names, ctx.axis_sizes) == (mesh.axis_names, mesh.axis_sizes):
+        return ctx
+    return mesh

@@ -38,13 +38,22 @@ from typing import Any, Optional
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from nnxscale._layout import LayoutError, format_bytes, full_bytes, shard_bytes, shard_shape
-from nnxscale._rules import LOGICAL_KEY, PRESETS, MeshRules, resolve
+from nnxscale.sharding.axes import STAGE, entry_axes
+from nnxscale.sharding.layout import (
+    LayoutError,
+    format_bytes,
+    full_bytes,
+    shard_bytes,
+    shard_shape,
+)
+from nnxscale.sharding.rules import LOGICAL_KEY, PRESETS, MeshRules, resolve
 
 
-def _is_var(x) -> bool:
+def is_variable(x) -> bool:
+    """Whether ``x`` is an ``nnx.Variable``: the ``is_leaf`` of every walk over a state tree."""
     return isinstance(x, nnx.Variable)
 
 
@@ -127,8 +136,8 @@ def layouts(tree, mesh, rules=None) -> list[VariableLayout]:
     resolved = resolve(rules, mesh)
     state = _as_state(tree)
     out = []
-    for path, v in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)[0]:
-        if _is_var(v):
+    for path, v in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]:
+        if is_variable(v):
             out.append(_layout_variable(_path_str(path), v, resolved))
     return out
 
@@ -140,8 +149,8 @@ def state_specs(tree, mesh, rules=None):
     """
     resolved = resolve(rules, mesh)
     state = _as_state(tree)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)
-    specs = [_layout_variable(_path_str(path), v, resolved).spec if _is_var(v) else P() for path, v in flat]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)
+    specs = [_layout_variable(_path_str(path), v, resolved).spec if is_variable(v) else P() for path, v in flat]
     return jax.tree_util.tree_unflatten(treedef, specs)
 
 
@@ -164,7 +173,7 @@ def abstract_state(factory: Callable[[], nnx.Module], mesh, rules=None):
         shape, dtype = _shape_dtype(v)
         return v.replace(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
 
-    return graphdef, jax.tree.map(with_sharding, state, shardings, is_leaf=_is_var)
+    return graphdef, jax.tree.map(with_sharding, state, shardings, is_leaf=is_variable)
 
 
 #: Per-device bytes of parameters created by one compiled init program. Each program's
@@ -219,7 +228,7 @@ def compile_init(factory: Callable[[], nnx.Module], mesh, rules=None, *, group_b
     ``InitProgram.memory()`` gives the per-device peak before anything is allocated.
     """
     graphdef, abstract = abstract_state(factory, mesh, rules)
-    variables, treedef = jax.tree_util.tree_flatten(abstract, is_leaf=_is_var)
+    variables, treedef = jax.tree_util.tree_flatten(abstract, is_leaf=is_variable)
     shardings = [v.get_value().sharding for v in variables]
     with jax.set_mesh(mesh):
         closed = jax.make_jaxpr(lambda: jax.tree_util.tree_leaves(nnx.split(factory())[1]))()
@@ -314,6 +323,7 @@ class Finding:
 ACTIVATION_NAMES = ("batch", "length")
 
 
+# One pass over the layouts on purpose (81 lines): each finding kind reads the same rows.
 def lint(
     tree, mesh, rules=None, *, replicated_threshold_bytes: int = 1 << 20, activations: Sequence = ()
 ) -> list[Finding]:
@@ -343,7 +353,7 @@ def lint(
     stage_used = False
     for lay in layouts(tree, mesh, resolved):
         stage_used = stage_used or any(
-            "stage" in ((e,) if isinstance(e, str) else tuple(e or ())) for e in lay.spec
+            STAGE in entry_axes(e) for e in lay.spec
         )
         for name in lay.logical or (FALLBACK_NAMES.get(len(lay.shape), ()) if lay.is_param else ()):
             names_in_model.update(name if isinstance(name, (tuple, list)) else (name,))
@@ -376,10 +386,10 @@ def lint(
     for name, axes in resolved.rules.params:
         if axes is None or name in names_in_model or name in ACTIVATION_NAMES or (name, axes) in shipped:
             continue  # "replicate" matching nothing is harmless; a preset's rule serves models that have the name
-        if not any(a in resolved.sizes for a in ((axes,) if isinstance(axes, str) else axes)):
+        if not any(a in resolved.sizes for a in entry_axes(axes)):
             continue  # none of its axes is on this mesh: it would replicate anyway
         findings.append(Finding("unused-rule", "", f"rule {name!r} -> {axes!r} matches no Variable of this model"))
-    if resolved.sizes.get("stage", 1) > 1 and not stage_used:
+    if resolved.sizes.get(STAGE, 1) > 1 and not stage_used:
         findings.append(
             Finding(
                 "unused-rule",

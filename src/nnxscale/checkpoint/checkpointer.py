@@ -7,7 +7,7 @@ A checkpoint is two items, written by one ``orbax.checkpoint.CheckpointManager``
         state/                    the array state: each process writes its own shards
         extras/metadata           the JSON extras: data iterator state, run config
         checksums/process_<i>.json  each process's part of every array's checksum
-                                  (nnxscale._integrity); their sum is the checksum
+                                  (nnxscale.checkpoint.integrity); their sum is the checksum
       400.orbax-checkpoint-tmp/   a save in progress, or one killed mid-way: never listed
       200.damaged/                a step whose data failed its checksum, set aside
 
@@ -24,7 +24,7 @@ saved chunks that its shard of the target needs, so moving from ``data=8`` to
 :meth:`~Checkpointer.close` (orbax synchronizes the processes inside them).
 
 Integrity: :meth:`Checkpointer.save` records a checksum of every array, computed on the
-devices that hold it (:mod:`nnxscale._integrity`: the same value on any mesh), and
+devices that hold it (:mod:`nnxscale.checkpoint.integrity`: the same value on any mesh), and
 :meth:`Checkpointer.restore` recomputes it on the restored arrays: damaged data raises
 :class:`DamagedCheckpointError` naming the step instead of restoring garbage.
 :meth:`Checkpointer.restore_intact` falls back to the newest step that is intact.
@@ -62,8 +62,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
-from nnxscale import _integrity as integrity
-from nnxscale.errors import CheckpointError, os_reason
+from nnxscale.checkpoint import integrity as integrity
+from nnxscale.errors import CheckpointError, DamagedCheckpointError, os_reason
+from nnxscale.jobs.process import owns_process
 
 _STATE = "state"
 _EXTRAS = "extras"
@@ -72,18 +73,6 @@ _CHECKSUM_ITEM = "checksums"
 _CHECKSUMS = "nnxscale.checksums"
 #: Suffix of a step directory set aside as damaged: ``<step>.damaged``.
 DAMAGED_SUFFIX = ".damaged"
-
-
-class DamagedCheckpointError(CheckpointError):
-    """A checkpoint whose files cannot be read or whose data fails its checksums.
-
-    ``step`` is the damaged step, ``what`` what is wrong with it (part of the message).
-    """
-
-    def __init__(self, message: str, step: int, what: str):
-        super().__init__(message)
-        self.step = step
-        self.what = what
 
 
 @dataclasses.dataclass
@@ -212,11 +201,15 @@ class Checkpointer:
             multiprocessing_options=multiprocessing,
             create=processes is None,
         )
-        _quiet_orbax_errors.acquire()
+        # The command holds back the echoes of errors it reports itself; a library call leaves logging alone.
+        self._quiet = owns_process()
+        if self._quiet:
+            _quiet_orbax_errors.acquire()
         try:
             self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         except BaseException:
-            _quiet_orbax_errors.release()
+            if self._quiet:
+                _quiet_orbax_errors.release()
             raise
         # The manager's own step naming (no prefix, no padding), used to list finalized steps.
         self._names = ocp.step.standard_name_format()
@@ -300,7 +293,8 @@ class Checkpointer:
             try:
                 self._manager.close()
             finally:
-                _quiet_orbax_errors.release()
+                if self._quiet:
+                    _quiet_orbax_errors.release()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -378,7 +372,7 @@ class Checkpointer:
         has_checksums = (self._step_dir(step) / _CHECKSUM_ITEM).exists()
         if has_checksums:
             items[_CHECKSUM_ITEM] = _ChecksumRestore()
-        with _stderr_kept_on_success() as succeeded:
+        with _stderr_kept_on_success() if owns_process() else _stderr_untouched() as succeeded:
             try:
                 restored = self._manager.restore(step, args=ocp.args.Composite(**items))
             except Exception as e:
@@ -557,7 +551,7 @@ def _sync(name: str) -> None:
     A barrier of JAX's coordination service, not a device collective (see the module
     docstring)."""
     if jax.process_count() > 1:
-        from nnxscale.distributed import _client
+        from nnxscale.jobs.distributed import _client
 
         _client().wait_at_barrier(f"nnxscale_{name}_{next(_barriers)}", 600_000)
 
@@ -612,6 +606,11 @@ class _QuietOrbaxErrors(logging.Filter):
 
 
 _quiet_orbax_errors = _QuietOrbaxErrors()
+
+
+@contextlib.contextmanager
+def _stderr_untouched():
+    yield lambda: None
 
 
 @contextlib.contextmanager

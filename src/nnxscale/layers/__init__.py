@@ -1,0 +1,40 @@
+"""Blocks of layers: stacked and scanned (one compiled layer body), or run as a pipeline.
+
+``stack`` stacks ``n`` identical layers into one module whose parameters carry a leading
+``layers`` axis and runs them with ``jax.lax.scan`` (with a rematerialization policy);
+``pipeline`` runs the same stacked layers as a GPipe or circular pipeline over the mesh's
+``stage`` axis, under :func:`use_pipeline`, without changing model code. ``stack`` knows
+nothing of ``pipeline``: a pipeline takes over the scan through ``stack.layers_run_by``.
+
+Loads lazily, on first use of a name: the CLI reads parts of the tree before jax may be imported.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "Pipeline": "nnxscale.layers.pipeline",
+    "pipeline_cost": "nnxscale.layers.pipeline",
+    "pipeline_layers": "nnxscale.layers.pipeline",
+    "to_layer_order": "nnxscale.layers.pipeline",
+    "to_stage_order": "nnxscale.layers.pipeline",
+    "use_pipeline": "nnxscale.layers.pipeline",
+    "LAYERS": "nnxscale.layers.stack",
+    "REMAT_POLICIES": "nnxscale.layers.stack",
+    "scan_layers": "nnxscale.layers.stack",
+    "stack_layers": "nnxscale.layers.stack",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if module == f"{__name__}.{name}":
+        return importlib.import_module(module)
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,172 @@
+"""Stacked layers: ``n`` blocks of one architecture held as one module and run with a scan.
+
+A deep model written as a Python loop over blocks compiles one copy of the block per layer
+(gpt2-large's step took 8x gpt2's to compile), and on XLA:CPU rematerialization inside such
+a loop is rescheduled away and saves nothing. Stacked, every Variable of the blocks gets a
+leading axis of size ``n`` (logical name ``layers``) and :func:`scan_layers` runs them
+with ``jax.lax.scan``: the block is compiled once, whatever the depth, and
+``jax.checkpoint`` around the scanned body does what it promises.
+
+Model code stays written for one device and one block::
+
+    self.h = nnxscale.stack_layers(lambda rngs: Block(cfg, rngs=rngs), cfg.n_layer, rngs=rngs)
+    ...
+    x = nnxscale.scan_layers(self.h, x, keys=dropout_keys, remat=cfg.remat)
+
+The rules place the ``layers`` axis (replicated by default); everything else about a
+block's layout is unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnxscale.errors import ConfigError
+from nnxscale.sharding.rules import LOGICAL_KEY
+
+#: Logical name of the stacked layers' leading axis.
+LAYERS = "layers"
+
+#: Rematerialization policies for :func:`scan_layers`: what each layer keeps for the
+#: backward pass. ``none`` keeps every intermediate; ``full`` keeps only each layer's input
+#: (the scan carry) and recomputes the layer in the backward pass; ``dots`` keeps the
+#: outputs of the weight matmuls and recomputes the rest (elementwise ops, attention
+#: scores, whose dots have batch dimensions).
+REMAT_POLICIES: dict[str, Optional[Callable]] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat_policy(value: Union[str, bool, None]) -> str:
+    """Normalize a remat setting: ``True`` -> ``"full"``, ``False``/``None`` -> ``"none"``."""
+    if value is None or value is False:
+        return "none"
+    if value is True:
+        return "full"
+    if isinstance(value, str) and value in REMAT_POLICIES:
+        return value
+    raise ConfigError(f"unknown remat policy {value!r}: choose one of {', '.join(REMAT_POLICIES)}")
+
+
+def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int, *, rngs: nnx.Rngs) -> nnx.Module:
+    """``n`` layers ``make_layer(rngs)`` as one module whose Variables have a leading ``(n,)`` axis.
+
+    The layers are created one after another from ``rngs``, drawing the same random numbers
+    as a Python list of ``n`` layers would, and then stacked. Every Variable's logical axes
+    gain a leading ``layers`` name (Flax ``out_sharding`` annotations a leading ``None``).
+    Under :func:`nnxscale.sharded_init` the stacking happens inside the compiled init, so no
+    device holds more than its shards.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"stack_layers: n must be a positive number of layers, got {n!r}")
+    graphdef, first = nnx.split(make_layer(rngs))
+    states = [first] + [nnx.split(make_layer(rngs))[1] for _ in range(n - 1)]
+    stacked = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+    for _, v in nnx.iter_graph(stacked):
+        if not isinstance(v, nnx.Variable):
+            continue
+        meta = v.get_metadata()
+        if meta.get(LOGICAL_KEY) is not None:
+            v.set_metadata(**{LOGICAL_KEY: (LAYERS,) + tuple(meta[LOGICAL_KEY])})
+        if meta.get("out_sharding") is not None:
+            v.set_metadata(out_sharding=(None,) + tuple(meta["out_sharding"]))
+    return stacked
+
+
+def num_layers(layers: nnx.Module) -> int:
+    """The size of the leading axis of stacked ``layers``."""
+    leaves = jax.tree.leaves(nnx.state(layers))
+    if not leaves:
+        raise ConfigError("scan_layers: the stacked module has no state")
+    return int(leaves[0].shape[0])
+
+
+#: What runs stacked layers in place of the scan, or ``None``: set by
+#: :func:`nnxscale.layers.pipeline.use_pipeline` (this module imports nothing of the pipeline's).
+_RUNNER: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("nnxscale_layer_runner", default=None)
+
+
+@contextlib.contextmanager
+def layers_run_by(runner: Optional[Callable]):
+    """Within the block :func:`scan_layers` calls ``runner(layers, x, *args, keys=, remat=)``
+    instead of scanning (``None``: scan)."""
+    token = _RUNNER.set(runner)
+    try:
+        yield
+    finally:
+        _RUNNER.reset(token)
+
+
+def scan_layers(layers: nnx.Module, x, *args, keys=None, remat: Union[str, bool, None] = "none"):
+    """Run stacked ``layers`` in order: ``x = layer_i(x, *args)`` (``key=keys[i]`` when given).
+
+    Args:
+      layers: a module from :func:`stack_layers`.
+      x: the input of the first layer, e.g. the residual stream ``(B, T, C)``; every
+        layer returns the same shape and dtype.
+      args: passed unchanged to every layer (masks, rotary tables).
+      keys: ``None``, or per-layer PRNG keys ``(n, ...)`` passed as ``key=``.
+      remat: a policy of :data:`REMAT_POLICIES` (or ``True`` for ``"full"``).
+
+    The scan's state is one layer's input, so ``remat="full"`` keeps ``n`` residual-stream
+    tensors for the backward pass and recomputes everything else one layer at a time.
+
+    Within :func:`nnxscale.layers.pipeline.use_pipeline` the layers run as a pipeline over the
+    mesh's ``stage`` axis instead (:func:`nnxscale.layers.pipeline.pipeline_layers`), with the
+    same arguments: model code does not change.
+    """
+    runner = _RUNNER.get()
+    if runner is not None:
+        return runner(layers, x, *args, keys=keys, remat=remat)
+    graphdef, state = nnx.split(layers)
+    return scan_state(graphdef, state, x, *args, keys=keys, remat=remat)
+
+
+_MOVES = frozenset(
+    (jax.lax.dynamic_slice_p, jax.lax.slice_p, jax.lax.reshape_p, jax.lax.squeeze_p,
+     jax.lax.broadcast_in_dim_p, jax.lax.convert_element_type_p, jax.lax.transpose_p)
+)  # fmt: skip
+
+
+def _all_but_moves(prim, *_, **__) -> bool:
+    """Remat policy: keep every result but data movement (slices, reshapes, casts), which the
+    backward pass recomputes from what it came from: a picked layer is read from the stack
+    again instead of being kept per call (``"none"`` for a body that picks)."""
+    return prim not in _MOVES
+
+
+def scan_state(graphdef, state, x, *args, keys=None, remat: Union[str, bool, None] = "none", pick=None):
+    """:func:`scan_layers` on a split stack: ``state`` holds the layers' stacked values.
+
+    The one scan every stacked run goes through, whole (:func:`scan_layers`) or one
+    pipeline stage's group of layers at a time (:mod:`nnxscale.layers.pipeline`). With ``pick``
+    (an index), every leaf of ``state`` is ``(n, k, ...)``: ``k`` alternatives for each
+    layer, of which layer ``i`` uses ``[i, pick]``. The choice is made inside the
+    rematerialized body and is recomputed, not saved, for the backward pass, so the
+    chosen layers are never copied per call: a pipeline stage picks its repeat this way.
+    """
+    policy = REMAT_POLICIES[remat_policy(remat)]
+    if pick is not None and policy is None:
+        policy = _all_but_moves
+
+    def body(h, xs):
+        layer_state, key = xs
+        if pick is not None:
+            layer_state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, pick, keepdims=False), layer_state)
+        layer = nnx.merge(graphdef, layer_state)
+        out = layer(h, *args) if keys is None else layer(h, *args, key=key)
+        return out, None
+
+    if policy is not None:
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    out, _ = jax.lax.scan(body, x, (state, keys))
+    return out

@@ -1,0 +1,405 @@
+"""Train any Flax NNX language model in its sharded layout on any mesh, checkpoint, resume exactly.
+
+The trainer names no model. The model is a preset of a registered family (``--model
+gpt2-mini``: :mod:`nnxscale.models`), or your own module (``nnxscale.train(cfg,
+model=factory)``); either way it becomes a :class:`RunModel`, and everything here asks it.
+
+:func:`train` reads top to bottom: setup (:func:`~nnxscale.training.state.setup`: mesh,
+rules, model, optimizer, shardings), the run's tokens, the run directory opened (lock,
+checkpointer, watchdog), then :class:`_Run`: restore or init, then the loop (batch ->
+jitted step -> log / evaluate / save), then the end (final save, loss curve). The state and
+the step are described in :mod:`nnxscale.training.state` and :mod:`nnxscale.training.step`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
+from nnxscale.checkpoint.runlock import RunLock
+from nnxscale.data import tokens as datalib
+from nnxscale.errors import storage_error
+from nnxscale.jobs.distributed import StopVote, current
+from nnxscale.jobs.process import owns_process
+from nnxscale.jobs.watchdog import ProgressWatchdog, timeout_from
+from nnxscale.progress import ProgressBar
+from nnxscale.sharding.devices import peak_flops
+from nnxscale.sharding.mesh import format_mesh, process_findings
+from nnxscale.training.config import ConfigError, TrainConfig
+from nnxscale.training.guards import SkipCounter, StopSignals
+from nnxscale.training.inputs import keep_tokenizer, load_data, pretrained_source, run_tokenizer
+from nnxscale.training.optimizer import describe_decay
+from nnxscale.training.rundir import (
+    append_metrics, check_run_dir, plot_metrics, repair_metrics, with_saved_schedule_length, write_atomic,
+)  # fmt: skip
+from nnxscale.training.state import (
+    Setup, describe_pipeline, init_state, load_init_params, pipeline_notes, run_order, saved_order, setup,
+)  # fmt: skip
+from nnxscale.training.step import make_eval_step, make_train_step
+
+#: Training steps dispatched ahead of the host: enough to overlap host and device; XLA:CPU's
+#: in-process collectives deadlock with ~100 queued steps.
+MAX_IN_FLIGHT = 2
+
+
+@dataclasses.dataclass
+class TrainResult:
+    run_dir: Path
+    start_step: int
+    final_step: int
+    final_loss: Optional[float]
+    val_loss: Optional[float]
+    tokens_per_s: Optional[float]
+    wall_s: float
+    interrupted_by: Optional[int] = None  # signal number when stopped by SIGTERM/SIGINT
+    skipped_steps: int = 0  # steps whose update was skipped (non-finite loss or gradient norm)
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    model: Optional[Callable[[nnx.Rngs], nnx.Module]] = None,
+    loss: Optional[Callable] = None,
+    mesh=None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> TrainResult:
+    """Train (or resume) the run in ``cfg.run_dir``. Everything ``nnxscale train`` does.
+
+    Args:
+      cfg: the run's settings. ``cfg.rules`` may be your own rules string
+        (``"batch=data,mlp=model,..."``).
+      model: your own module instead of the preset ``cfg.model``: a function ``rngs ->
+        nnx.Module`` (``lambda rngs: MyLM(..., rngs=rngs)``), called with ``nnx.Rngs(cfg.seed)``.
+        The module maps ``(B, T)`` int tokens to ``(B, T, V)`` logits; ``cfg.model`` names it
+        in the run directory. Checkpoints, resume (on any mesh) and ``cfg.init_from``
+        another run of the module work as for a preset; ``cfg``'s dropout, dtype and remat
+        are a preset's options and must stay at their defaults.
+      loss: ``loss(model, inputs, targets, *, rngs) -> scalar`` instead of
+        :func:`nnxscale.models.next_token_loss` (``rngs``: ``nnx.Rngs(dropout=key)`` in a
+        training step, ``None`` in evaluation).
+      mesh: a ``jax.sharding.Mesh`` instead of ``make_mesh(cfg.mesh)``.
+      progress: draw a progress bar.
+      log: where the run's lines go (resume, lint, weight decay, notes).
+
+    A first SIGINT (Ctrl-C) or SIGTERM stops the run at the next step with a checkpoint
+    (``TrainResult.interrupted_by``); a second raises ``KeyboardInterrupt`` here, unsaved.
+
+    Raises NnxscaleError subclasses for what a user can fix: bad settings
+    (ConfigError), another trainer on the run directory (RunLockedError), a full or
+    read-only disk (StorageError, CheckpointError), a run that diverged (DivergenceError).
+    """
+    t_start = time.perf_counter()
+    with StopSignals() as stop:
+        run_dir = Path(cfg.run_dir)
+        cfg = with_saved_schedule_length(cfg, run_dir)
+        s = setup(cfg, mesh, model=model, loss=loss)
+        inputs = _Inputs.load(cfg, s, run_dir, log)
+        for finding in process_findings(s.mesh, current().hosts):  # tensor parallelism across hosts
+            log(f"lint: {finding}")
+        check_run_dir(cfg, run_dir)  # after validating the command itself, before writing anything
+        with _opened(cfg, run_dir, log) as (ckpt, watch):
+            run = _Run(cfg, s, inputs, ckpt, watch, stop, log)
+            run.restore_or_init(own_model=model is not None)
+            run.write_run_files()
+            run.describe()
+            run.loop(progress)
+    if jax.process_index() == 0:
+        plot_metrics(run_dir)
+    return run.result(run_dir, time.perf_counter() - t_start)
+
+
+@dataclasses.dataclass
+class _Inputs:
+    """A run's tokens: the tokenizer, the training iterator and the validation batches."""
+
+    tokenizer: object
+    tokens: datalib.TokenData
+    train_it: object
+    val_batches: list
+
+    @classmethod
+    def load(cls, cfg: TrainConfig, s: Setup, run_dir: Path, log: Callable[[str], None]) -> _Inputs:
+        tokenizer = run_tokenizer(cfg, run_dir)
+        tokens = load_data(cfg, tokenizer, s.vocab_size())
+        train_tokens, val_tokens = datalib.split(tokens.tokens, cfg.data.val_fraction)
+        d = cfg.data
+        # each process reads the rows its devices hold
+        train_it = datalib.train_batches(
+            train_tokens, seq_len=d.seq_len, global_batch_size=d.batch_size, seed=cfg.seed, sharding=s.batch_sharding
+        )
+        val_batches = []
+        if cfg.eval_every and len(val_tokens) >= d.batch_size * (d.seq_len + 1):
+            val_batches = datalib.eval_batches(
+                val_tokens, seq_len=d.seq_len, global_batch_size=d.batch_size, max_batches=d.eval_batches,
+                sharding=s.batch_sharding,
+            )  # fmt: skip
+        elif cfg.eval_every:
+            log(
+                f"note: the validation split ({len(val_tokens)} tokens) is smaller than one batch "
+                f"({d.batch_size} x {d.seq_len + 1}): no validation loss (raise --val-fraction)"
+            )
+        return cls(tokenizer, tokens, train_it, val_batches)
+
+
+@contextlib.contextmanager
+def _opened(cfg: TrainConfig, run_dir: Path, log: Callable[[str], None]):
+    """The run directory, held: its lock, its checkpointer and the progress watchdog.
+
+    One trainer per run directory, from before its first write until after its last. As the
+    only writer, it deletes the saves that a crash left unfinished (freeing their space) and
+    the steps beyond --keep that a crash left behind. On the way out: the checkpointer's
+    background threads are closed (on every path), then the watchdog, then the lock.
+    """
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise storage_error("creating the run directory", run_dir, e) from None
+    try:
+        timeout = timeout_from(cfg.hang_timeout)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if timeout is None and not (owns_process() or current().is_multiprocess):
+        timeout = 0  # called from Python, alone: ending the process on a hang is the caller's choice
+    with contextlib.ExitStack() as stack:
+        lock = RunLock(run_dir, warn=log)
+        lock.acquire()
+        stack.callback(lock.release)
+        watch = ProgressWatchdog(
+            timeout, run_dir / "logs", process=jax.process_index(),
+            resume_hint="Re-run the same command to resume from the last complete checkpoint.",
+        )  # fmt: skip
+        ckpt = Checkpointer(checkpoint_dir(run_dir), keep=cfg.keep, remove_unfinished=True)
+        stack.callback(watch.__exit__, None, None, None)
+        watch.__enter__()
+        stack.callback(ckpt.close)
+        yield ckpt, watch
+
+
+class _Run:
+    """One training run in an opened run directory: its state, and the steps that move it."""
+
+    def __init__(self, cfg: TrainConfig, s: Setup, inputs: _Inputs, ckpt: Checkpointer, watch, stop, log):
+        self.cfg, self.s, self.inputs, self.ckpt, self.watch, self.stop, self.log = cfg, s, inputs, ckpt, watch, stop, log
+        self.is_main = jax.process_index() == 0
+        self.metrics_path = Path(cfg.run_dir) / "metrics.jsonl"
+        # A signal may reach one process only: every process stops at the step they agree on,
+        # through a vote inside the step (read MAX_IN_FLIGHT steps later, when it is done).
+        self.vote = StopVote(s.mesh)
+        self.step_fn = make_train_step(s, vote=True) if self.vote.needed else make_train_step(s)
+        self.eval_fn = make_eval_step(s)
+        self.agreed: list[int] = []  # stop votes seen, in step order
+        self.in_flight: collections.deque = collections.deque()  # (step, metrics) not yet accounted for
+        self.completed: list = []  # (time, step) of the last step accounted for
+        self.saved: list[int] = []
+        self.evaluated: list[int] = []
+        self.start = self.step = 0
+        self.state = None
+        self.stopping: Optional[int] = None
+        self.last_loss = self.last_val = self.tokens_per_s = None
+        self.t_last, self.s_last = time.perf_counter(), 0
+        peak = peak_flops(jax.devices()[0])
+        self.peak_total = peak * jax.device_count() if peak else None
+        self.skips: Optional[SkipCounter] = None
+
+    # -- before the first step ----------------------------------------------------------
+
+    def restore_or_init(self, *, own_model: bool) -> None:
+        """Resume from the latest intact checkpoint, or create the state (fresh, or ``--init-from``)."""
+        cfg, s, ckpt, watch = self.cfg, self.s, self.ckpt, self.watch
+        skipped_before = 0
+        if ckpt.steps():
+            watch.phase("restoring the latest checkpoint", compiles=True, kind="save")
+            start, state, extras = ckpt.restore_intact(s.abstract, warn=self.log, set_aside=True)
+            watch.progress(f"restored step {start}")
+            self.state = run_order(s, state)  # checkpoints hold layer order
+            ckpt.remove_surplus()
+            self.inputs.train_it.set_state(extras["data"])
+            if extras.get("data_fingerprint") not in (None, self.inputs.tokens.fingerprint):
+                raise ConfigError(f"the data in {self.inputs.tokens.description} changed since this run was saved")
+            skipped_before = extras.get("skipped_steps", 0)
+            if self.is_main:
+                repair_metrics(self.metrics_path, start)
+            self.log(f"resumed {cfg.run_dir} from step {start} on mesh {format_mesh(s.mesh.shape)}")
+            self.start = self.step = self.s_last = start
+        else:
+            init_from = cfg.init_from or (None if own_model else pretrained_source(cfg))
+            watch.phase("initializing the model", compiles=True, kind="save")
+            params = load_init_params(s, init_from, warn=self.log) if init_from else None
+            self.state = init_state(s, params)
+            if self.is_main:
+                self.metrics_path.unlink(missing_ok=True)
+        self.skips = SkipCounter(cfg.max_bad_steps, skipped_before, cfg.optim.lr, Path(cfg.run_dir))
+
+    def write_run_files(self) -> None:
+        """``config.json`` (and the run's tokenizer files), written by process 0."""
+        if not self.is_main:
+            return
+        run_dir, tokenizer = Path(self.cfg.run_dir), self.inputs.tokenizer
+        saved = {"train": self.cfg.to_dict(), "model": self.s.model.describe(), "data": self.inputs.tokens.description}
+        write_atomic(run_dir / "config.json", json.dumps(saved, indent=2, sort_keys=True) + "\n")
+        if tokenizer is not None:
+            keep_tokenizer(tokenizer, run_dir)
+
+    def describe(self) -> None:
+        s = self.s
+        self.log(describe_decay(s.decay_mask, s.abstract["params"], self.cfg.optim.weight_decay))
+        if s.pipeline is not None:
+            self.log(describe_pipeline(s))
+            shardings = jax.tree.leaves(s.param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+            for note in pipeline_notes(s.pipeline, s.rules, [sh.spec for sh in shardings]):
+                self.log(f"lint: {note}")
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def loop(self, progress: bool) -> None:
+        """Dispatch steps until ``cfg.steps`` or an agreed stop; log, evaluate and save on schedule."""
+        cfg = self.cfg
+        bar = ProgressBar(progress and self.is_main, "train", cfg.steps, completed=self.start)
+        try:
+            while self.step < cfg.steps and not self.stopping:
+                metrics = self.dispatch()
+                step = self.step
+                if step == self.start + 1:  # the first step includes compilation; time from here on
+                    jax.block_until_ready(metrics)
+                    self.t_last, self.s_last = time.perf_counter(), step
+                do_eval = bool(self.inputs.val_batches) and (step % cfg.eval_every == 0 or step == cfg.steps)
+                if step % cfg.log_every == 0 or step == cfg.steps or do_eval or self.stopping:
+                    record = self.log_step(metrics, do_eval)
+                    bar.update(step, _progress_info(record))
+                else:
+                    bar.update(step)
+                self.skips.check(self.latest_saved)  # nothing is saved, or run, once the run has diverged
+                if self.stopping or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                    self.save()
+                    self.t_last = time.perf_counter()  # the host-side part of a save is not step time
+        finally:
+            bar.close()
+            self.watch.phase("writing the last checkpoint", kind="save")
+            self.ckpt.wait()
+
+    def dispatch(self):
+        """Start the next step on the devices; account for the oldest beyond MAX_IN_FLIGHT."""
+        s = self.s
+        batch = datalib.to_global(next(self.inputs.train_it), s.batch_sharding)
+        with jax.set_mesh(s.mesh):
+            if self.vote.needed:
+                self.state, metrics = self.step_fn(self.state, batch, self.vote.ballot(self.stop.signal))
+            else:
+                self.state, metrics = self.step_fn(self.state, batch)
+        self.step += 1
+        self.in_flight.append((self.step, metrics))
+        if len(self.in_flight) > MAX_IN_FLIGHT:
+            self.account()
+        self.stopping = (self.agreed[0] if self.agreed else None) if self.vote.needed else self.stop.signal
+        return metrics
+
+    def account(self) -> None:
+        """Account for the oldest step in flight, and for the stop vote it carries."""
+        done, metrics = self.in_flight.popleft()
+        self.watch.phase(f"training step {done}", compiles=done == self.start + 1)
+        metrics = jax.device_get(metrics)
+        now = time.perf_counter()
+        step_time = (now - self.completed[0]) / (done - self.completed[1]) if self.completed else None
+        self.watch.progress(f"step {done}", step_time=step_time)
+        self.completed[:] = [now, done]
+        self.skips.seen(done, metrics)
+        if metrics.get("stop"):  # the same on every process, seen at the same step
+            self.agreed.append(int(metrics["stop"]))
+
+    def settle(self) -> None:
+        """Account for every step dispatched so far (they are done or nearly)."""
+        while self.in_flight:
+            self.account()
+
+    def log_step(self, metrics, do_eval: bool) -> dict:
+        """The metrics record of the current step (speed since the last one; validation loss)."""
+        self.settle()
+        if self.vote.needed and self.agreed:
+            self.stopping = self.agreed[0]
+        m = {k: float(v) for k, v in jax.device_get(metrics).items() if k not in ("skipped", "stop")}
+        now, step, d = time.perf_counter(), self.step, self.cfg.data
+        record = {"step": step, **m, "skipped_steps": self.skips.total}
+        if step > self.s_last:
+            dt = (now - self.t_last) / (step - self.s_last)
+            self.tokens_per_s = d.batch_size * d.seq_len / dt
+            flops = self.tokens_per_s * self.s.flops_per_token()
+            record |= {"step_time_s": dt, "tokens_per_s": self.tokens_per_s, "tflops_per_s": flops / 1e12}
+            if self.peak_total:
+                record["mfu"] = flops / self.peak_total
+            self.t_last, self.s_last = now, step
+        if do_eval:
+            self.last_val = record["val_loss"] = self.evaluate()
+            self.t_last = time.perf_counter()  # evaluation is not step time
+        self.last_loss = m["loss"]
+        if self.is_main:
+            append_metrics(self.metrics_path, record)
+        return record
+
+    def evaluate(self) -> Optional[float]:
+        """The mean validation loss. One batch at a time: evaluation programs are independent of
+        each other, and two with cross-process collectives in flight at once can deadlock
+        (docs/multiprocess.md)."""
+        batches = self.inputs.val_batches
+        if not batches:
+            return None
+        self.watch.phase(f"evaluating at step {self.step}", compiles=not self.evaluated, kind="eval")
+        params, sharding = self.state["params"], self.s.batch_sharding
+        losses = [float(self.eval_fn(params, datalib.to_global(b, sharding))) for b in batches]
+        self.evaluated.append(self.step)
+        self.watch.progress(f"evaluation at step {self.step}")
+        return float(np.mean(losses))
+
+    def latest_saved(self) -> Optional[int]:
+        self.ckpt.wait()
+        return self.ckpt.latest_step()
+
+    def save(self) -> None:
+        """Start saving the current step (asynchronously): state in layer order, data position, config."""
+        step = self.step
+        self.settle()
+        self.skips.check(self.latest_saved)
+        extras = {"data": self.inputs.train_it.get_state(), "data_fingerprint": self.inputs.tokens.fingerprint,
+                  "config": self.cfg.to_dict(), "skipped_steps": self.skips.total}  # fmt: skip
+        self.watch.phase(f"saving step {step}", compiles=not self.saved, kind="save")
+        ordered = saved_order(self.s, self.state)
+        if ordered is not self.state:  # a program with collectives beside the step's chain: let it finish
+            jax.block_until_ready(ordered)
+        self.ckpt.save(step, ordered, extras, force=True)
+        self.saved.append(step)
+        self.watch.progress(f"save of step {step} (started)")
+
+    def result(self, run_dir: Path, wall_s: float) -> TrainResult:
+        return TrainResult(
+            run_dir=run_dir,
+            start_step=self.start,
+            final_step=self.step,
+            final_loss=self.last_loss,
+            val_loss=self.last_val,
+            tokens_per_s=self.tokens_per_s,
+            wall_s=wall_s,
+            # a signal after the last step stops nothing
+            interrupted_by=self.stopping if self.step < self.cfg.steps else None,
+            skipped_steps=self.skips.total,
+        )
+
+
+def _progress_info(record: dict) -> str:
+    """The progress bar's text for a logged step: its loss, validation loss and speed."""
+    info = f"loss {record['loss']:.3f}"
+    if "val_loss" in record:
+        info += f"  val {record['val_loss']:.3f}"
+    if "tokens_per_s" in record:
+        info += f"  {record['tokens_per_s']:,.0f} tok/s"
+    return info

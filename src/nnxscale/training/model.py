@@ -1,0 +1,107 @@
+"""The model of a run: a family's preset, a Hugging Face directory, or your own module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from flax import nnx
+
+from nnxscale.data import text as text
+from nnxscale.errors import ModelError
+from nnxscale.models import (
+    FAMILIES,
+    ModelDims,
+    ModelFamily,
+    find_preset,
+    is_pretrained_dir,
+    next_token_loss,
+    pretrained_family,
+)  # fmt: skip
+from nnxscale.training.config import ConfigError, TrainConfig, flag
+
+#: TrainConfig fields that set a family's config (see ``ModelFamily.run_options``).
+RUN_OPTIONS = ("dropout", "dtype", "remat")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunModel:
+    """The model a run trains: a preset of a registered family, or your own module.
+
+    ``build(rngs)`` creates it (seeded by ``rngs``); ``loss(model, inputs, targets, *,
+    rngs)`` is its scalar loss (default :func:`nnxscale.models.next_token_loss`). A family's
+    model also has its ``family`` and ``config`` (with this run's options), hence its
+    dimensions, FLOPs per token and Hugging Face import; your own module has neither.
+    """
+
+    name: str
+    build: Callable[[nnx.Rngs], nnx.Module]
+    loss: Callable
+    family: Optional[ModelFamily] = None
+    config: Any = None
+
+    @property
+    def dims(self) -> Optional[ModelDims]:
+        return None if self.family is None else self.family.dims(self.config)
+
+    def describe(self) -> dict:
+        """What ``config.json`` records of the model: the family and its config."""
+        if self.family is None:
+            return {"family": None}
+        return {"family": self.family.name, **dataclasses.asdict(self.config)}
+
+
+def model_architecture(name: str, recorded: Optional[dict] = None) -> tuple[ModelFamily, Any]:
+    """``(family, config)`` of ``--model NAME``: a preset of any family, or a Hugging Face
+    directory (``config.json`` + safetensors) whose ``config.json`` gives the architecture.
+
+    ``recorded``: the ``model`` record of a run's ``config.json`` (family and config), used
+    when ``name`` is a directory that is no longer there, so a run trained from a Hugging
+    Face directory can still be sampled and resumed.
+    """
+    if is_pretrained_dir(name):
+        family = pretrained_family(name)
+        return family, family.pretrained_config(name)
+    try:
+        return find_preset(name)
+    except ModelError:
+        if recorded and recorded.get("family") in FAMILIES:
+            family = FAMILIES[recorded["family"]]
+            kind = type(next(iter(family.presets.values())))
+            return family, kind.from_dict({k: v for k, v in recorded.items() if k != "family"})
+        if "/" in name or Path(name).exists():
+            raise ModelError(
+                f"--model {name}: not a Hugging Face model directory (config.json and model.safetensors, "
+                "or model.safetensors.index.json), and not a preset"
+            ) from None
+        raise
+
+
+def run_model(
+    cfg: TrainConfig, model: Optional[Callable] = None, loss: Optional[Callable] = None, *, recorded: Optional[dict] = None
+) -> RunModel:
+    """The :class:`RunModel` of ``cfg``: the preset ``cfg.model`` (or the architecture of
+    the Hugging Face directory ``cfg.model``) with ``cfg``'s run options, or, given
+    ``model`` (a function ``rngs -> nnx.Module``), that module, named ``cfg.model``.
+    ``recorded``: see :func:`model_architecture`.
+
+    Raises ConfigError for an unknown preset (listing every family's), a run option the
+    family does not take, or a run option set for your own module (it sets its own).
+    """
+    defaults = TrainConfig()
+    changed = {k: getattr(cfg, k) for k in RUN_OPTIONS if getattr(cfg, k) != getattr(defaults, k)}
+    if model is not None:
+        if not callable(model):
+            raise ConfigError(f"model= must be a function rngs -> nnx.Module, got {type(model).__name__}")
+        if changed:
+            given = ", ".join(f"{flag(k)} {v}" for k, v in changed.items())
+            raise ConfigError(f"{given}: these set a family preset's options; your own module (model=) sets its own")
+        return RunModel(cfg.model, model, loss or next_token_loss)
+    family, preset = model_architecture(cfg.model, recorded)
+    if unsupported := [k for k in changed if k not in family.run_options]:
+        given = ", ".join(f"{flag(k)} {changed[k]}" for k in unsupported)
+        raise ConfigError(f"{given}: {cfg.model} ({family.name}) has no such option; it takes {', '.join(family.run_options)}")
+    config = dataclasses.replace(preset, **{k: getattr(cfg, k) for k in family.run_options})
+    return RunModel(cfg.model, lambda rngs: family.build(config, rngs=rngs), loss or family.loss, family, config)

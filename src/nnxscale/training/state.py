@@ -1,0 +1,358 @@
+"""Everything derived from a config before any array exists (:func:`setup`), and the run's initial state.
+
+The trainer and the planner build a run with the same :func:`setup`. The train state is one
+pytree of plain dicts, every leaf a sharded ``jax.Array``::
+
+    {"params": {...}, "opt_state": optax state, "step": int32[], "key": uint32[2]}
+
+Parameters take the layout of the rules; the optimizer state takes the layout of the
+parameter it belongs to (``optax.tree_map_params``); step and key are replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
+from nnxscale.data import text as text
+from nnxscale.layers.pipeline import Pipeline, to_layer_order, to_stage_order
+from nnxscale.layers.stack import LAYERS
+from nnxscale.models import (
+    architecture_differences,
+    is_pretrained_dir,
+    pretrained_family,
+)  # fmt: skip
+from nnxscale.sharding.activations import use_rules
+from nnxscale.sharding.axes import STAGE, entry_axes
+from nnxscale.sharding.mesh import format_mesh, make_mesh
+from nnxscale.sharding.rules import MeshRules, resolve
+from nnxscale.sharding.state import abstract_state, is_variable, sharded_init
+from nnxscale.training.config import ConfigError, TrainConfig
+from nnxscale.training.model import RunModel, run_model
+from nnxscale.training.optimizer import decay_mask, make_optimizer
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything derived from a config before any array exists.
+
+    This is also the ahead-of-time path: ``make_train_step(s).lower(s.abstract,
+    s.abstract_batch).compile()`` compiles the real step for this mesh without allocating
+    it, and the compiled program's ``memory_analysis()`` and ``as_text()`` say what it
+    needs per device and what it communicates (see ``nnxscale.plan``).
+    """
+
+    cfg: TrainConfig
+    mesh: Any
+    rules: MeshRules  # the rules resolved against the mesh: every layout question goes here
+    model: RunModel
+    graphdef: Any
+    tx: Any
+    schedule: Callable
+    decay_mask: dict  # same structure as the params: which ones AdamW decays
+    state_shardings: dict
+    abstract: dict  # ShapeDtypeStructs with shardings: the restore target
+    batch_sharding: NamedSharding
+    abstract_batch: dict  # {"inputs", "targets"}: (B, T) int32 ShapeDtypeStructs with batch_sharding
+    factory: Callable[[], nnx.Module]  # builds the model (seeded)
+    init_fn: Callable  # params -> the whole train state
+    pipeline: Optional[Pipeline] = None  # the schedule over the mesh's stage axis; None without one
+    stacked_layers: Optional[int] = None  # depth of the stacked layers the pipeline runs
+
+    @property
+    def param_shardings(self):
+        return self.state_shardings["params"]
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(a.shape) for a in jax.tree.leaves(self.abstract["params"]))
+
+    def vocab_size(self) -> int:
+        """The model's vocabulary: its family's, or the last axis of its own module's logits
+        (traced on a ``(1, seq_len)`` batch, nothing allocated)."""
+        if self.model.dims is not None:
+            return self.model.dims.vocab_size
+        tokens = jax.ShapeDtypeStruct((1, self.cfg.data.seq_len), jnp.int32)
+        with jax.set_mesh(self.mesh), use_rules(self.rules):
+            logits = jax.eval_shape(lambda p, x: nnx.merge(self.graphdef, p)(x), self.abstract["params"], tokens)
+        return int(logits.shape[-1])
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token at this run's sequence length: the family's formula, or
+        6N for your own module (no attention term)."""
+        if self.model.family is not None:
+            return self.model.family.flops_per_token(self.model.config, self.cfg.data.seq_len)
+        return 6 * self.num_params
+
+
+def pure_dict(tree):
+    """nnx State (Variables at the leaves) -> plain nested dict of the Variables' values."""
+    return nnx.to_pure_dict(tree)
+
+
+def check_shapes(cfg: TrainConfig, rules: MeshRules, model: RunModel) -> None:
+    """The sequence fits the model's context, the batch splits over the mesh and micro-batches."""
+    d = cfg.data
+    if model.dims is not None and d.seq_len > model.dims.context:
+        raise ConfigError(f"--seq-len {d.seq_len} is longer than {cfg.model}'s context of {model.dims.context} tokens")
+    shards = rules.batch_shard_count
+    accum = cfg.optim.grad_accum
+    if d.batch_size % (shards * accum):
+        split = ",".join(f"{a}={rules.sizes[a]}" for a in rules.batch_axes) or "none"
+        raise ConfigError(
+            f"--batch-size {d.batch_size} must be a multiple of {shards * accum}: the batch is split "
+            f"{shards} ways (mesh axes {split}) and into {accum} accumulation micro-batches"
+        )
+
+
+def check_params_only(model: RunModel, state) -> None:
+    """The train state is the model's parameters: refuse a module that holds other state.
+
+    Flax modules built with ``rngs`` for dropout (``nnx.Dropout(rate, rngs=rngs)``) keep RNG
+    keys and counters as Variables, which the optimizer cannot update.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]
+    others = [(jax.tree_util.keystr(p), type(v).__name__) for p, v in flat if not isinstance(v, nnx.Param)]
+    if others:
+        path, kind = others[0]
+        more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+        raise ConfigError(
+            f"{model.name} holds state that is not a parameter ({kind} at {path}{more}); nnxscale trains nnx.Param "
+            "only: create nnx.Dropout (and other random layers) without rngs and pass rngs= when calling them"
+        )
+
+
+def run_pipeline(cfg: TrainConfig, rules: MeshRules) -> Optional[Pipeline]:
+    """The pipeline of a run: ``--microbatches`` and ``--pipeline-repeats`` over the mesh's
+    ``stage`` axis, or ``None`` on a mesh without one. Raises ConfigError, one line each, for
+    a stage axis without ``--microbatches``, ``--microbatches`` without a stage axis, and
+    (from :class:`~nnxscale.layers.pipeline.Pipeline`) fewer microbatches than stages."""
+    sizes = rules.sizes
+    mesh = format_mesh(sizes)
+    if STAGE not in sizes:
+        if cfg.microbatches is not None:
+            n = math.prod(sizes.values())
+            example = f"stage=2,data={n // 2}" if n % 2 == 0 and n > 1 else "stage=2,..."
+            raise ConfigError(
+                f"--microbatches {cfg.microbatches} asks for a pipeline, but mesh {mesh} has no '{STAGE}' axis to put "
+                f"its stages on: add one (e.g. --mesh {example}), or drop --microbatches"
+            )
+        return None
+    stages = sizes[STAGE]
+    if cfg.microbatches is None:
+        rows = cfg.data.batch_size // max(rules.batch_shard_count, 1)
+        fits = [m for m in (2 * stages, stages, 4 * stages) if rows % m == 0] or [2 * stages]
+        raise ConfigError(
+            f"mesh {mesh} has a '{STAGE}' axis: its {stages} pipeline stages need --microbatches M, at least {stages} "
+            f"and dividing the {rows} rows each batch shard holds (e.g. --microbatches {fits[0]}); "
+            f"--pipeline-repeats R > 1 makes the schedule circular"
+        )
+    return Pipeline.for_mesh(sizes, cfg.microbatches, cfg.pipeline_repeats)
+
+
+def check_pipeline(pipe: Pipeline, cfg: TrainConfig, rules: MeshRules, name: str, params) -> int:
+    """The model has stacked layers the pipeline can split, and they and the batch fit it
+    (:meth:`Pipeline.check`). ``params``: ``(shape, PartitionSpec)`` of every parameter.
+    Returns the stacked depth; raises ConfigError in one line."""
+    depths = sorted({int(shape[0]) for shape, spec in params if spec and STAGE in entry_axes(spec[0])})
+    if not depths:
+        raise ConfigError(
+            f"{name} has no stacked layers for the {pipe.stages} pipeline stages of mesh {format_mesh(rules.sizes)}: "
+            "a pipeline runs layers created with nnxscale.stack_layers and run with nnxscale.scan_layers "
+            f"(the rules put their '{LAYERS}' axis on '{STAGE}'); train this model on a mesh without a stage axis"
+        )
+    for n in depths:
+        pipe.check(n, cfg.data.batch_size, rules.batch_shard_count)
+    return depths[-1]
+
+
+def pipeline_notes(pipe: Pipeline, rules: MeshRules, specs) -> list[str]:
+    """What to know about a pipeline beside the other mesh axes (``specs``: the parameters'
+    PartitionSpecs): FSDP beside ``stage`` gathers every layer once per iteration."""
+    used = {a for spec in specs for entry in spec for a in entry_axes(entry)}
+    fsdp = [a for a in rules.batch_axes if a in used and rules.sizes[a] > 1]
+    if not fsdp:
+        return []
+    gathers = pipe.iterations / pipe.repeats
+    return [
+        f"FSDP ({', '.join(fsdp)}) beside the stage axis: every pipeline iteration gathers its layers' weights and "
+        f"reduce-scatters their gradients, so a step gathers each of a stage's layers {gathers:g} times "
+        f"((R*M + S - 1)/R) where FSDP without a pipeline gathers it once; prefer data beside stage"
+    ]
+
+
+# One function on purpose (83 lines): every sharding of a run is derived here, in one order,
+# for the trainer, the planner, `init` and `sample` alike.
+def setup(
+    cfg: TrainConfig,
+    mesh=None,
+    *,
+    model: Optional[Callable] = None,
+    loss: Optional[Callable] = None,
+    recorded: Optional[dict] = None,
+) -> Setup:
+    """Validate ``cfg`` against the devices and build the sharded plan (no arrays yet).
+
+    ``model`` and ``loss``: your own module instead of the preset ``cfg.model`` (see
+    :func:`train`). ``recorded``: a run's record of its model (see :func:`model_architecture`).
+    On a mesh with a ``stage`` axis the plan includes the pipeline
+    (``Setup.pipeline``), checked against the model's depth and the batch here, before
+    anything is allocated.
+    """
+    cfg.validate()
+    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    rules = resolve(cfg.rules, mesh, min_shard_bytes=cfg.min_shard_bytes)
+    m = run_model(cfg, model, loss, recorded=recorded)
+    check_shapes(cfg, rules, m)
+    pipe = run_pipeline(cfg, rules)
+    d = cfg.data
+
+    factory = lambda: m.build(nnx.Rngs(cfg.seed))  # noqa: E731
+    graphdef, abs_model_state = abstract_state(factory, mesh, rules)
+    check_params_only(m, abs_model_state)
+    param_sh = pure_dict(jax.tree.map(lambda v: v.replace(v.get_value().sharding), abs_model_state, is_leaf=is_variable))
+    stacked = None
+    if pipe is not None:
+        shapes = jax.tree.leaves(pure_dict(abs_model_state))
+        shardings = jax.tree.leaves(param_sh, is_leaf=lambda x: isinstance(x, NamedSharding))
+        stacked = check_pipeline(pipe, cfg, rules, m.name, [(a.shape, sh.spec) for a, sh in zip(shapes, shardings)])
+    mask = decay_mask(abs_model_state)
+    tx, schedule = make_optimizer(cfg, mask)
+    replicated = NamedSharding(mesh, P())
+
+    def state_from(params):
+        return {
+            "params": params,
+            "opt_state": tx.init(params),
+            "step": jnp.zeros((), jnp.int32),
+            "key": jax.random.key_data(jax.random.key(cfg.seed)),
+        }
+
+    abs_params = pure_dict(abs_model_state)  # ShapeDtypeStructs: no second trace of the model
+    abs_state = jax.eval_shape(state_from, abs_params)
+    opt_sh = optax.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        abs_state["opt_state"],
+        param_sh,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    state_sh = {"params": param_sh, "opt_state": opt_sh, "step": replicated, "key": replicated}
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, state_sh
+    )
+
+    def init_fn(params):
+        return state_from(params)
+
+    batch_sharding = rules.sharding(rules.batch_spec())
+    batch = jax.ShapeDtypeStruct((d.batch_size, d.seq_len), jnp.int32, sharding=batch_sharding)
+    return Setup(
+        cfg=cfg,
+        mesh=mesh,
+        rules=rules,
+        model=m,
+        graphdef=graphdef,
+        tx=tx,
+        schedule=schedule,
+        decay_mask=mask,
+        state_shardings=state_sh,
+        abstract=abstract,
+        batch_sharding=batch_sharding,
+        abstract_batch={"inputs": batch, "targets": batch},
+        factory=factory,
+        init_fn=init_fn,
+        pipeline=pipe,
+        stacked_layers=stacked,
+    )
+
+
+def init_state(s: Setup, params=None):
+    """Create the train state directly in its sharded layout (or around given params), in
+    the order the step runs it (:func:`run_order`)."""
+    if params is None:  # the one sharded-init path, shared with `nnxscale init`
+        params = pure_dict(nnx.state(sharded_init(s.factory, s.mesh, s.rules)))
+    with jax.set_mesh(s.mesh):
+        state = jax.jit(s.init_fn, out_shardings=s.state_shardings, donate_argnums=0)(params)
+    return run_order(s, state)
+
+
+def run_order(s: Setup, state, *, donate: bool = True):
+    """A train state in layer order (created, restored) -> the order the step runs it.
+
+    For the circular pipeline that is stage order (:func:`nnxscale.layers.pipeline.to_stage_order`,
+    parameters and optimizer moments alike, once per init or restore); otherwise the state
+    itself. ``donate``: the layer-order state is used up.
+    """
+    if s.pipeline is None or s.pipeline.repeats == 1:
+        return state
+    return to_stage_order(state, s.pipeline, s.state_shardings, donate=donate)
+
+
+def saved_order(s: Setup, state):
+    """The inverse of :func:`run_order`, for what leaves the run: checkpoints are always in
+    layer order, so they move between pipelined and unpipelined meshes. ``state`` is kept
+    (the circular pipeline's copy costs one more stacked state of memory while it is saved)."""
+    if s.pipeline is None or s.pipeline.repeats == 1:
+        return state
+    return to_layer_order(state, s.pipeline, s.state_shardings)
+
+
+def describe_pipeline(s: Setup) -> str:
+    """One line: the run's pipeline layout (schedule, layers per stage, microbatches, bubble)."""
+    p, n = s.pipeline, s.stacked_layers
+    rows = s.cfg.data.batch_size // (s.rules.batch_shard_count * p.microbatches)
+    groups = f", {p.repeats} groups of {n // (p.stages * p.repeats)} per stage" if p.repeats > 1 else ""
+    return (
+        f"pipeline: {'GPipe' if p.repeats == 1 else 'circular'} over {p.stages} stages, {n // p.stages} of {n} layers "
+        f"per stage{groups}; {p.microbatches} microbatches of {rows} rows per batch shard, "
+        f"{p.iterations} iterations a pass, bubble {p.bubble:.1%}"
+    )
+
+
+
+
+def load_init_params(s: Setup, source: str, *, warn: Callable[[str], None] = print):
+    """Parameters from a seed checkpoint (``nnxscale init``, any run directory) or a Hugging
+    Face directory of the run's family, in this run's layout and parameter dtypes.
+
+    From a run directory: its newest intact checkpoint (``warn`` names damaged newer ones).
+    From a Hugging Face directory: its architecture must be the preset's; dropout, compute
+    dtype and remat are this run's own, and weights stored in another dtype (bfloat16) are
+    cast to this run's.
+    """
+    path = Path(source)
+    if is_pretrained_dir(path) and not checkpoint_dir(path).exists():
+        family, m = pretrained_family(path), s.model
+        if m.family is None:
+            raise ConfigError(
+                f"--init-from {path} is a Hugging Face {family.name} directory, but this run trains your own module "
+                "(model=): start it from a seed checkpoint of that module, or train a preset"
+            )
+        if family is not m.family:
+            raise ConfigError(f"--init-from {path} holds a {family.name} model, but --model {m.name} is a {m.family.name} preset")
+        model = family.from_pretrained(path, mesh=s.mesh, rules=s.rules)
+        if differences := architecture_differences(family, model.config, m.config):
+            raise ConfigError(f"--init-from {path} is not the architecture of --model {m.name} ({'; '.join(differences)})")
+        params = pure_dict(nnx.state(model))
+        return jax.tree.map(lambda a, want: a if a.dtype == want.dtype else a.astype(want.dtype), params, s.abstract["params"])
+    ckpt_root = checkpoint_dir(path)
+    if not ckpt_root.exists():
+        raise ConfigError(
+            f"--init-from {path}: neither a Hugging Face model directory (config.json + model.safetensors) "
+            "nor an nnxscale run directory with checkpoints"
+        )
+    with Checkpointer(ckpt_root, async_save=False) as ckpt:
+        _, restored, _ = ckpt.restore_intact({"params": s.abstract["params"]}, warn=warn)
+    return restored["params"]

@@ -1,0 +1,123 @@
+"""The jitted training and evaluation steps.
+
+The step is a ``jax.jit`` over the train state with buffer donation, so the host does no NNX
+graph walk per step. Dropout keys are ``fold_in(key, step)``: a resumed run draws exactly
+the keys an uninterrupted one would. A step whose loss or gradient norm is not finite is
+skipped inside the program (:func:`skip_nonfinite`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from nnxscale.data import text as text
+from nnxscale.jobs.distributed import StopVote
+from nnxscale.layers.pipeline import use_pipeline
+from nnxscale.sharding.activations import use_rules
+from nnxscale.training.state import Setup
+
+
+def loss_fn(graphdef, params, inputs, targets, key, loss: Callable):
+    """``loss`` of one (micro-)batch; ``key`` seeds dropout (``None``: evaluation)."""
+    model = nnx.merge(graphdef, params)
+    return loss(model, inputs, targets, rngs=None if key is None else nnx.Rngs(dropout=key))
+
+
+def make_train_step(s: Setup, *, vote: bool = False):
+    """The jitted step: ``(state, batch) -> (state, metrics)``; donates the old state.
+
+    ``vote``: the step takes a third argument, every process's stop request
+    (:meth:`nnxscale.jobs.distributed.StopVote.ballot`), and ``metrics["stop"]`` is the largest:
+    the vote's all-reduce is part of the step, so it can never run in a different order
+    than the step's own collectives on some device (see docs/multiprocess.md).
+    """
+    graphdef, tx, schedule, objective = s.graphdef, s.tx, s.schedule, s.model.loss
+    accum = s.cfg.optim.grad_accum
+    grad_fn = jax.value_and_grad(lambda p, x, y, k: loss_fn(graphdef, p, x, y, k, objective))
+
+    def step(state, batch, votes=None):
+        params = state["params"]
+        key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), state["step"])
+        x, y = batch["inputs"], batch["targets"]  # (B, T) int32
+        if accum == 1:
+            loss, grads = grad_fn(params, x, y, key)
+        else:
+            # Strided micro-batches keep every micro-batch spread over all batch shards.
+            micro = lambda a: a.reshape(a.shape[0] // accum, accum, a.shape[1]).swapaxes(0, 1)  # noqa: E731
+
+            def body(carry, xs):
+                loss_sum, grad_sum = carry
+                i, xm, ym = xs
+                loss_i, grads_i = grad_fn(params, xm, ym, jax.random.fold_in(key, i))
+                return (loss_sum + loss_i, jax.tree.map(jnp.add, grad_sum, grads_i)), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            (loss, grads), _ = jax.lax.scan(body, (0.0, zeros), (jnp.arange(accum), micro(x), micro(y)))
+            loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+        grads = jax.lax.with_sharding_constraint(grads, s.param_shardings)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_state = {
+            "params": optax.apply_updates(params, updates),
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+            "key": state["key"],
+        }
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+        if votes is not None:
+            metrics["stop"] = StopVote.reduce(votes)
+        return skip_nonfinite(state, new_state, metrics)
+
+    in_shardings = (s.state_shardings, s.batch_sharding)
+    if vote:
+        in_shardings += (StopVote.sharding(s.mesh),)
+    return jax.jit(
+        _under_rules(step, s),
+        in_shardings=in_shardings,
+        out_shardings=(s.state_shardings, None),
+        donate_argnums=0,
+    )
+
+
+def skip_nonfinite(state, new_state, metrics):
+    """The divergence guard, inside the jitted step: ``(state, metrics)`` to return.
+
+    When the loss or the gradient norm is not finite, the step's update is skipped: the
+    parameters and the optimizer state (its moments and its count) stay as they were, so
+    a NaN or Inf never reaches them or a checkpoint. The step counter advances either way
+    (the batch is used up), and ``metrics["skipped"]`` is 1 for a skipped step, else 0.
+
+    A select per array, with no host round trip (``lax.cond`` would read the predicate on
+    the host on GPUs). Measured for gpt2 on data=8, batch 8 x 1024: the parameters' select
+    fuses into the update for free; the optimizer state's keeps one moment's worth of
+    temporary memory per device (step temp 2.76 -> 3.28 GiB).
+    """
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    kept = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, state)
+    kept["step"] = new_state["step"]
+    return kept, {**metrics, "skipped": jnp.where(ok, 0, 1).astype(jnp.int32)}
+
+
+def make_eval_step(s: Setup):
+    graphdef, objective = s.graphdef, s.model.loss
+    return jax.jit(
+        _under_rules(lambda params, batch: loss_fn(graphdef, params, batch["inputs"], batch["targets"], None, objective), s),
+        in_shardings=(s.param_shardings, s.batch_sharding),
+    )
+
+
+def _under_rules(fn: Callable, s: Setup) -> Callable:
+    """``fn`` traced with the run's rules in force, so the model's ``constrain`` calls apply
+    them, and its pipeline, so :func:`nnxscale.scan_layers` runs the stages."""
+
+    @functools.wraps(fn)
+    def traced(*args):
+        with use_rules(s.rules), use_pipeline(s.pipeline, s.mesh):
+            return fn(*args)
+
+    return traced

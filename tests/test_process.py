@@ -1,0 +1,84 @@
+"""Called from Python, nnxscale leaves the process to its owner; the command owns its own.
+
+A script or notebook that calls ``nnxscale.train`` keeps its signal handlers, its logging
+and its standard error: a first Ctrl-C still stops the run at a safe point with a
+checkpoint, a second raises ``KeyboardInterrupt`` in the caller (never ``os._exit``), and
+nothing process-wide is changed beyond the call. The command (``nnxscale.cli.main``) owns
+its process: there a second signal ends it at once, and Orbax's echoes of an error it
+reports are held back.
+"""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from nnxscale.checkpoint.checkpointer import Checkpointer, _FILTERED_LOGGERS, _quiet_orbax_errors, checkpoint_dir
+from nnxscale.jobs.process import owned_by_command, owns_process
+
+
+def installed_filters() -> list:
+    return [f for name in _FILTERED_LOGGERS for f in logging.getLogger(name).filters if f is _quiet_orbax_errors]
+
+
+def test_a_checkpointer_opened_from_python_leaves_logging_alone(tmp_path):
+    hook = sys.unraisablehook
+    with Checkpointer(tmp_path / "a"):
+        assert not installed_filters() and sys.unraisablehook is hook
+    assert not owns_process()
+    with owned_by_command():
+        assert owns_process()
+        with Checkpointer(tmp_path / "b"):
+            assert len(installed_filters()) == len(_FILTERED_LOGGERS) and sys.unraisablehook is not hook
+        assert not installed_filters() and sys.unraisablehook is hook  # put back when it closes
+    assert not owns_process()
+
+
+_SCRIPT = """
+import logging, signal, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from test_train import tiny_cfg
+import nnxscale
+
+handler = lambda *a: None
+signal.signal(signal.SIGTERM, handler)
+hook = sys.unraisablehook
+try:
+    nnxscale.train(tiny_cfg({run_dir!r}, {data!r}, steps=100000, save_every=5), progress=False, log=lambda _: None)
+except KeyboardInterrupt as e:
+    print("KeyboardInterrupt:", e, flush=True)
+assert signal.getsignal(signal.SIGTERM) is handler, "the caller's SIGTERM handler is not back"
+assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "Python's SIGINT handler is not back"
+assert sys.unraisablehook is hook
+assert not [f for n in ("absl", "asyncio") for f in logging.getLogger(n).filters]
+print("CALLER STILL RUNNING", flush=True)
+"""
+
+
+def test_a_second_signal_raises_keyboard_interrupt_in_the_caller(tmp_path, text_data):
+    run_dir = tmp_path / "run"
+    script = _SCRIPT.format(tests=os.path.dirname(__file__), run_dir=str(run_dir), data=str(text_data))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NNXSCALE_")}
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)  # a clean stop, asked for ...
+        proc.send_signal(signal.SIGTERM)  # ... and a second signal before it happened
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]  # not os._exit(128 + signal): the caller went on
+    assert "KeyboardInterrupt: SIGTERM while stopping" in out, (out, err[-2000:])
+    assert "CALLER STILL RUNNING" in out
+    assert "stopping as soon as it is safe" in err
+    # Nothing saved is lost: whatever completed is a readable checkpoint.
+    assert all(p.name.isdigit() for p in checkpoint_dir(run_dir).iterdir() if p.is_dir())
