@@ -19,6 +19,8 @@ _EXPORTS = {
     "to_stage_order": "nnxscale.layers.pipeline",
     "use_pipeline": "nnxscale.layers.pipeline",
     "LAYERS": "nnxscale.layers.stack",
+    "REMAT_NAMES": "nnxscale.layers.remat",
+    "remat_name": "nnxscale.layers.remat",
     "REMAT_POLICIES": "nnxscale.layers.stack",
     "scan_layers": "nnxscale.layers.stack",
     "stack_layers": "nnxscale.layers.stack",

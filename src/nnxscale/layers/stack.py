@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxscale.errors import ConfigError
+from nnxscale.layers.remat import remat_name
 from nnxscale.sharding.rules import LOGICAL_KEY
 
 #: Logical name of the stacked layers' leading axis.
@@ -47,11 +48,8 @@ REMAT_POLICIES: dict[str, Optional[Callable]] = {
 
 
 def remat_policy(value: Union[str, bool, None]) -> str:
-    """Normalize a remat setting: ``True`` -> ``"full"``, ``False``/``None`` -> ``"none"``."""
-    if value is None or value is False:
-        return "none"
-    if value is True:
-        return "full"
+    """Normalize a remat setting (:func:`~nnxscale.layers.remat.remat_name`) and check it."""
+    value = remat_name(value)
     if isinstance(value, str) and value in REMAT_POLICIES:
         return value
     raise ConfigError(f"unknown remat policy {value!r}: choose one of {', '.join(REMAT_POLICIES)}")

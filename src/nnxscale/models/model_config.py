@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from nnxscale.errors import ModelError
+from nnxscale.layers.remat import remat_name
 from nnxscale.layers.stack import REMAT_POLICIES
 
 DTYPES = ("float32", "bfloat16")
@@ -19,7 +20,7 @@ class ModelConfig:
         """Normalize ``remat`` (``True`` -> ``"full"``) and check it, ``dropout`` and the dtypes."""
         name = type(self).__name__
         if isinstance(self.remat, bool) or self.remat is None:
-            object.__setattr__(self, "remat", "full" if self.remat else "none")
+            object.__setattr__(self, "remat", remat_name(self.remat))
         if self.remat not in REMAT_POLICIES:
             raise ModelError(f"{name}.remat must be one of {', '.join(REMAT_POLICIES)} (or a bool), got {self.remat!r}")
         if not 0.0 <= self.dropout < 1.0:

@@ -210,7 +210,7 @@ class StepPlan:
         if self.compile_seconds is not None:
             lines.append(f"  compiled in {self.compile_seconds:.1f} s")
         if self.pipeline:
-            lines += [""] + describe_pipeline(self.pipeline, self.source)
+            lines += [""] + pipeline_lines(self.pipeline, self.source)
         for note in self.notes:
             lines.append(f"note: {note}")
         if self.device_memory is not None:
@@ -329,7 +329,7 @@ def pipeline_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional
     }
 
 
-def describe_pipeline(p: dict, source: str = "compiler") -> list[str]:
+def pipeline_lines(p: dict, source: str = "compiler") -> list[str]:
     """The plan's pipeline section, in lines."""
     groups = p["layers"] // (p["stages"] * p["repeats"])
     layout = f"{p['layers_per_stage']} of {p['layers']} layers per stage"

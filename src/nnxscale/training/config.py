@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from nnxscale.errors import ConfigError
+from nnxscale.layers.remat import remat_name
 
 #: Most steps a run can have: the train state counts steps in an int32.
 MAX_STEPS = 2**31 - 1
@@ -85,7 +86,7 @@ class TrainConfig:
 
     def __post_init__(self):
         if isinstance(self.remat, bool) or self.remat is None:  # TrainConfig(remat=True): full remat
-            object.__setattr__(self, "remat", "full" if self.remat else "none")
+            object.__setattr__(self, "remat", remat_name(self.remat))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -192,7 +193,7 @@ def _build(cls, d, prefix: str):
     for name, value in d.items():
         hint = hints[name]
         if prefix + name == "remat" and isinstance(value, bool):  # remat = true: full rematerialization
-            value = "full" if value else "none"
+            value = remat_name(value)
         if dataclasses.is_dataclass(hint):
             values[name] = _build(hint, value, f"{prefix}{name}.")
         else:
