@@ -15,8 +15,8 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the suite and the processes it starts, under the
 # project's ignored build folder: identical programs compile once per cache (a cold CI run
-# still shares them across tests). Processes of multi-process jobs each keep their own
-# subdirectory (nnxscale.jobs.distributed explains why).
+# still shares them across tests). The processes of a multi-process CPU job compile
+# everything themselves (nnxscale.jobs.distributed explains why).
 _CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "jax-test-cache")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -128,8 +128,8 @@ BAD_CONFIG_FILES = [
     ("run.toml", "steps = 1e400\n", ["run.toml", "--steps", "whole number", "inf"]),
     ("run.toml", "[optim]\nlr = inf\n", ["run.toml", "--lr (optim.lr)", "finite"]),
     ("run.toml", "[optim]\nmin_lr_ratio = -0.5\n", ["--min-lr-ratio (optim.min_lr_ratio)", "[0, 1]"]),
-    ("run.toml", 'remat = "yes"\n', ["--remat", "none, full or dots", "'yes'"]),
-    ("run.toml", "remat = 3\n", ["run.toml", "--remat", "a string", "3"]),
+    ("run.toml", '[model]\nremat = "yes"\n', ["--remat", "none, full or dots", "'yes'"]),
+    ("run.toml", "[model]\nremat = 3\n", ["run.toml", "--remat", "a string", "3"]),
     ("run.toml", "optim = 3\n", ["run.toml", "[optim]", "table"]),
     ("run.toml", "steps = \n", ["run.toml", "not valid TOML"]),
     ("run.json", '{"data": {"batch_size": null}}', ["run.json", "--batch-size (data.batch_size)", "None"]),
@@ -291,7 +291,7 @@ def test_train_help_documents_the_flags(capsys):
 def test_config_file_sets_fields_and_flags_override_it(tmp_path, text_data, capsys):
     config = tmp_path / "run.toml"
     config.write_text(
-        'model = "gpt2-tiny"\nmesh = "fsdp=8"\nsteps = 3\n'
+        "steps = 3\n[model]\nname = \"gpt2-tiny\"\n[parallel]\nmesh = \"fsdp=8\"\n"
         "[optim]\nlr = 0.002\nwarmup_steps = 1\n"
         "[data]\nseq_len = 32\nbatch_size = 16\n"
     )
@@ -301,9 +301,41 @@ def test_config_file_sets_fields_and_flags_override_it(tmp_path, text_data, caps
     code, out, err = run_main(capsys, argv)
     assert code == 0, err
     saved = json.loads((run_dir / "config.json").read_text())["train"]
-    assert saved["mesh"] == "fsdp=8" and saved["optim"]["lr"] == 0.002 and saved["data"]["seq_len"] == 32
+    assert saved["parallel"]["mesh"] == "fsdp=8" and saved["optim"]["lr"] == 0.002 and saved["data"]["seq_len"] == 32
+    assert not err.strip(), err  # sections: no deprecation line
     assert saved["steps"] == 2  # the flag wins over the file
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [2]
+
+
+def test_flat_names_of_0_1_still_work_with_one_deprecation_line(tmp_path, capsys):
+    """Config files written for 0.1 (flat ``model``, ``mesh``, ``remat``) give the same config,
+    with one line naming each name's new place; ``TrainConfig(mesh=...)`` warns and works."""
+    from nnxscale.cli.commands import _config, build_parser
+    from nnxscale.training.config import TrainConfig, config_conflicts, with_overrides
+
+    flat, sections = tmp_path / "flat.toml", tmp_path / "sections.toml"
+    flat.write_text('model = "gpt2-tiny"\nmesh = "fsdp=8"\nremat = true\nsave_every = 7\n[optim]\nlr = 0.01\n')
+    sections.write_text('[model]\nname = "gpt2-tiny"\nremat = "full"\n[parallel]\nmesh = "fsdp=8"\n'
+                        '[checkpoint]\nsave_every = 7\n[optim]\nlr = 0.01\n')  # fmt: skip
+    parse = build_parser().parse_args
+    got = _config(parse(["train", "--config", str(flat)]))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "deprecated" in lines[0] and "mesh -> [parallel] mesh" in lines[0], lines
+    assert got == _config(parse(["train", "--config", str(sections)]))
+    assert got.model.name == "gpt2-tiny" and got.parallel.mesh == "fsdp=8" and got.checkpoint.save_every == 7
+    with pytest.warns(DeprecationWarning, match="parallel.mesh"):
+        assert TrainConfig(model="gpt2-tiny", mesh="fsdp=8") == with_overrides(
+            TrainConfig(), {"model.name": "gpt2-tiny", "parallel.mesh": "fsdp=8"}
+        )
+    # A run directory written by 0.1 holds the flat names: the same run, no conflict.
+    old = {**{k: v for k, v in got.to_dict().items() if k not in ("model", "parallel", "checkpoint", "logging")},
+           "model": "gpt2-tiny", "mesh": "data=8", "dtype": "float32", "dropout": 0.0, "remat": "full",
+           "init_from": None, "rules": "auto", "min_shard_bytes": 1 << 20, "microbatches": None,
+           "pipeline_repeats": 1, "save_every": 7, "keep": 3, "log_every": 10, "eval_every": 100}  # fmt: skip
+    assert config_conflicts(old, got.to_dict()) == []
+    assert config_conflicts({**old, "dropout": 0.1}, got.to_dict()) == [
+        "model.dropout: run directory has 0.1, this command has 0.0"
+    ]
 
 
 def test_config_file_with_an_unknown_field(tmp_path, capsys):
@@ -332,14 +364,14 @@ def test_user_errors_are_one_line_but_a_bug_keeps_its_traceback(monkeypatch, cap
 
 def test_remat_takes_a_policy_and_a_bare_flag_means_full():
     from nnxscale.cli.commands import build_parser
-    from nnxscale.training.config import TrainConfig
+    from nnxscale.training.config import ModelSettings
 
     parse = build_parser().parse_args
-    assert parse(train_args("r", "d", "--remat")).remat == "full"
-    assert parse(train_args("r", "d", "--remat", "dots")).remat == "dots"
-    assert parse(train_args("r", "d", "--remat", "--seed", "3")).remat == "full"  # a bare flag before another
-    assert parse(train_args("r", "d")).remat is None  # the config's own (none) unless given
-    assert TrainConfig(remat=True).remat == "full" and TrainConfig(remat=False).remat == "none"
+    assert getattr(parse(train_args("r", "d", "--remat")), "model.remat") == "full"
+    assert getattr(parse(train_args("r", "d", "--remat", "dots")), "model.remat") == "dots"
+    assert getattr(parse(train_args("r", "d", "--remat", "--seed", "3")), "model.remat") == "full"  # a bare flag before another
+    assert getattr(parse(train_args("r", "d")), "model.remat") is None  # the config's own (none) unless given
+    assert ModelSettings(remat=True).remat == "full" and ModelSettings(remat=False).remat == "none"
     with pytest.raises(SystemExit):
         parse(train_args("r", "d", "--remat", "some"))
 
@@ -349,3 +381,25 @@ def test_the_command_line_reads_its_arguments_before_jax_starts():
     code = "import sys; from nnxscale.cli import commands as cli; cli.build_parser(); assert 'jax' not in sys.modules, 'jax imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_train_plan_and_init_take_the_same_settings_with_the_same_defaults(tmp_path):
+    """One source of truth: the flags come from the config dataclasses, so the same flags
+    give the same run in `train`, `plan` and `init` (and no flags, the quick start's)."""
+    from nnxscale.cli.commands import INIT_SETTINGS, PLAN_SETTINGS, _config, build_parser
+    from nnxscale.training.config import TrainConfig, fields_of, flag
+
+    parse = build_parser().parse_args
+    run = ["--run-dir", str(tmp_path / "r")]
+    assert _config(parse(["train"])) == _config(parse(["plan"])) == TrainConfig()
+    assert _config(parse(["init", *run])) == _config(parse(["train", *run]))
+    given = ["--model", "gpt2-tiny", "--mesh", "fsdp=8", "--rules", "fsdp", "--min-shard-bytes", "0"]
+    assert _config(parse(["plan", *given])) == _config(parse(["train", *given]))
+    assert _config(parse(["init", *given, *run])) == _config(parse(["train", *given, *run]))
+    settings = fields_of()
+    for command, paths in (("plan", PLAN_SETTINGS), ("init", INIT_SETTINGS), ("train", settings)):
+        parser = build_parser()._subparsers._group_actions[0].choices[command]
+        flags = {a.dest: a for a in parser._actions}
+        for path in paths:
+            assert flags[path].option_strings == [flag(path)], (command, path)
+            assert settings[path].metadata["help"] in flags[path].help

@@ -11,10 +11,16 @@ from flax import nnx
 from test_cli import assert_one_error_line, run_main, train_args
 
 import nnxscale
+from nnxscale.training.config import FLAT_NAMES, TrainConfig, with_overrides
 from nnxscale.training import optimizer, state
 from nnxscale.sharding.state import variable_logical_axes
 from nnxscale.models import FAMILIES, ModelDims, find_preset, gpt2, pretrained_family
 from nnxscale.errors import ModelError
+
+
+def cfg_of(**fields):
+    """A TrainConfig from flat or dotted names (``mesh=``, ``data.seq_len``)."""
+    return with_overrides(TrainConfig(), {FLAT_NAMES.get(k, k): v for k, v in fields.items()})
 
 
 def test_every_preset_of_every_family_builds_with_its_dimensions():
@@ -73,7 +79,7 @@ def test_init_from_a_hugging_face_directory_of_another_architecture(tmp_path, te
 
 
 def test_gpt2_decays_its_matrices_only():
-    s = nnxscale.setup(nnxscale.TrainConfig(model="gpt2-tiny", mesh="data=8"))
+    s = nnxscale.setup(cfg_of(model="gpt2-tiny", mesh="data=8"))
     flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(s.decay_mask)[0]}
     decayed = sorted(k for k, v in flat.items() if v)
     assert decayed == [
@@ -110,9 +116,9 @@ def test_your_own_module_must_hold_parameters_only():
             return self.dropout(self.embed(tokens)) @ self.embed.embedding[...].T
 
     with pytest.raises(nnxscale.ConfigError, match="holds state that is not a parameter .*without rngs"):
-        nnxscale.setup(nnxscale.TrainConfig(model="mine", mesh="data=8"), model=lambda rngs: WithRngs(rngs))
+        nnxscale.setup(cfg_of(model="mine", mesh="data=8"), model=lambda rngs: WithRngs(rngs))
     with pytest.raises(nnxscale.ConfigError, match="--dropout 0.1: these set a family preset's options"):
-        nnxscale.setup(nnxscale.TrainConfig(model="mine", mesh="data=8", dropout=0.1), model=lambda rngs: WithRngs(rngs))
+        nnxscale.setup(cfg_of(model="mine", mesh="data=8", dropout=0.1), model=lambda rngs: WithRngs(rngs))
 
 
 def test_a_second_family_is_found_planned_and_checked_like_the_first(monkeypatch, tmp_path):
@@ -124,15 +130,14 @@ def test_a_second_family_is_found_planned_and_checked_like_the_first(monkeypatch
     monkeypatch.setitem(FAMILIES, "toy", toy)
     assert find_preset("toy-tiny")[0] is toy
 
-    cfg = nnxscale.TrainConfig(model="toy-tiny", mesh="fsdp=8", min_shard_bytes=0,
-                               data=nnxscale.DataConfig(seq_len=64, batch_size=16))  # fmt: skip
+    cfg = cfg_of(model="toy-tiny", mesh="fsdp=8", min_shard_bytes=0, **{"data.seq_len": 64, "data.batch_size": 16})
     plan = nnxscale.plan(cfg, compile="never")
     assert plan.num_params == gpt2.preset("gpt2-tiny").num_params()
     assert any("fitted to gpt2's step" in note and "for a toy model" in note for note in plan.notes), plan.notes
-    assert not any("fitted to" in note for note in nnxscale.plan(dataclasses.replace(cfg, model="gpt2-tiny"), compile="never").notes)
+    assert not any("fitted to" in note for note in nnxscale.plan(cfg_of(model="gpt2-tiny", mesh="fsdp=8", min_shard_bytes=0, **{"data.seq_len": 64, "data.batch_size": 16}), compile="never").notes)
 
     with pytest.raises(nnxscale.ConfigError, match="--dropout 0.1: toy-tiny \\(toy\\) has no such option; it takes dtype, remat"):
-        nnxscale.setup(dataclasses.replace(cfg, dropout=0.1))
+        nnxscale.setup(with_overrides(cfg, {"model.dropout": 0.1}))
     gpt2.save_pretrained(gpt2.GPT2(gpt2.preset("gpt2-tiny"), rngs=nnx.Rngs(0)), tmp_path / "hf")
     with pytest.raises(nnxscale.ConfigError, match="holds a gpt2 model, but --model toy-tiny is a toy preset"):
         state.load_init_params(nnxscale.setup(cfg), str(tmp_path / "hf"))

@@ -16,7 +16,7 @@ from test_cli import assert_one_error_line, run_main, train_args
 
 import nnxscale
 from nnxscale.checkpoint.checkpointer import checkpoint_dir
-from nnxscale.training.config import TrainConfig, with_overrides
+from nnxscale.training.config import FLAT_NAMES, TrainConfig, with_overrides
 from nnxscale.planning.planner import plan
 from nnxscale.training.loop import train
 from nnxscale.training.rundir import read_metrics
@@ -36,7 +36,7 @@ def cfg_for(run_dir, data, model="gpt2-mini", **overrides) -> TrainConfig:
         "optim.decay_steps": 100,  # not the first command's --steps: runs of 2 and 4 steps share a schedule
     }  # fmt: skip
     fields.update(overrides)
-    return with_overrides(TrainConfig(), fields)
+    return with_overrides(TrainConfig(), {FLAT_NAMES.get(k, k): v for k, v in fields.items()})
 
 
 def quiet(cfg, logs=None):

@@ -9,7 +9,7 @@ import pytest
 
 from nnxscale.planning import planner as planlib
 from nnxscale.cli.commands import main
-from nnxscale.training.config import ConfigError, TrainConfig, with_overrides
+from nnxscale.training.config import ConfigError, FLAT_NAMES, TrainConfig, with_overrides
 from nnxscale.training.state import init_state, setup
 from nnxscale.training.step import make_train_step
 
@@ -17,7 +17,7 @@ from nnxscale.training.step import make_train_step
 def tiny(mesh: str, **fields) -> TrainConfig:
     """gpt2-tiny, batch 16 x 64; its tensors are kilobytes, so the FSDP minimum is off."""
     base = {"model": "gpt2-tiny", "mesh": mesh, "min_shard_bytes": 0, "data.batch_size": 16, "data.seq_len": 64}
-    return with_overrides(TrainConfig(), {**base, **fields})
+    return with_overrides(TrainConfig(), {FLAT_NAMES.get(k, k): v for k, v in {**base, **fields}.items()})
 
 
 def compiler_memory(cfg: TrainConfig):
@@ -136,9 +136,23 @@ def test_plan_command_json_sweep_and_errors(capsys):
     for mesh, remat in (("data=8", "none"), ("fsdp=8", "full")):
         (swept,) = [p for p in plans if p["mesh"] == mesh and p["remat"] == remat]
         assert swept["source"] == "estimate"
-        ma = compiler_memory(tiny(mesh, remat=remat, min_shard_bytes=TrainConfig().min_shard_bytes))
+        ma = compiler_memory(tiny(mesh, remat=remat, min_shard_bytes=TrainConfig().parallel.min_shard_bytes))
         peak = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
         assert abs(swept["peak_bytes_per_device"] / peak - 1) < 0.15, (mesh, remat, swept["peak_bytes_per_device"], peak)
 
     assert main(["plan", "--model", "gpt2-tiny", "--device", "tpu-v9"]) == 2
     assert "unknown device 'tpu-v9'" in capsys.readouterr().err
+
+
+def test_plan_takes_a_hugging_face_directory_like_train(capsys):
+    """`--model DIR` names a Hugging Face directory in `plan` as in `train` (transformers'
+    own GPT-2 fixture): its architecture is planned."""
+    from pathlib import Path
+
+    model_dir = Path(__file__).parent / "data" / "hf_gpt2" / "model"
+    code = main(["plan", "--model", str(model_dir), "--mesh", "fsdp=8", "--seq-len", "16", "--batch-size", "8",
+                 "--compile", "never", "--json"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    plan = json.loads(out.strip().splitlines()[-1])
+    assert plan["model"] == str(model_dir) and plan["num_params"] == 96 * 32 + 64 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32

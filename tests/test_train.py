@@ -25,7 +25,7 @@ import nnxscale.training.loop as train_mod
 from nnxscale.cli import commands as cli
 from nnxscale.data import tokens as datalib
 from nnxscale.checkpoint.checkpointer import checkpoint_dir
-from nnxscale.training.config import TrainConfig, with_overrides
+from nnxscale.training.config import FLAT_NAMES, TrainConfig, with_overrides
 from nnxscale.training.sampling import sample
 from nnxscale.models import gpt2
 from nnxscale.training.loop import train
@@ -65,7 +65,7 @@ def tiny_cfg(run_dir, data, **overrides) -> TrainConfig:
         **PINNED_SCHEDULE,
     }
     fields.update({k.replace("__", "."): v for k, v in overrides.items()})
-    return with_overrides(TrainConfig(), fields)
+    return with_overrides(TrainConfig(), {FLAT_NAMES.get(k, k): v for k, v in fields.items()})
 
 
 def quiet_train(cfg, log=None):

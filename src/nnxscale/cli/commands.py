@@ -51,68 +51,50 @@ def configure_cpu_devices(n: Optional[int]) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
-# field in TrainConfig (dotted) -> (flag, type, help)
-_TRAIN_FLAGS = [
-    ("model", "--model", str, "model preset of any family, e.g. gpt2-tiny, gpt2-mini, llama-tiny (byte-level), gpt2, "
-     "llama-3.2-1b; an unknown name lists them all; or a Hugging Face directory: its architecture, weights and tokenizer"),
-    ("mesh", "--mesh", str, "device mesh, e.g. data=8, fsdp=-1, data=2,model=4"),
-    ("rules", "--rules", str, "logical axis rules: auto, dp, fsdp, tp, fsdp_tp, or 'batch=data,mlp=model,...'"),
-    ("steps", "--steps", int, "total number of optimizer steps (a resumed run continues up to it)"),
-    ("data.batch_size", "--batch-size", int, "global batch size in sequences, over all devices and processes"),
-    ("data.seq_len", "--seq-len", int, "tokens per sequence (at most the model's context)"),
-    ("data.data", "--data", str, "text file or directory, .bin (uint16) or .npy token file; default: Python's stdlib source"),
-    ("data.tokenizer", "--tokenizer", str, "tokenizer.json (or a directory holding one) for text data; "
-     "default: bytes, or the one in an --init-from Hugging Face directory"),
-    ("data.val_fraction", "--val-fraction", float, "fraction of the tokens held out for validation (the tail)"),
-    ("data.eval_batches", "--eval-batches", int, "validation batches per evaluation"),
-    ("run_dir", "--run-dir", str, "run directory: config, metrics.jsonl, loss.png, checkpoints"),
-    ("seed", "--seed", int, "seed for initialization, data order and dropout"),
-    ("save_every", "--save-every", int, "save a checkpoint every N steps (also at the end and on SIGTERM/Ctrl-C)"),
-    ("log_every", "--log-every", int, "log metrics every N steps (metrics.jsonl holds that step's own loss)"),
-    ("eval_every", "--eval-every", int, "validation loss every N steps (0: never)"),
-    ("keep", "--keep", int, "checkpoints to keep"),
-    ("max_bad_steps", "--max-bad-steps", int,
-     "stop after this many steps in a row with a non-finite loss or gradient norm (each one is skipped)"),
-    ("hang_timeout", "--hang-timeout", float, "end the job when no step, save or evaluation completes for this many "
-     "seconds, with every thread's stacks in RUN_DIR/logs (env NNXSCALE_HANG_TIMEOUT; 0: off; default: 50 step "
-     "times, at least 300 s, 900 s for a save, 1800 s until the first step)"),
-    ("optim.lr", "--lr", float, "peak learning rate"),
-    ("optim.min_lr_ratio", "--min-lr-ratio", float, "final learning rate as a fraction of the peak (cosine decay)"),
-    ("optim.warmup_steps", "--warmup-steps", int, "linear warmup steps"),
-    ("optim.weight_decay", "--weight-decay", float, "AdamW weight decay (kernels and embeddings only)"),
-    ("optim.beta1", "--beta1", float, "AdamW first-moment decay"),
-    ("optim.beta2", "--beta2", float, "AdamW second-moment decay"),
-    ("optim.grad_clip", "--grad-clip", float, "global gradient-norm clip (0: off)"),
-    ("optim.grad_accum", "--grad-accum", int, "gradient accumulation micro-batches per step"),
-    ("optim.decay_steps", "--decay-steps", int, "length of the warmup+cosine schedule (default: --steps of the run's first command)"),
-    ("dropout", "--dropout", float, "dropout rate"),
-    ("dtype", "--dtype", str, "compute dtype: float32 or bfloat16 (parameters stay float32)"),
-    ("min_shard_bytes", "--min-shard-bytes", int, "parameters smaller than this are not split over FSDP axes"),
-    ("microbatches", "--microbatches", int, "pipeline microbatches, needed by (and only with) a stage mesh axis, "
-     "e.g. --mesh stage=2,data=4 --microbatches 8: at least the stages, dividing each batch shard's rows"),
-    ("pipeline_repeats", "--pipeline-repeats", int, "groups of layers per pipeline stage: 1 is GPipe, R > 1 the circular "
-     "schedule (bubble (S-1)/(R*M+S-1); layers must divide by stages x R)"),
-    ("init_from", "--init-from", str, "start from a seed checkpoint (nnxscale init) or a Hugging Face directory of the model's family"),
-]
+#: The settings each command takes, as dotted TrainConfig paths: their flags, types, help and
+#: defaults are generated from the config dataclasses (nnxscale.training.config), so `train`,
+#: `plan` and `init` describe the same run with the same flags and defaults.
+PLAN_SETTINGS = (
+    "model.name", "parallel.mesh", "parallel.rules", "data.batch_size", "data.seq_len", "model.remat", "model.dtype",
+    "model.dropout", "optim.grad_accum", "parallel.microbatches", "parallel.pipeline_repeats", "parallel.min_shard_bytes",
+)  # fmt: skip
+INIT_SETTINGS = ("model.name", "parallel.mesh", "parallel.rules", "parallel.min_shard_bytes", "seed", "run_dir")
 
 
-def _add_remat(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--remat",
-        nargs="?",
-        const="full",
-        default=None,
-        choices=("none", "full", "dots"),
-        metavar="POLICY",
-        help="rematerialize in the backward pass: none; full (keep only each block's input; a bare --remat); "
-        "dots (keep the weight matmuls' outputs). Default: none",
-    )
+def _add_settings(p: argparse.ArgumentParser, paths=None, *, required=()) -> None:
+    """One flag per setting in ``paths`` (default: every one), from its field's metadata."""
+    import typing
+
+    from nnxscale.training.config import TrainConfig, _FIELD_TYPES, fields_of, flatten
+
+    settings, defaults = fields_of(), flatten(TrainConfig().to_dict())
+    for path in paths or settings:
+        meta = settings[path].metadata
+        kind = next((a for a in typing.get_args(_FIELD_TYPES[path]) if a is not type(None)), _FIELD_TYPES[path])
+        if path in required:
+            options = {"required": True, "help": meta["help"]}
+        else:
+            options = {"default": None, "help": f"{meta['help']} (default: {defaults[path]})"}
+        if "choices" in meta:  # a bare flag means `const`: --remat is --remat full
+            options |= {"nargs": "?", "const": meta["const"], "choices": meta["choices"], "metavar": "POLICY"}
+        else:
+            options |= {"type": kind, "metavar": meta["flag"][2:].upper().replace("-", "_")}
+        p.add_argument(meta["flag"], dest=path, **options)
+    p.add_argument("--config", help="TOML or JSON file of config fields (sections, e.g. [parallel] mesh = ...); flags override it")
 
 
-def _defaults():
-    from nnxscale.training.config import TrainConfig, flatten
+def _config(args):
+    """The run's config: defaults < --config file < flags (only the flags given)."""
+    from nnxscale.training.config import TrainConfig, fields_of, load_config_file, upgrade, with_overrides
 
-    return flatten(TrainConfig().to_dict())
+    cfg = TrainConfig()
+    if getattr(args, "config", None):
+        source = f"config file {args.config}"
+        warn = lambda line: print(f"nnxscale: {line}", file=sys.stderr)  # noqa: E731
+        from_file = upgrade(load_config_file(args.config), warn, source)
+        cfg = TrainConfig.from_dict(_merge(cfg.to_dict(), from_file), source=source)
+    given = {path: getattr(args, path) for path in fields_of() if getattr(args, path, None) is not None}
+    return with_overrides(cfg, given)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -158,9 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="nnxscale",
         description="Sharded training with JAX and Flax NNX: plan, create, train, save and restore models in their sharded layout.",
     )
-    defaults = _defaults()
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    _train_parser(sub, defaults)
+    _train_parser(sub)
     _sample_parser(sub)
     _init_parser(sub)
     _plan_parser(sub)
@@ -169,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _train_parser(sub, defaults: dict) -> None:
+def _train_parser(sub) -> None:
     t = sub.add_parser(
         "train",
         help="train a model on a mesh (no arguments: the quick start)",
@@ -177,10 +158,7 @@ def _train_parser(sub, defaults: dict) -> None:
         "same --run-dir resumes from its latest checkpoint (on any mesh). Defaults: the quick start, a small "
         "byte-level GPT-2 on Python's standard library source, on 8 simulated CPU devices as a data x model mesh.",
     )
-    for field, flag, typ, help_text in _TRAIN_FLAGS:
-        t.add_argument(flag, dest=field, type=typ, default=None, help=f"{help_text} (default: {defaults[field]})")
-    _add_remat(t)
-    t.add_argument("--config", help="TOML or JSON file with config fields; flags override it")
+    _add_settings(t)
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_common(t)
 
@@ -204,11 +182,7 @@ def _init_parser(sub) -> None:
         description="Create a model in its sharded layout (no device ever holds a full tensor) and save it as a "
         "checkpoint that nnxscale train --init-from can start from.",
     )
-    i.add_argument("--model", required=True, help="model preset of any family")
-    i.add_argument("--mesh", required=True)
-    i.add_argument("--rules", default="auto")
-    i.add_argument("--run-dir", required=True)
-    i.add_argument("--seed", type=int, default=0)
+    _add_settings(i, INIT_SETTINGS, required=("run_dir",))
     _add_common(i)
 
 
@@ -223,19 +197,7 @@ def _plan_parser(sub) -> None:
         "compiled in a child process with that many simulated CPU devices, or estimated beyond "
         "--max-compile-devices. --table prints the per-Variable sharding table.",
     )
-    pl.add_argument("--model", default="gpt2", help="model preset of any family (default: gpt2)")
-    pl.add_argument("--mesh", default="data=2,model=4", help="device mesh, e.g. fsdp=8, data=64,model=16 (default: data=2,model=4)")
-    pl.add_argument("--rules", default="auto", help="logical axis rules (default: auto)")
-    pl.add_argument("--batch-size", type=int, default=8, help="global batch in sequences (default: 8)")
-    pl.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
-    _add_remat(pl)
-    pl.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16 (default: float32)")
-    pl.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation micro-batches (default: 1)")
-    pl.add_argument("--microbatches", type=int, default=None,
-                    help="pipeline microbatches, with a stage mesh axis (e.g. --mesh stage=2,data=4 --microbatches 8)")
-    pl.add_argument("--pipeline-repeats", type=int, default=1,
-                    help="groups of layers per pipeline stage: 1 GPipe, R > 1 circular (default: 1)")  # fmt: skip
-    pl.add_argument("--min-shard-bytes", type=int, default=None, help="parameters below this are not split over FSDP axes (default: 1 MiB)")
+    _add_settings(pl, PLAN_SETTINGS)
     memory = pl.add_mutually_exclusive_group()
     memory.add_argument("--device-memory", help="memory of one device for the verdict, e.g. 16GiB or 80GB")
     memory.add_argument("--device", help="a known device for the verdict: " + ", ".join(_known_devices()))
@@ -287,17 +249,9 @@ def _launch_parser(sub) -> None:
 
 
 def _train(args) -> int:
-    from nnxscale.training.config import TrainConfig, load_config_file, with_overrides
     from nnxscale.training.loop import train
 
-    cfg = TrainConfig()
-    if args.config:
-        cfg = TrainConfig.from_dict(_merge(cfg.to_dict(), load_config_file(args.config)), source=f"config file {args.config}")
-    overrides = {f: getattr(args, f) for f, *_ in _TRAIN_FLAGS if getattr(args, f) is not None}
-    if args.remat is not None:
-        overrides["remat"] = args.remat
-    cfg = with_overrides(cfg, overrides)
-    result = train(cfg, progress=not args.no_progress)
+    result = train(_config(args), progress=not args.no_progress)
     if result.interrupted_by is not None:
         import signal
 
@@ -368,9 +322,11 @@ def _init(args) -> int:
     from nnxscale.sharding.layout import format_bytes
     from nnxscale.training.seed import init_run
 
-    info = init_run(args.model, args.mesh, args.run_dir, rules=args.rules, seed=args.seed)
+    cfg = _config(args)
+    p = cfg.parallel
+    info = init_run(cfg.model.name, p.mesh, cfg.run_dir, rules=p.rules, seed=cfg.seed, min_shard_bytes=p.min_shard_bytes)
     print(
-        f"{args.model}: {info['num_params']:,} parameters, {format_bytes(info['total_bytes'])} in full, "
+        f"{cfg.model.name}: {info['num_params']:,} parameters, {format_bytes(info['total_bytes'])} in full, "
         f"{format_bytes(info['per_device_bytes'])} per device on mesh {info['mesh']}; "
         f"seed checkpoint saved in {info['path']}"
     )
@@ -390,29 +346,18 @@ def _plan(args) -> int:
 
     from nnxscale.planning import planner as planlib
     from nnxscale.sharding.state import lint, sharding_table
-    from nnxscale.training.config import TrainConfig, with_overrides
-    from nnxscale.training.model import model_architecture
 
-    family, preset = model_architecture(args.model)  # a preset, or a Hugging Face directory as in `train`
-    fields = {
-        "model": args.model, "mesh": args.mesh, "rules": args.rules, "dtype": args.dtype,
-        "data.batch_size": args.batch_size, "data.seq_len": args.seq_len or family.dims(preset).context,
-        "optim.grad_accum": args.grad_accum, "remat": args.remat or "none",
-        "microbatches": args.microbatches, "pipeline_repeats": args.pipeline_repeats,
-    }  # fmt: skip
-    if args.min_shard_bytes is not None:
-        fields["min_shard_bytes"] = args.min_shard_bytes
-    cfg = with_overrides(TrainConfig(), fields)
+    cfg = _config(args)
     memory = planlib.device_memory(args.device_memory, args.device)
     max_devices = args.max_compile_devices or planlib.MAX_COMPILE_DEVICES
-    sizes = planlib.mesh_sizes(cfg.mesh)
+    sizes = planlib.mesh_sizes(cfg.parallel.mesh)
     if args.sweep:
         import math
 
         devices = math.prod(sizes.values())
         plans = planlib.sweep(cfg, devices, device_memory=memory, compile=args.compile or "never", max_compile_devices=max_devices)
-        print(f"sweep: {args.model}, {devices} devices, global batch {cfg.data.batch_size} x {cfg.data.seq_len}, "
-              f"{cfg.dtype} compute, sorted by peak memory per device")  # fmt: skip
+        print(f"sweep: {cfg.model.name}, {devices} devices, global batch {cfg.data.batch_size} x {cfg.data.seq_len}, "
+              f"{cfg.model.dtype} compute, sorted by peak memory per device")  # fmt: skip
         print(planlib.sweep_table(plans))
         if args.json:
             print(json.dumps([p.to_dict() for p in plans]))
@@ -480,7 +425,7 @@ def _run_dir(args) -> Optional[str]:
         return getattr(args, "run_dir", None)
     from nnxscale.training.config import TrainConfig, load_config_file
 
-    from_file = load_config_file(args.config).get("run_dir") if args.config else None
+    from_file = load_config_file(args.config).get("run_dir") if getattr(args, "config", None) else None
     return from_file or TrainConfig().run_dir
 
 

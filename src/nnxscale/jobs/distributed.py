@@ -233,7 +233,7 @@ def join(spec: JobSpec = JobSpec()) -> Job:
         raise JobError(f"could not join the job at {where} ({type(e).__name__}: {str(e).strip()}){hint}") from None
     finally:
         watch.cancel()
-    _keep_compilation_cache_per_process()
+    _no_persistent_cache_in_a_cpu_job()
     client = _client()
     _job = Job(
         process_id=jax.process_index(),
@@ -248,29 +248,26 @@ def join(spec: JobSpec = JobSpec()) -> Job:
     return _job
 
 
-def _keep_compilation_cache_per_process() -> None:
-    """Give each process of a CPU job its own persistent compilation cache, or none.
+def _no_persistent_cache_in_a_cpu_job() -> None:
+    """Turn JAX's persistent compilation cache off in a CPU job of several processes.
 
-    JAX writes cache entries from process 0 only and lets every process read them, which
-    assumes that all processes run the same executable. On XLA:CPU they do not: seen on
-    2026-11-23, a process that loaded process 0's entry ran its gloo collectives out of step
-    with its peer ("Received data size doesn't match expected size (48 vs 4)") or hung. So
-    on the CPU each process gets a subdirectory of the cache named by its index and the job's
-    size; only process 0's is ever filled, and every process runs an executable it compiled
-    itself (now or in an earlier job of the same shape).
+    Seen on 2026-11-23 and 2026-11-24: when one process of a CPU job ran an executable read
+    from the cache and its peer one it had just compiled, their gloo collectives went out of
+    step ("Received data size doesn't match expected size (48 vs 4)") or hung in the first
+    step. JAX writes entries from process 0 only and lets every process read them; and even
+    with a cache per process, process 0's entry (from an earlier job) did not match process
+    1's fresh compilation. Programs compiled in the same job always match, so a CPU job
+    compiles everything itself. GPU and TPU jobs keep the cache, as JAX intends.
     """
     import jax
 
-    directory = jax.config.jax_compilation_cache_dir
-    if not directory or jax.process_count() == 1 or jax.default_backend() != "cpu":
+    if jax.process_count() == 1 or jax.default_backend() != "cpu" or not jax.config.jax_enable_compilation_cache:
         return
-    from jax._src import (
-        compilation_cache,  # the cache keeps its directory once first used
-    )
+    if jax.config.jax_compilation_cache_dir:
+        from jax._src import compilation_cache  # it remembers whether it is in use once asked
 
-    own = os.path.join(directory, f"process-{jax.process_index()}-of-{jax.process_count()}")
-    jax.config.update("jax_compilation_cache_dir", own)
-    compilation_cache.reset_cache()
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()
 
 
 def _host_names(client, process_id: int, timeout_s: int) -> tuple[str, ...]:

@@ -250,13 +250,13 @@ def plan(
     if compile not in ("auto", "never", "always"):
         raise ConfigError(f"compile must be auto, never or always, got {compile!r}")
     cfg.validate()
-    sizes = mesh_sizes(cfg.mesh, devices)
-    cfg = with_overrides(cfg, {"mesh": format_mesh(sizes)})
+    sizes = mesh_sizes(cfg.parallel.mesh, devices)
+    cfg = with_overrides(cfg, {"parallel.mesh": format_mesh(sizes)})
     lay = layout_figures(cfg, sizes)
     n = math.prod(sizes.values())
     est = estimate(cfg, lay)
     common = dict(
-        model=cfg.model, mesh=sizes, rules=cfg.rules, remat=cfg.remat, dtype=cfg.dtype,
+        model=cfg.model.name, mesh=sizes, rules=cfg.parallel.rules, remat=cfg.model.remat, dtype=cfg.model.dtype,
         batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.optim.grad_accum,
         num_params=lay["num_params"], full_param_bytes=lay["full_param_bytes"], param_bytes=lay["param_bytes"],
         optimizer_bytes=lay["optimizer_bytes"], gradient_bytes=lay["gradient_bytes"], batch_bytes=lay["batch_bytes"],
@@ -312,7 +312,7 @@ def pipeline_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional
     from nnxscale.layers.pipeline import pipeline_cost
 
     d, dims = cfg.data, lay["model"].dims
-    cost = pipeline_cost(pipe, n, (d.batch_size, d.seq_len, dims.width), cfg.dtype, batch_shards=lay["rules"].batch_shard_count)
+    cost = pipeline_cost(pipe, n, (d.batch_size, d.seq_len, dims.width), cfg.model.dtype, batch_shards=lay["rules"].batch_shard_count)
     return {
         "schedule": cost.schedule,
         "stages": cost.stages,
@@ -397,7 +397,7 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
     from nnxscale.training.state import check_pipeline, check_shapes, run_pipeline
 
     m = run_model(cfg)
-    rules = resolve(cfg.rules, sizes, min_shard_bytes=cfg.min_shard_bytes)
+    rules = resolve(cfg.parallel.rules, sizes, min_shard_bytes=cfg.parallel.min_shard_bytes)
     check_shapes(cfg, rules, m)
     pipe = run_pipeline(cfg, rules)
     model = nnx.eval_shape(lambda: m.build(nnx.Rngs(0)))
@@ -476,8 +476,8 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
         layers = dims.layers / pipe.stages * pipe.iterations / (pipe.repeats * pipe.microbatches)
     if tensor > 1:
         d = cfg.data
-        act = d.batch_size / rules.batch_shard_count * d.seq_len * dims.width * (2 if cfg.dtype == "bfloat16" else 4)
-        per_layer = 4 + (2 if cfg.remat != "none" else 0)
+        act = d.batch_size / rules.batch_shard_count * d.seq_len * dims.width * (2 if cfg.model.dtype == "bfloat16" else 4)
+        per_layer = 4 + (2 if cfg.model.remat != "none" else 0)
         out.append(("tensor-parallel activation all-reduces", per_layer * layers * act / full))
     if pipe is not None:
         p = pipeline_figures(cfg, lay)
@@ -575,7 +575,7 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
     act = b * T * C * s
     # All-reduces of (b, T, C) per layer: after attention (heads split) and after the MLP,
     # forward and backward; full remat recomputes the attention's, whose output the MLP needs.
-    tp_reductions = 2 * ((tph > 1) + (tp > 1)) + (cfg.remat == "full" and tph > 1)
+    tp_reductions = 2 * ((tph > 1) + (tp > 1)) + (cfg.model.remat == "full" and tph > 1)
     return {
         "saved_res": L * act,
         "saved_tp": L * act / tp,
@@ -598,9 +598,9 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
 def estimate(cfg: TrainConfig, lay: Optional[dict] = None) -> dict[str, Any]:
     """The analytical estimate of a step's temporaries, peak and collectives per device."""
     if lay is None:
-        lay = layout_figures(cfg, mesh_sizes(cfg.mesh))
+        lay = layout_figures(cfg, mesh_sizes(cfg.parallel.mesh))
     f = features(cfg, lay)
-    shared, saved = COEFFICIENTS.get("shared", {}), COEFFICIENTS.get(cfg.remat, {})
+    shared, saved = COEFFICIENTS.get("shared", {}), COEFFICIENTS.get(cfg.model.remat, {})
     temp = sum(shared.get(k, 0.0) * f[k] for k in SHARED_FEATURES) + sum(saved.get(k, 0.0) * f[k] for k in SAVED_FEATURES)
     temp = int(max(temp, f["grads"] + f["grads_sum"]))
     coll_coef = COEFFICIENTS.get("collectives", {})
@@ -660,7 +660,7 @@ def _compile_here(cfg: TrainConfig, n: int) -> dict[str, Any]:
     from nnxscale.sharding.activations import record_activations
     from nnxscale.sharding.mesh import make_mesh
 
-    mesh = make_mesh(cfg.mesh, devices=jax.devices()[:n])
+    mesh = make_mesh(cfg.parallel.mesh, devices=jax.devices()[:n])
     t = time.perf_counter()
     with record_activations() as records:
         _, compiled = compile_step(cfg, mesh)
@@ -743,13 +743,13 @@ def sweep(
     """
     from nnxscale.training.model import run_model
 
-    if cfg.microbatches is not None:
+    if cfg.parallel.microbatches is not None:
         raise ConfigError("--sweep plans meshes without a stage axis: plan a pipeline without --sweep (drop --microbatches)")
     dims = run_model(cfg).dims
     plans = []
     for mesh in candidate_meshes(devices, math.gcd(dims.heads, dims.kv_heads)):
         for remat in remats:
-            c = with_overrides(cfg, {"mesh": mesh, "remat": remat})
+            c = with_overrides(cfg, {"parallel.mesh": mesh, "model.remat": remat})
             try:
                 plans.append(plan(c, device_memory=device_memory, compile=compile, max_compile_devices=max_compile_devices))
             except ConfigError as e:  # e.g. a batch the mesh cannot split

@@ -16,7 +16,8 @@ Loads lazily: ``nnxscale.training.config`` is read by the CLI before jax may be 
 import importlib
 
 _EXPORTS = {
-    "TrainConfig": "config", "OptimConfig": "config", "DataConfig": "config",
+    "TrainConfig": "config", "OptimConfig": "config", "DataConfig": "config", "ModelSettings": "config",
+    "ParallelConfig": "config", "CheckpointConfig": "config", "LoggingConfig": "config",
     "RunModel": "model", "run_model": "model",
     "make_optimizer": "optimizer", "decay_mask": "optimizer",
     "Setup": "state", "setup": "state", "init_state": "state",

@@ -19,8 +19,9 @@ import json
 import math
 import tomllib
 import typing
+import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from nnxscale.errors import ConfigError
 from nnxscale.layers.remat import remat_name
@@ -31,62 +32,163 @@ MAX_STEPS = 2**31 - 1
 MAX_SEED = 2**32 - 1
 
 
+def setting(default, flag: str, help: str, **extra):
+    """A config field and its command-line flag: the CLI's flags are generated from these
+    (``nnxscale.cli``), so a field's name, type, default and help live only here."""
+    return dataclasses.field(default=default, metadata={"flag": flag, "help": help, **extra})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """The model a run trains and the options a family's model takes."""
+
+    name: str = setting("gpt2-mini", "--model", "model preset of any family, e.g. gpt2-tiny, gpt2-mini, llama-tiny "
+                        "(byte-level), gpt2, llama-3.2-1b; an unknown name lists them all; or a Hugging Face directory: "
+                        "its architecture, weights and tokenizer")  # fmt: skip
+    dtype: str = setting("float32", "--dtype", "compute dtype: float32 or bfloat16 (parameters stay float32)")
+    dropout: float = setting(0.0, "--dropout", "dropout rate")
+    remat: str = setting("none", "--remat", "rematerialize in the backward pass: none; full (keep only each block's "
+                         "input; a bare --remat); dots (keep the weight matmuls' outputs)", const="full",
+                         choices=("none", "full", "dots"))  # fmt: skip
+    init_from: Optional[str] = setting(None, "--init-from", "start from a seed checkpoint (nnxscale init) or a Hugging "
+                                       "Face directory of the model's family")  # fmt: skip
+
+    def __post_init__(self):
+        if isinstance(self.remat, bool) or self.remat is None:  # remat=True: full remat
+            object.__setattr__(self, "remat", remat_name(self.remat))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the run is split over devices: the mesh, the rules, and the pipeline."""
+
+    mesh: str = setting("data=4,model=2", "--mesh", "device mesh, e.g. data=8, fsdp=-1, data=2,model=4")
+    rules: str = setting("auto", "--rules", "logical axis rules: auto, dp, fsdp, tp, fsdp_tp, or 'batch=data,mlp=model,...'")
+    min_shard_bytes: int = setting(1 << 20, "--min-shard-bytes", "parameters smaller than this are not split over FSDP axes")
+    microbatches: Optional[int] = setting(None, "--microbatches", "pipeline microbatches, needed by (and only with) a "
+                                          "stage mesh axis, e.g. --mesh stage=2,data=4 --microbatches 8: at least the "
+                                          "stages, dividing each batch shard's rows")  # fmt: skip
+    pipeline_repeats: int = setting(1, "--pipeline-repeats", "groups of layers per pipeline stage: 1 is GPipe, R > 1 the "
+                                    "circular schedule (bubble (S-1)/(R*M+S-1); layers must divide by stages x R)")  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     """AdamW with linear warmup then cosine decay to ``lr * min_lr_ratio``."""
 
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1  # on kernels and embeddings only, never biases or norms
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    grad_accum: int = 1  # micro-batches per step; the batch size is per step
-    decay_steps: Optional[int] = None  # schedule length; None: --steps of the run's first command
+    lr: float = setting(3e-3, "--lr", "peak learning rate")
+    min_lr_ratio: float = setting(0.1, "--min-lr-ratio", "final learning rate as a fraction of the peak (cosine decay)")
+    warmup_steps: int = setting(20, "--warmup-steps", "linear warmup steps")
+    weight_decay: float = setting(0.1, "--weight-decay", "AdamW weight decay (kernels and embeddings only)")
+    beta1: float = setting(0.9, "--beta1", "AdamW first-moment decay")
+    beta2: float = setting(0.95, "--beta2", "AdamW second-moment decay")
+    grad_clip: float = setting(1.0, "--grad-clip", "global gradient-norm clip (0: off)")
+    grad_accum: int = setting(1, "--grad-accum", "gradient accumulation micro-batches per step")
+    decay_steps: Optional[int] = setting(None, "--decay-steps", "length of the warmup+cosine schedule (default: --steps "
+                                         "of the run's first command)")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from and how they are batched (sizes are global, all processes)."""
 
-    data: Optional[str] = None  # None: the Python standard library's own source files
-    tokenizer: Optional[str] = None  # tokenizer.json for text; None: bytes, or --init-from's own
-    seq_len: int = 128
-    batch_size: int = 32
-    val_fraction: float = 0.005
-    eval_batches: int = 4
+    data: Optional[str] = setting(None, "--data", "text file or directory, .bin (uint16) or .npy token file; default: "
+                                  "Python's stdlib source")  # fmt: skip
+    tokenizer: Optional[str] = setting(None, "--tokenizer", "tokenizer.json (or a directory holding one) for text data; "
+                                       "default: bytes, or the one in an --init-from Hugging Face directory")  # fmt: skip
+    seq_len: int = setting(128, "--seq-len", "tokens per sequence (at most the model's context)")
+    batch_size: int = setting(32, "--batch-size", "global batch size in sequences, over all devices and processes")
+    val_fraction: float = setting(0.005, "--val-fraction", "fraction of the tokens held out for validation (the tail)")
+    eval_batches: int = setting(4, "--eval-batches", "validation batches per evaluation")
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """How often a run saves, and how many checkpoints it keeps."""
+
+    save_every: int = setting(100, "--save-every", "save a checkpoint every N steps (also at the end and on SIGTERM/Ctrl-C)")
+    keep: int = setting(3, "--keep", "checkpoints to keep")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """How often a run logs and evaluates."""
+
+    log_every: int = setting(10, "--log-every", "log metrics every N steps (metrics.jsonl holds that step's own loss)")
+    eval_every: int = setting(100, "--eval-every", "validation loss every N steps (0: never)")
+
+
+#: Flat field names of releases up to 0.1 -> their place in the sections. Accepted in config
+#: files (with one deprecation line each), in ``TrainConfig(...)``, ``with_overrides`` and as
+#: attributes (with a DeprecationWarning), and silently in run directories written before.
+FLAT_NAMES = {
+    "model": "model.name", "dtype": "model.dtype", "dropout": "model.dropout", "remat": "model.remat",
+    "init_from": "model.init_from", "mesh": "parallel.mesh", "rules": "parallel.rules",
+    "min_shard_bytes": "parallel.min_shard_bytes", "microbatches": "parallel.microbatches",
+    "pipeline_repeats": "parallel.pipeline_repeats", "save_every": "checkpoint.save_every", "keep": "checkpoint.keep",
+    "log_every": "logging.log_every", "eval_every": "logging.eval_every",
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, init=False)
 class TrainConfig:
-    """Everything one training run needs. ``nnxscale train --help`` documents each field."""
+    """Everything one training run needs, in sections; ``nnxscale train --help`` documents each field.
 
-    model: str = "gpt2-mini"
-    mesh: str = "data=4,model=2"
-    rules: str = "auto"
-    steps: int = 300
-    seed: int = 0
-    dropout: float = 0.0
-    dtype: str = "float32"  # compute dtype; parameters stay float32
-    remat: str = "none"  # none, full (True), dots: see nnxscale.layers.stack.REMAT_POLICIES
-    min_shard_bytes: int = 1 << 20  # parameters below this are not split over FSDP axes
-    run_dir: str = "runs/quickstart"
-    log_every: int = 10
-    eval_every: int = 100
-    save_every: int = 100
-    keep: int = 3
-    max_bad_steps: int = 5  # consecutive steps with a non-finite loss or gradient norm before stopping
-    hang_timeout: Optional[float] = None  # seconds without progress before the job is ended; None: default; 0: off
-    init_from: Optional[str] = None
-    microbatches: Optional[int] = None  # pipeline microbatches; needs a `stage` mesh axis (and one needs it)
-    pipeline_repeats: int = 1  # 1: GPipe; R > 1: circular, R groups of layers per stage
-    optim: OptimConfig = OptimConfig()
-    data: DataConfig = DataConfig()
+    ``TrainConfig.from_flags(model="gpt2-tiny", mesh="fsdp=8", steps=10)`` (the command line's
+    names), ``TrainConfig(steps=10, model=ModelSettings(name="gpt2-tiny"),
+    parallel=ParallelConfig(mesh="fsdp=8"))``, or dotted names: ``with_overrides(TrainConfig(),
+    {"model.name": "gpt2-tiny"})``.
+    """
 
-    def __post_init__(self):
-        if isinstance(self.remat, bool) or self.remat is None:  # TrainConfig(remat=True): full remat
-            object.__setattr__(self, "remat", remat_name(self.remat))
+    steps: int = setting(300, "--steps", "total number of optimizer steps (a resumed run continues up to it)")
+    seed: int = setting(0, "--seed", "seed for initialization, data order and dropout")
+    run_dir: str = setting("runs/quickstart", "--run-dir", "run directory: config, metrics.jsonl, loss.png, checkpoints")
+    max_bad_steps: int = setting(5, "--max-bad-steps", "stop after this many steps in a row with a non-finite loss or "
+                                 "gradient norm (each one is skipped)")  # fmt: skip
+    hang_timeout: Optional[float] = setting(None, "--hang-timeout", "end the job when no step, save or evaluation "
+                                            "completes for this many seconds, with every thread's stacks in "
+                                            "RUN_DIR/logs (env NNXSCALE_HANG_TIMEOUT; 0: off; default: 50 step times, "
+                                            "at least 300 s, 900 s for a save, 1800 s until the first step; from "
+                                            "Python: off unless set, or in a job of several processes)")  # fmt: skip
+    model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    def __init__(self, **fields):
+        sections = {f.name: f for f in dataclasses.fields(self)}
+        flat = {k: fields.pop(k) for k in list(fields) if k in FLAT_NAMES and not (k == "model" and _is_section(fields[k]))}
+        unknown = sorted(set(fields) - set(sections))
+        if unknown:
+            raise TypeError(f"TrainConfig got unknown fields {unknown}; fields: {sorted(sections)}")
+        for name, f in sections.items():
+            value = fields[name] if name in fields else (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+            object.__setattr__(self, name, value)
+        if flat:
+            _deprecated(f"TrainConfig({', '.join(sorted(flat))}=...)", {k: FLAT_NAMES[k] for k in flat})
+            d = _replace_paths(self.to_dict(), {FLAT_NAMES[k]: v for k, v in flat.items()})
+            for name in sections:
+                object.__setattr__(self, name, getattr(_build(TrainConfig, d, ""), name))
+
+    @classmethod
+    def from_flags(cls, **flags) -> "TrainConfig":
+        """A config from the command line's names: ``TrainConfig.from_flags(model="gpt2",
+        mesh="fsdp=8", seq_len=1024, lr=1e-3)`` is ``nnxscale train --model gpt2 --mesh fsdp=8
+        --seq-len 1024 --lr 1e-3`` (each keyword a flag without dashes, ``-`` as ``_``)."""
+        unknown = sorted(set(flags) - set(_BY_FLAG))
+        if unknown:
+            raise ConfigError(f"unknown flags {unknown}; the flags are {sorted(_BY_FLAG)}")
+        return with_overrides(cls(), {_BY_FLAG[name]: value for name, value in flags.items()})
+
+    def __getattr__(self, name: str):  # only for names that are not fields: the flat names of 0.1
+        path = FLAT_NAMES.get(name)
+        if path is None:
+            raise AttributeError(f"'TrainConfig' object has no attribute {name!r}")
+        _deprecated(f"TrainConfig.{name}", {name: path})
+        section, field = path.split(".")
+        return getattr(getattr(self, section), field)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -102,11 +204,11 @@ class TrainConfig:
         ranges = {
             "steps": steps,
             "seed": (lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]"),
-            "dropout": below_one,
-            "log_every": at_least(1),
-            "eval_every": (lambda v: v >= 0, "0 (never) or positive"),
-            "save_every": (lambda v: v >= 0, "0 (only at the end) or positive"),
-            "keep": at_least(1),
+            "model.dropout": below_one,
+            "logging.log_every": at_least(1),
+            "logging.eval_every": (lambda v: v >= 0, "0 (never) or positive"),
+            "checkpoint.save_every": (lambda v: v >= 0, "0 (only at the end) or positive"),
+            "checkpoint.keep": at_least(1),
             "max_bad_steps": at_least(1),
             "hang_timeout": (lambda v: v is None or v >= 0, "0 (off) or a positive number of seconds"),
             "optim.lr": (lambda v: v > 0, "positive"),
@@ -122,59 +224,123 @@ class TrainConfig:
             "data.batch_size": at_least(1),
             "data.val_fraction": below_one,
             "data.eval_batches": at_least(1),
-            "min_shard_bytes": at_least(0),
-            "microbatches": (lambda v: v is None or v >= 1, "at least 1 (or unset: no pipeline)"),
-            "pipeline_repeats": at_least(1),
+            "parallel.min_shard_bytes": at_least(0),
+            "parallel.microbatches": (lambda v: v is None or v >= 1, "at least 1 (or unset: no pipeline)"),
+            "parallel.pipeline_repeats": at_least(1),
         }
         for path, (ok, wanted) in ranges.items():
             if not ok(fields[path]):
                 raise ConfigError(f"{_label(path)} must be {wanted}, got {fields[path]}")
-        for path in ("model", "mesh", "rules", "run_dir", "data.data", "data.tokenizer", "init_from"):
+        for path in ("model.name", "parallel.mesh", "parallel.rules", "run_dir", "data.data", "data.tokenizer", "model.init_from"):
             if fields[path] is not None and not fields[path].strip():
                 raise ConfigError(f"{_label(path)} is empty")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"{_label('dtype')} must be float32 or bfloat16, got {self.dtype!r}")
-        if self.remat not in ("none", "full", "dots"):
-            raise ConfigError(f"{_label('remat')} must be none, full or dots, got {self.remat!r}")
+        if self.model.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"{_label('model.dtype')} must be float32 or bfloat16, got {self.model.dtype!r}")
+        if self.model.remat not in ("none", "full", "dots"):
+            raise ConfigError(f"{_label('model.remat')} must be none, full or dots, got {self.model.remat!r}")
         self._validate_pipeline()
 
     def _validate_pipeline(self) -> None:
         """What a pipeline needs that no mesh is required to check (the mesh: ``setup``)."""
-        if self.pipeline_repeats > 1 and self.microbatches is None:
+        par = self.parallel
+        if par.pipeline_repeats > 1 and par.microbatches is None:
             raise ConfigError(
-                f"--pipeline-repeats {self.pipeline_repeats} sets the circular pipeline schedule, which needs "
+                f"--pipeline-repeats {par.pipeline_repeats} sets the circular pipeline schedule, which needs "
                 "--microbatches (and a stage mesh axis, e.g. --mesh stage=2,data=4 --microbatches 8)"
             )
-        if self.microbatches is not None and self.optim.grad_accum > 1:
+        if par.microbatches is not None and self.optim.grad_accum > 1:
             raise ConfigError(
-                f"--grad-accum {self.optim.grad_accum} and --microbatches {self.microbatches} both split the batch: "
+                f"--grad-accum {self.optim.grad_accum} and --microbatches {par.microbatches} both split the batch: "
                 "a pipeline already accumulates its microbatches' gradients, and each accumulation step would fill and "
                 "drain the pipeline again (a bubble each time): use --microbatches alone "
-                f"(e.g. --microbatches {self.microbatches * self.optim.grad_accum} for the same micro-batch size)"
+                f"(e.g. --microbatches {par.microbatches * self.optim.grad_accum} for the same micro-batch size)"
             )
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], *, source: Optional[str] = None) -> "TrainConfig":
+    def from_dict(cls, d: dict[str, Any], *, source: Optional[str] = None, flat_names: Optional[Callable] = None) -> "TrainConfig":
         """A config from a nested dict (a config file, ``config.json``), each field type-checked.
 
-        ``source`` (e.g. ``"config file run.toml"``) starts every error message.
+        ``source`` (e.g. ``"config file run.toml"``) starts every error message. The flat
+        names of 0.1 (:data:`FLAT_NAMES`) are moved into their sections; ``flat_names(line)``
+        is told about each (the CLI prints a deprecation line for a config file).
         """
         try:
-            return _build(cls, d, "")
+            return _build(cls, upgrade(d, flat_names, source), "")
         except ConfigError as e:
             if source is None:
                 raise
             raise ConfigError(f"{source}: {e}") from None
 
 
+def fields_of(cls=None, prefix: str = "") -> dict[str, dataclasses.Field]:
+    """Every setting of ``cls`` (default :class:`TrainConfig`), by dotted path, sections walked."""
+    cls = TrainConfig if cls is None else cls
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(fields_of(hints[f.name], f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = f
+    return out
+
+
 def flag(path: str) -> str:
-    """The command-line flag of a field: ``"optim.min_lr_ratio"`` -> ``"--min-lr-ratio"``."""
-    return "--" + path.rsplit(".", 1)[-1].replace("_", "-")
+    """The command-line flag of a field: ``"optim.min_lr_ratio"`` -> ``"--min-lr-ratio"``,
+    ``"model.name"`` -> ``"--model"`` (old flat names are accepted too)."""
+    path = FLAT_NAMES.get(path, path)
+    return _SETTINGS[path].metadata["flag"]
 
 
 def _label(path: str) -> str:
     """How errors name a field: ``--steps``, ``--min-lr-ratio (optim.min_lr_ratio)``."""
     return flag(path) if "." not in path else f"{flag(path)} ({path})"
+
+
+def _is_section(value) -> bool:
+    return dataclasses.is_dataclass(value) or isinstance(value, dict)
+
+
+def _deprecated(what: str, moved: dict[str, str]) -> None:
+    names = ", ".join(f"{old} -> {new}" for old, new in moved.items())
+    warnings.warn(f"{what}: flat config names are deprecated, use the sections ({names}) or "
+                  "TrainConfig.from_flags(...); accepted until 0.3",
+                  DeprecationWarning, stacklevel=3)  # fmt: skip
+
+
+def _replace_paths(d: dict, values: dict[str, Any]) -> dict:
+    """A copy of nested ``d`` with ``values`` (by dotted path) set."""
+    d = json.loads(json.dumps(d)) if values else d
+    for key, value in values.items():
+        node = d
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return d
+
+
+def upgrade(d, flat_names: Optional[Callable[[str], None]] = None, source: Optional[str] = None):
+    """``d`` with the flat names of 0.1 moved into their sections (see :data:`FLAT_NAMES`).
+
+    ``model`` is flat when it is a string (the model's name), a section when a table.
+    ``flat_names(line)`` is called once per name moved; a name given both ways is an error.
+    """
+    if not isinstance(d, dict):
+        return d
+    flat = {k: v for k, v in d.items() if k in FLAT_NAMES and not (k == "model" and _is_section(v))}
+    if not flat:
+        return d
+    rest = {k: v for k, v in d.items() if k not in flat}
+    for old in flat:
+        section, field = FLAT_NAMES[old].split(".")
+        if isinstance(rest.get(section), dict) and field in rest[section]:
+            raise ConfigError(f"{old!r} and {FLAT_NAMES[old]!r} both set; keep {FLAT_NAMES[old]!r}")
+    if flat_names is not None:
+        where = f"{source}: " if source else ""
+        flat_names(f"{where}flat names are deprecated (accepted until 0.3): "
+                   + ", ".join(f"{k} -> [{FLAT_NAMES[k].split('.')[0]}] {FLAT_NAMES[k].split('.')[1]}" for k in flat))  # fmt: skip
+    return _replace_paths(rest, {FLAT_NAMES[k]: v for k, v in flat.items()})
 
 
 def _build(cls, d, prefix: str):
@@ -192,7 +358,7 @@ def _build(cls, d, prefix: str):
     values = {}
     for name, value in d.items():
         hint = hints[name]
-        if prefix + name == "remat" and isinstance(value, bool):  # remat = true: full rematerialization
+        if prefix + name == "model.remat" and isinstance(value, bool):  # remat = true: full rematerialization
             value = remat_name(value)
         if dataclasses.is_dataclass(hint):
             values[name] = _build(hint, value, f"{prefix}{name}.")
@@ -240,8 +406,9 @@ def _typed(path: str, value, hint, *, strict: bool):
 #: ``optim.decay_steps`` (the LR schedule's length) is fixed by a run's first command; a command that leaves it unset
 #: takes the run's own, so growing ``--steps`` does not restart warmup.
 RESUMABLE_FIELDS = frozenset(
-    {"steps", "mesh", "rules", "run_dir", "log_every", "eval_every", "save_every", "keep", "remat", "init_from",
-     "min_shard_bytes", "max_bad_steps", "hang_timeout", "data.eval_batches", "microbatches", "pipeline_repeats"}
+    {"steps", "parallel.mesh", "parallel.rules", "run_dir", "logging.log_every", "logging.eval_every",
+     "checkpoint.save_every", "checkpoint.keep", "model.remat", "model.init_from", "parallel.min_shard_bytes",
+     "max_bad_steps", "hang_timeout", "data.eval_batches", "parallel.microbatches", "parallel.pipeline_repeats"}
 )
 
 
@@ -258,6 +425,10 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 def with_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
     """Apply dotted overrides ``{"optim.lr": 1e-3, "steps": 10}``."""
     d = cfg.to_dict()
+    flat = {k: FLAT_NAMES[k] for k in overrides if k in FLAT_NAMES}
+    if flat:
+        _deprecated("with_overrides", flat)
+        overrides = {FLAT_NAMES.get(k, k): v for k, v in overrides.items()}
     for key, value in overrides.items():
         node = d
         *parents, leaf = key.split(".")
@@ -283,8 +454,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def config_conflicts(saved: dict, new: dict) -> list[str]:
-    """Fields outside :data:`RESUMABLE_FIELDS` whose values differ, as readable lines."""
-    a, b = flatten(saved), flatten(new)
+    """Fields outside :data:`RESUMABLE_FIELDS` whose values differ, as readable lines
+    (a run directory written with the flat names of 0.1 compares by their new places)."""
+    a, b = flatten(upgrade(saved)), flatten(upgrade(new))
     out = []
     for key in sorted(set(a) | set(b)):
         if key in RESUMABLE_FIELDS:
@@ -294,6 +466,8 @@ def config_conflicts(saved: dict, new: dict) -> list[str]:
     return out
 
 
+#: Dotted path -> its dataclass field (with the flag and help in its metadata).
+_SETTINGS = fields_of(TrainConfig)
 def _field_types(cls, prefix: str = "") -> dict[str, Any]:
     out = {}
     for name, hint in typing.get_type_hints(cls).items():
@@ -306,3 +480,5 @@ def _field_types(cls, prefix: str = "") -> dict[str, Any]:
 
 #: Dotted field name -> its type, for every field of :class:`TrainConfig`.
 _FIELD_TYPES = _field_types(TrainConfig)
+#: A flag's name as a keyword (``seq_len`` for ``--seq-len``) -> the dotted field it sets.
+_BY_FLAG = {f.metadata["flag"][2:].replace("-", "_"): path for path, f in _SETTINGS.items()}

@@ -39,9 +39,9 @@ def run_tokenizer(cfg: TrainConfig, run_dir) -> Optional[text.TextTokenizer]:
 def pretrained_source(cfg: TrainConfig) -> Optional[str]:
     """The Hugging Face directory a run starts from: ``--init-from DIR``, or ``--model DIR``
     without ``--init-from`` (the directory's architecture and its weights)."""
-    if cfg.init_from is not None:
-        return cfg.init_from if is_pretrained_dir(cfg.init_from) else None
-    return cfg.model if is_pretrained_dir(cfg.model) else None
+    if cfg.model.init_from is not None:
+        return cfg.model.init_from if is_pretrained_dir(cfg.model.init_from) else None
+    return cfg.model.name if is_pretrained_dir(cfg.model.name) else None
 
 
 def load_data(cfg: TrainConfig, tokenizer: Optional[text.TextTokenizer], vocab_size: int) -> datalib.TokenData:
@@ -51,7 +51,7 @@ def load_data(cfg: TrainConfig, tokenizer: Optional[text.TextTokenizer], vocab_s
     data without a tokenizer for a model that is not byte-level (vocabulary 256); a token
     file with ids outside the vocabulary.
     """
-    model, source = cfg.model, cfg.data.data
+    model, source = cfg.model.name, cfg.data.data
     if tokenizer is not None and tokenizer.vocab_size > vocab_size:
         raise ConfigError(
             f"tokenizer {tokenizer.path} has {tokenizer.vocab_size:,} tokens, more than {model}'s vocabulary of "

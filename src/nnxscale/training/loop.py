@@ -78,18 +78,18 @@ def train(
     """Train (or resume) the run in ``cfg.run_dir``. Everything ``nnxscale train`` does.
 
     Args:
-      cfg: the run's settings. ``cfg.rules`` may be your own rules string
+      cfg: the run's settings. ``cfg.parallel.rules`` may be your own rules string
         (``"batch=data,mlp=model,..."``).
-      model: your own module instead of the preset ``cfg.model``: a function ``rngs ->
+      model: your own module instead of the preset ``cfg.model.name``: a function ``rngs ->
         nnx.Module`` (``lambda rngs: MyLM(..., rngs=rngs)``), called with ``nnx.Rngs(cfg.seed)``.
-        The module maps ``(B, T)`` int tokens to ``(B, T, V)`` logits; ``cfg.model`` names it
-        in the run directory. Checkpoints, resume (on any mesh) and ``cfg.init_from``
+        The module maps ``(B, T)`` int tokens to ``(B, T, V)`` logits; ``cfg.model.name`` names it
+        in the run directory. Checkpoints, resume (on any mesh) and ``cfg.model.init_from``
         another run of the module work as for a preset; ``cfg``'s dropout, dtype and remat
         are a preset's options and must stay at their defaults.
       loss: ``loss(model, inputs, targets, *, rngs) -> scalar`` instead of
         :func:`nnxscale.models.next_token_loss` (``rngs``: ``nnx.Rngs(dropout=key)`` in a
         training step, ``None`` in evaluation).
-      mesh: a ``jax.sharding.Mesh`` instead of ``make_mesh(cfg.mesh)``.
+      mesh: a ``jax.sharding.Mesh`` instead of ``make_mesh(cfg.parallel.mesh)``.
       progress: draw a progress bar.
       log: where the run's lines go (resume, lint, weight decay, notes).
 
@@ -140,12 +140,12 @@ class _Inputs:
             train_tokens, seq_len=d.seq_len, global_batch_size=d.batch_size, seed=cfg.seed, sharding=s.batch_sharding
         )
         val_batches = []
-        if cfg.eval_every and len(val_tokens) >= d.batch_size * (d.seq_len + 1):
+        if cfg.logging.eval_every and len(val_tokens) >= d.batch_size * (d.seq_len + 1):
             val_batches = datalib.eval_batches(
                 val_tokens, seq_len=d.seq_len, global_batch_size=d.batch_size, max_batches=d.eval_batches,
                 sharding=s.batch_sharding,
             )  # fmt: skip
-        elif cfg.eval_every:
+        elif cfg.logging.eval_every:
             log(
                 f"note: the validation split ({len(val_tokens)} tokens) is smaller than one batch "
                 f"({d.batch_size} x {d.seq_len + 1}): no validation loss (raise --val-fraction)"
@@ -180,7 +180,7 @@ def _opened(cfg: TrainConfig, run_dir: Path, log: Callable[[str], None]):
             timeout, run_dir / "logs", process=jax.process_index(),
             resume_hint="Re-run the same command to resume from the last complete checkpoint.",
         )  # fmt: skip
-        ckpt = Checkpointer(checkpoint_dir(run_dir), keep=cfg.keep, remove_unfinished=True)
+        ckpt = Checkpointer(checkpoint_dir(run_dir), keep=cfg.checkpoint.keep, remove_unfinished=True)
         stack.callback(watch.__exit__, None, None, None)
         watch.__enter__()
         stack.callback(ckpt.close)
@@ -234,7 +234,7 @@ class _Run:
             self.log(f"resumed {cfg.run_dir} from step {start} on mesh {format_mesh(s.mesh.shape)}")
             self.start = self.step = self.s_last = start
         else:
-            init_from = cfg.init_from or (None if own_model else pretrained_source(cfg))
+            init_from = cfg.model.init_from or (None if own_model else pretrained_source(cfg))
             watch.phase("initializing the model", compiles=True, kind="save")
             params = load_init_params(s, init_from, warn=self.log) if init_from else None
             self.state = init_state(s, params)
@@ -274,14 +274,14 @@ class _Run:
                 if step == self.start + 1:  # the first step includes compilation; time from here on
                     jax.block_until_ready(metrics)
                     self.t_last, self.s_last = time.perf_counter(), step
-                do_eval = bool(self.inputs.val_batches) and (step % cfg.eval_every == 0 or step == cfg.steps)
-                if step % cfg.log_every == 0 or step == cfg.steps or do_eval or self.stopping:
+                do_eval = bool(self.inputs.val_batches) and (step % cfg.logging.eval_every == 0 or step == cfg.steps)
+                if step % cfg.logging.log_every == 0 or step == cfg.steps or do_eval or self.stopping:
                     record = self.log_step(metrics, do_eval)
                     bar.update(step, _progress_info(record))
                 else:
                     bar.update(step)
                 self.skips.check(self.latest_saved)  # nothing is saved, or run, once the run has diverged
-                if self.stopping or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                if self.stopping or step == cfg.steps or (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0):
                     self.save()
                     self.t_last = time.perf_counter()  # the host-side part of a save is not step time
         finally:

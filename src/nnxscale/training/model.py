@@ -82,26 +82,26 @@ def model_architecture(name: str, recorded: Optional[dict] = None) -> tuple[Mode
 def run_model(
     cfg: TrainConfig, model: Optional[Callable] = None, loss: Optional[Callable] = None, *, recorded: Optional[dict] = None
 ) -> RunModel:
-    """The :class:`RunModel` of ``cfg``: the preset ``cfg.model`` (or the architecture of
-    the Hugging Face directory ``cfg.model``) with ``cfg``'s run options, or, given
-    ``model`` (a function ``rngs -> nnx.Module``), that module, named ``cfg.model``.
+    """The :class:`RunModel` of ``cfg``: the preset ``cfg.model.name`` (or the architecture of
+    the Hugging Face directory ``cfg.model.name``) with ``cfg``'s run options, or, given
+    ``model`` (a function ``rngs -> nnx.Module``), that module, named ``cfg.model.name``.
     ``recorded``: see :func:`model_architecture`.
 
     Raises ConfigError for an unknown preset (listing every family's), a run option the
     family does not take, or a run option set for your own module (it sets its own).
     """
     defaults = TrainConfig()
-    changed = {k: getattr(cfg, k) for k in RUN_OPTIONS if getattr(cfg, k) != getattr(defaults, k)}
+    changed = {k: getattr(cfg.model, k) for k in RUN_OPTIONS if getattr(cfg.model, k) != getattr(defaults.model, k)}
     if model is not None:
         if not callable(model):
             raise ConfigError(f"model= must be a function rngs -> nnx.Module, got {type(model).__name__}")
         if changed:
             given = ", ".join(f"{flag(k)} {v}" for k, v in changed.items())
             raise ConfigError(f"{given}: these set a family preset's options; your own module (model=) sets its own")
-        return RunModel(cfg.model, model, loss or next_token_loss)
-    family, preset = model_architecture(cfg.model, recorded)
+        return RunModel(cfg.model.name, model, loss or next_token_loss)
+    family, preset = model_architecture(cfg.model.name, recorded)
     if unsupported := [k for k in changed if k not in family.run_options]:
         given = ", ".join(f"{flag(k)} {changed[k]}" for k in unsupported)
-        raise ConfigError(f"{given}: {cfg.model} ({family.name}) has no such option; it takes {', '.join(family.run_options)}")
-    config = dataclasses.replace(preset, **{k: getattr(cfg, k) for k in family.run_options})
-    return RunModel(cfg.model, lambda rngs: family.build(config, rngs=rngs), loss or family.loss, family, config)
+        raise ConfigError(f"{given}: {cfg.model.name} ({family.name}) has no such option; it takes {', '.join(family.run_options)}")
+    config = dataclasses.replace(preset, **{k: getattr(cfg.model, k) for k in family.run_options})
+    return RunModel(cfg.model.name, lambda rngs: family.build(config, rngs=rngs), loss or family.loss, family, config)

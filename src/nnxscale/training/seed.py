@@ -15,7 +15,7 @@ from nnxscale.errors import storage_error
 from nnxscale.sharding.mesh import format_mesh, make_mesh
 from nnxscale.sharding.rules import resolve
 from nnxscale.sharding.state import layout_bytes, sharded_init
-from nnxscale.training.config import ConfigError, TrainConfig
+from nnxscale.training.config import ConfigError, ModelSettings, TrainConfig
 from nnxscale.training.model import run_model
 from nnxscale.training.state import pure_dict
 
@@ -30,7 +30,7 @@ def init_run(model: str, mesh_spec, run_dir, *, rules="auto", seed: int = 0, min
     root = checkpoint_dir(run_dir)
     if root.exists() and any(root.iterdir()):
         raise ConfigError(f"{run_dir} already holds checkpoints; choose a new --run-dir")
-    m = run_model(TrainConfig(model=model))
+    m = run_model(TrainConfig(model=ModelSettings(name=model)))
     mesh = make_mesh(mesh_spec)
     resolved = resolve(rules, mesh, min_shard_bytes=min_shard_bytes)
     created = sharded_init(lambda: m.build(nnx.Rngs(seed)), mesh, resolved)

@@ -104,7 +104,7 @@ def check_shapes(cfg: TrainConfig, rules: MeshRules, model: RunModel) -> None:
     """The sequence fits the model's context, the batch splits over the mesh and micro-batches."""
     d = cfg.data
     if model.dims is not None and d.seq_len > model.dims.context:
-        raise ConfigError(f"--seq-len {d.seq_len} is longer than {cfg.model}'s context of {model.dims.context} tokens")
+        raise ConfigError(f"--seq-len {d.seq_len} is longer than {cfg.model.name}'s context of {model.dims.context} tokens")
     shards = rules.batch_shard_count
     accum = cfg.optim.grad_accum
     if d.batch_size % (shards * accum):
@@ -140,16 +140,16 @@ def run_pipeline(cfg: TrainConfig, rules: MeshRules) -> Optional[Pipeline]:
     sizes = rules.sizes
     mesh = format_mesh(sizes)
     if STAGE not in sizes:
-        if cfg.microbatches is not None:
+        if cfg.parallel.microbatches is not None:
             n = math.prod(sizes.values())
             example = f"stage=2,data={n // 2}" if n % 2 == 0 and n > 1 else "stage=2,..."
             raise ConfigError(
-                f"--microbatches {cfg.microbatches} asks for a pipeline, but mesh {mesh} has no '{STAGE}' axis to put "
+                f"--microbatches {cfg.parallel.microbatches} asks for a pipeline, but mesh {mesh} has no '{STAGE}' axis to put "
                 f"its stages on: add one (e.g. --mesh {example}), or drop --microbatches"
             )
         return None
     stages = sizes[STAGE]
-    if cfg.microbatches is None:
+    if cfg.parallel.microbatches is None:
         rows = cfg.data.batch_size // max(rules.batch_shard_count, 1)
         fits = [m for m in (2 * stages, stages, 4 * stages) if rows % m == 0] or [2 * stages]
         raise ConfigError(
@@ -157,7 +157,7 @@ def run_pipeline(cfg: TrainConfig, rules: MeshRules) -> Optional[Pipeline]:
             f"and dividing the {rows} rows each batch shard holds (e.g. --microbatches {fits[0]}); "
             f"--pipeline-repeats R > 1 makes the schedule circular"
         )
-    return Pipeline.for_mesh(sizes, cfg.microbatches, cfg.pipeline_repeats)
+    return Pipeline.for_mesh(sizes, cfg.parallel.microbatches, cfg.parallel.pipeline_repeats)
 
 
 def check_pipeline(pipe: Pipeline, cfg: TrainConfig, rules: MeshRules, name: str, params) -> int:
@@ -203,15 +203,15 @@ def setup(
 ) -> Setup:
     """Validate ``cfg`` against the devices and build the sharded plan (no arrays yet).
 
-    ``model`` and ``loss``: your own module instead of the preset ``cfg.model`` (see
+    ``model`` and ``loss``: your own module instead of the preset ``cfg.model.name`` (see
     :func:`train`). ``recorded``: a run's record of its model (see :func:`model_architecture`).
     On a mesh with a ``stage`` axis the plan includes the pipeline
     (``Setup.pipeline``), checked against the model's depth and the batch here, before
     anything is allocated.
     """
     cfg.validate()
-    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
-    rules = resolve(cfg.rules, mesh, min_shard_bytes=cfg.min_shard_bytes)
+    mesh = make_mesh(cfg.parallel.mesh) if mesh is None else mesh
+    rules = resolve(cfg.parallel.rules, mesh, min_shard_bytes=cfg.parallel.min_shard_bytes)
     m = run_model(cfg, model, loss, recorded=recorded)
     check_shapes(cfg, rules, m)
     pipe = run_pipeline(cfg, rules)
