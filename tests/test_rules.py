@@ -7,7 +7,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import nnxscale
-from nnxscale.sharding.rules import LOGICAL_KEY, RulesError, batch_shard_count, batch_spec
+from nnxscale.sharding.rules import INDIVISIBLE, LOGICAL_KEY, NOT_SPLIT, REUSED, RulesError, batch_shard_count, batch_spec
 
 L = nnxscale.logical
 _init = nnx.initializers.lecun_normal()
@@ -319,6 +319,13 @@ def test_the_issue_example_is_a_valid_spec():
     lay = nnxscale.resolve("auto", {"fsdp": 8}).param_layout(("batch", "length", "embed"), (8, 16, 4096))
     assert lay.spec == P("fsdp", None, None)
     assert any("dim 2 (embed)" in note and "already shards" in note for note in lay.dropped), lay.dropped
+    # The reason is a field, not text to search: lint and the planner read it.
+    (dropped,) = lay.dropped
+    assert (dropped.dim, dropped.name, dropped.axis, dropped.reason) == (2, "embed", "fsdp", REUSED)
+    lay = nnxscale.resolve("auto", {"data": 2, "model": 4}).param_layout(("embed", "mlp"), (64, 6))
+    assert [(d.dim, d.axis, d.reason) for d in lay.dropped] == [(1, "model", INDIVISIBLE)]
+    small = nnxscale.resolve("fsdp", {"fsdp": 8}, min_shard_bytes=1 << 20).param_layout(("embed", "mlp"), (8, 16))
+    assert small.spec == P(None, None) and {d.reason for d in small.dropped} == {NOT_SPLIT}
 
 
 NAMES = ["batch", "length", "layers", "embed", "mlp", "heads", "kv", "vocab", None]

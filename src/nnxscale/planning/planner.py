@@ -668,7 +668,7 @@ def _compile_here(cfg: TrainConfig, n: int) -> dict[str, Any]:
     out["compile_seconds"] = time.perf_counter() - t
     out["source"] = "compiler" if n == jax.device_count() or jax.default_backend() != "cpu" else f"compiler ({n} of {jax.device_count()} devices)"
     out["activations"] = [
-        {"names": [str(n) for n in r.names], "shape": list(r.shape), "spec": str(r.layout.spec), "dropped": list(r.layout.dropped),
+        {"names": [str(n) for n in r.names], "shape": list(r.shape), "spec": str(r.layout.spec), "dropped": [str(d) for d in r.layout.dropped],
          "manual": list(r.manual)}
         for r in records
     ]

@@ -37,6 +37,7 @@ _EXPORTS = {
     "LOGICAL_NAMES": "nnxscale.sharding.rules",
     "PRESETS": "nnxscale.sharding.rules",
     "AxisRules": "nnxscale.sharding.rules",
+    "DroppedAxis": "nnxscale.sharding.rules",
     "MeshRules": "nnxscale.sharding.rules",
     "get_rules": "nnxscale.sharding.rules",
     "logical": "nnxscale.sharding.rules",

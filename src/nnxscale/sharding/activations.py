@@ -109,7 +109,7 @@ def constrain(x: jax.Array, *names: Optional[str]) -> jax.Array:
         layout = dataclasses.replace(
             layout,
             spec=P(*(_without(entry, manual) for entry in layout.spec)),
-            dropped=tuple(n for n in layout.dropped if not any(repr(a) in n for a in manual)),
+            dropped=tuple(d for d in layout.dropped if d.axis not in manual),
         )
     records = _RECORDS.get()
     if records is not None:

@@ -247,17 +247,44 @@ def resolve_name(name: Optional[str], table: Table, sizes: Mapping[str, int]) ->
     return None, mentioned
 
 
+#: Why a dimension did not get a mesh axis it asked for (:attr:`DroppedAxis.reason`).
+REUSED = "axis-reused"  # an earlier dimension of the tensor already uses the axis
+INDIVISIBLE = "indivisible"  # the dimension's size does not divide by the axes' product
+NOT_SPLIT = "not-split"  # the axis is one the tensor is kept whole on (e.g. FSDP, below min_shard_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class DroppedAxis:
+    """A mesh axis that dimension ``dim`` (logical ``name``) asked for and did not get, and why.
+
+    ``reason`` is :data:`REUSED`, :data:`INDIVISIBLE` or :data:`NOT_SPLIT`; ``message`` says
+    it in words (``str()`` of it, and ``"text" in dropped`` reads the message).
+    """
+
+    dim: int
+    name: object
+    axis: str
+    reason: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __contains__(self, text: str) -> bool:
+        return text in self.message
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorLayout:
     """How one tensor's logical names became a PartitionSpec, with the reasons.
 
-    ``dropped``: one note per mesh axis a dimension asked for but did not get (already
-    used by an earlier dimension, not dividing the size, or an FSDP split of a small
+    ``dropped``: one :class:`DroppedAxis` per mesh axis a dimension asked for but did not get
+    (already used by an earlier dimension, not dividing the size, or an FSDP split of a small
     parameter); ``unmatched``: logical names no rule mentions (replicated).
     """
 
     spec: P
-    dropped: tuple[str, ...] = ()
+    dropped: tuple[DroppedAxis, ...] = ()
     unmatched: tuple[str, ...] = ()
 
 
@@ -292,17 +319,18 @@ def layout_for(
         kept: list[str] = []
         for a in axes:
             if a in used or a in kept:
-                dropped.append(f"dim {dim} ({name}): mesh axis {a!r} already shards another dimension")
+                message = f"dim {dim} ({name}): mesh axis {a!r} already shards another dimension"
+                dropped.append(DroppedAxis(dim, name, a, REUSED, message))
                 continue
             if a in no_split:
-                dropped.append(f"dim {dim} ({name}): not split over {a!r}: {no_split_reason}")
+                message = f"dim {dim} ({name}): not split over {a!r}: {no_split_reason}"
+                dropped.append(DroppedAxis(dim, name, a, NOT_SPLIT, message))
                 continue
             count = math.prod(sizes[k] for k in kept) * sizes[a]
             if shape is not None and shape[dim] % count:
-                dropped.append(
-                    f"dim {dim} ({name}={shape[dim]}) is not divisible by {count} "
-                    f"(mesh axes {tuple(kept) + (a,)}): not sharded over {a!r}"
-                )
+                message = (f"dim {dim} ({name}={shape[dim]}) is not divisible by {count} "
+                           f"(mesh axes {tuple(kept) + (a,)}): not sharded over {a!r}")  # fmt: skip
+                dropped.append(DroppedAxis(dim, name, a, INDIVISIBLE, message))
                 continue
             kept.append(a)
         used.update(kept)

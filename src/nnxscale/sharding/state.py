@@ -49,7 +49,7 @@ from nnxscale.sharding.layout import (
     shard_bytes,
     shard_shape,
 )
-from nnxscale.sharding.rules import LOGICAL_KEY, PRESETS, MeshRules, resolve
+from nnxscale.sharding.rules import LOGICAL_KEY, NOT_SPLIT, PRESETS, MeshRules, resolve
 
 
 def is_variable(x) -> bool:
@@ -100,7 +100,7 @@ class VariableLayout:
     logical: Optional[tuple]  # None: unannotated
     spec: P
     fallback: bool  # the rank rule or plain replication decided, not the rules
-    dropped: tuple[str, ...]  # human notes on mesh axes dropped (indivisible, reused)
+    dropped: tuple  # DroppedAxis per mesh axis a dimension did not get (indivisible, reused, kept whole)
     unmatched: tuple[str, ...]  # logical names no rule mentions and that are not mesh axes
     is_param: bool
 
@@ -368,11 +368,10 @@ def lint(
             )
         for name in lay.unmatched:
             findings.append(Finding("no-rule", lay.path, f"logical axis {name!r} has no rule and is replicated"))
-        for note in lay.dropped:
-            if "min_shard_bytes" in note:
+        for dropped in lay.dropped:
+            if dropped.reason == NOT_SPLIT:  # kept whole on purpose (min_shard_bytes)
                 continue
-            kind = "axis-reused" if "already shards" in note else "indivisible"
-            findings.append(Finding(kind, lay.path, note))
+            findings.append(Finding(dropped.reason, lay.path, dropped.message))  # REUSED or INDIVISIBLE
         nbytes = full_bytes(lay.shape, lay.dtype)
         if n_devices > 1 and all(e is None for e in lay.spec) and nbytes > replicated_threshold_bytes:
             findings.append(
@@ -400,8 +399,8 @@ def lint(
         )
     for record in activations:
         where = "activation (" + ", ".join(str(n) for n in record.names) + f") {record.shape}"
-        for note in record.layout.dropped:
-            findings.append(Finding("activation", where, note))
+        for dropped in record.layout.dropped:
+            findings.append(Finding("activation", where, dropped.message))
         for name in record.layout.unmatched:
             findings.append(Finding("no-rule", where, f"logical axis {name!r} has no activation rule and is replicated"))
     return findings
