@@ -1,0 +1,145 @@
+"""The llama modules, for one device, annotated with logical axis names.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nnxscale.errors import ModelError
+from nnxscale.layers.stack import scan_layers, stack_layers
+from nnxscale.models.common.dropout import dropout, dropout_keys
+from nnxscale.models.llama.config import LlamaConfig, RopeScaling
+from nnxscale.sharding.activations import constrain
+from nnxscale.sharding.rules import logical
+
+_normal = nnx.initializers.normal(0.02)  # HF's initializer_range for every weight matrix
+_ones = nnx.initializers.ones_init()
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> np.ndarray:
+    """Rotary inverse frequencies ``(head_dim // 2,)``, with Llama 3's scaling (HF's
+    ``_compute_llama3_parameters``), in float64."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    if scaling is None:
+        return inv_freq
+    old = scaling.original_max_position_embeddings
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    mixed = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    return np.where(wavelen < old / scaling.high_freq_factor, inv_freq,
+                    np.where(wavelen > old / scaling.low_freq_factor, inv_freq / scaling.factor, mixed))  # fmt: skip
+
+
+def _rotate(x, cos, sin):
+    """Rotary embedding in HF's layout: dimension ``i`` pairs with ``i + H/2`` (``rotate_half``)."""
+    x1, x2 = jnp.split(x, 2, axis=-1)  # each (B, T, N, H/2)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)  # (B, T, N, H)
+    cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)  # (T, 1, H)
+    return x * cos + rotated * sin
+
+
+def _rms_norm(hidden_size, eps, dtype, param_dtype, rngs):
+    return nnx.RMSNorm(
+        hidden_size, epsilon=eps, dtype=dtype, param_dtype=param_dtype, scale_init=logical(_ones, "embed"), rngs=rngs
+    )
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        C, N, K, H = hidden_size, n_heads, n_kv_heads, head_dim
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        proj = lambda heads, name: nnx.Einsum("btc,cnh->btnh", (C, heads, H), kernel_init=logical(_normal, "embed", name, "kv"), **kw)  # noqa: E731
+        self.q_proj = proj(N, "heads")
+        self.k_proj = proj(K, "kv_heads")
+        self.v_proj = proj(K, "kv_heads")
+        self.o_proj = nnx.Einsum("btnh,nhc->btc", (N, H, C), kernel_init=logical(_normal, "heads", "kv", "embed"), **kw)
+
+    def __call__(self, x, cos, sin):  # x (B, T, C); cos, sin (T, H)
+        q = constrain(_rotate(self.q_proj(x), cos, sin), "batch", "length", "heads", "kv")  # (B, T, N, H)
+        k = constrain(_rotate(self.k_proj(x), cos, sin), "batch", "length", "kv_heads", "kv")  # (B, T, K, H)
+        v = constrain(self.v_proj(x), "batch", "length", "kv_heads", "kv")  # (B, T, K, H)
+        # grouped-query attention: query head n reads K/V head n // (N // K), as HF's repeat_kv
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, N, H)
+        y = constrain(y, "batch", "length", "heads", "kv")
+        return self.o_proj(y)  # (B, T, C)
+
+
+class LlamaMLP(nnx.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        C, F = hidden_size, intermediate_size
+        kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = nnx.Linear(C, F, kernel_init=logical(_normal, "embed", "mlp"), **kw)
+        self.up_proj = nnx.Linear(C, F, kernel_init=logical(_normal, "embed", "mlp"), **kw)
+        self.down_proj = nnx.Linear(F, C, kernel_init=logical(_normal, "mlp", "embed"), **kw)
+
+    def __call__(self, x):  # (B, T, C)
+        h = constrain(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), "batch", "length", "mlp")  # (B, T, F)
+        return self.down_proj(h)  # (B, T, C)
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, c: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.input_layernorm = _rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
+        self.self_attn = LlamaAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size, **kw)
+        self.post_attention_layernorm = _rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
+        self.mlp = LlamaMLP(c.hidden_size, c.intermediate_size, **kw)
+        self.dropout = c.dropout
+
+    def __call__(self, x, cos, sin, key=None):  # x (B, T, C)
+        k1, k2 = (None, None) if key is None else jax.random.split(key)
+        x = constrain(x, "batch", "length", "embed")  # the residual stream
+        x = x + dropout(self.self_attn(self.input_layernorm(x), cos, sin), self.dropout, k1)
+        x = x + dropout(self.mlp(self.post_attention_layernorm(x)), self.dropout, k2)
+        return constrain(x, "batch", "length", "embed")
+
+
+class Llama(nnx.Module):
+    """Llama language model; the output head is the token embedding when
+    ``config.tie_word_embeddings``, else its own ``lm_head``.
+
+    The state is parameters only (no RNG state): dropout randomness comes from the
+    ``rngs`` argument of each call.
+    """
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        c = self.config = config
+        kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype), rngs=rngs)
+        self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, embedding_init=logical(_normal, "vocab", "embed"), **kw)
+        layer = partial(LlamaDecoderLayer, c)
+        self.layers = stack_layers(lambda rngs: layer(**(kw | {"rngs": rngs})), c.num_hidden_layers, rngs=rngs)
+        self.norm = _rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
+        if not c.tie_word_embeddings:
+            self.lm_head = nnx.Linear(
+                c.hidden_size, c.vocab_size, use_bias=False, kernel_init=logical(_normal, "embed", "vocab"), **kw
+            )  # fmt: skip
+
+    def __call__(self, tokens, *, rngs: Optional[nnx.Rngs] = None):
+        """``tokens`` int (B, T) -> float32 logits (B, T, vocab_size).
+
+        Dropout (embeddings and residual branches) is applied only when ``rngs`` is given
+        and ``config.dropout > 0``; its key comes from the ``dropout`` stream (or ``default``).
+        """
+        c = self.config
+        T = tokens.shape[1]
+        if T > c.max_position_embeddings:
+            raise ModelError(f"sequence length {T} exceeds the context max_position_embeddings={c.max_position_embeddings}")
+        embed_key, layer_keys = dropout_keys(rngs, c.dropout, c.num_hidden_layers)
+        inv_freq = rope_frequencies(c.head_size, c.rope_theta, c.rope_scaling).astype(np.float32)  # (H/2,)
+        angles = jnp.arange(T, dtype=jnp.float32)[:, None] * inv_freq  # (T, H/2)
+        angles = jnp.concatenate([angles, angles], axis=-1)  # (T, H): HF's rotate_half layout
+        x = dropout(constrain(self.embed_tokens(tokens), "batch", "length", "embed"), c.dropout, embed_key)  # (B, T, C)
+        x = scan_layers(self.layers, x, jnp.cos(angles), jnp.sin(angles), keys=layer_keys, remat=c.remat)
+        x = self.norm(x)
+        if c.tie_word_embeddings:
+            head = self.embed_tokens.embedding[...].astype(x.dtype)  # (V, C)
+            logits = jnp.einsum("btc,vc->btv", x, head, preferred_element_type=jnp.float32)
+        else:
+            head = self.lm_head.kernel[...].astype(x.dtype)  # (C, V)
+            logits = jnp.einsum("btc,cv->btv", x, head, preferred_element_type=jnp.float32)
+        return constrain(logits, "batch", "length", "vocab")  # (B, T, V)
