@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = ap.parse_args()
 
-    s = setup(TrainConfig(model=args.model, mesh=args.mesh))
+    s = setup(TrainConfig.from_flags(model=args.model, mesh=args.mesh))
     state = jax.block_until_ready(init_state(s))
     leaves = jax.tree.leaves(state)
     numbers = sum(x.size for x in leaves)

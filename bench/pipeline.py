@@ -55,7 +55,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from nnxscale.training.config import TrainConfig, with_overrides  # noqa: E402
+from nnxscale.training.config import TrainConfig  # noqa: E402
 from nnxscale.sharding.layout import format_bytes  # noqa: E402
 from nnxscale.planning.planner import measure  # noqa: E402
 from nnxscale.training.state import init_state, setup  # noqa: E402
@@ -78,9 +78,8 @@ WARMUP, STEPS = 3, 15
 
 
 def config(model: str, mesh: str, microbatches, repeats: int, batch: int, seq: int) -> TrainConfig:
-    fields = {"model": model, "mesh": mesh, "microbatches": microbatches, "pipeline_repeats": repeats,
-              "data.batch_size": batch, "data.seq_len": seq}  # fmt: skip
-    return with_overrides(TrainConfig(), fields)
+    return TrainConfig.from_flags(model=model, mesh=mesh, microbatches=microbatches, pipeline_repeats=repeats,
+                                  batch_size=batch, seq_len=seq)  # fmt: skip
 
 
 def name(mesh: str, microbatches, repeats: int) -> str:

@@ -29,7 +29,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from nnxscale.planning import planner as plan  # noqa: E402
-from nnxscale.training.config import TrainConfig, with_overrides  # noqa: E402
+from nnxscale.training.config import TrainConfig  # noqa: E402
 
 MESHES = ["data=8", "fsdp=8", "data=2,model=4", "data=4,model=2", "fsdp=4,model=2", "model=8"]
 REMATS = ["none", "full", "dots"]
@@ -56,11 +56,8 @@ def grid() -> list[tuple[dict, bool]]:
 
 
 def config(g: dict) -> TrainConfig:
-    return with_overrides(
-        TrainConfig(),
-        {"model": g["model"], "mesh": g["mesh"], "remat": g["remat"], "dtype": g.get("dtype", "float32"),
-         "data.batch_size": g["B"], "data.seq_len": g["T"], "optim.grad_accum": g.get("accum", 1)},
-    )  # fmt: skip
+    return TrainConfig.from_flags(model=g["model"], mesh=g["mesh"], remat=g["remat"], dtype=g.get("dtype", "float32"),
+                                  batch_size=g["B"], seq_len=g["T"], grad_accum=g.get("accum", 1))  # fmt: skip
 
 
 def compiled(g: dict, cache: dict) -> dict:
@@ -117,7 +114,7 @@ def main() -> None:
     for g, held_out in grid():
         c = compiled(g, cache)
         cfg = config(g)
-        lay = plan.layout_figures(cfg, plan.mesh_sizes(cfg.mesh))
+        lay = plan.layout_figures(cfg, plan.mesh_sizes(cfg.parallel.mesh))
         rows.append((g, held_out, c, lay, plan.features(cfg, lay)))
         if args.cache:
             with open(args.cache, "w") as f:

@@ -89,7 +89,7 @@ def on_mesh(tree, mesh):
 
 def build():
     cfg = with_overrides(
-        TrainConfig(), {"model": MODEL, "mesh": MESH, "data.seq_len": SEQ, "data.batch_size": BATCH, "steps": 10_000}
+        TrainConfig(), {"model.name": MODEL, "parallel.mesh": MESH, "data.seq_len": SEQ, "data.batch_size": BATCH, "steps": 10_000}
     )
     s = setup(cfg)
     rows = np.random.default_rng(0).integers(0, 256, size=(BATCH, SEQ + 1), dtype=np.int32)

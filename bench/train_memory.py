@@ -28,7 +28,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from nnxscale.training.config import TrainConfig, with_overrides  # noqa: E402
+from nnxscale.training.config import TrainConfig  # noqa: E402
 from nnxscale.sharding.layout import format_bytes  # noqa: E402
 from nnxscale.planning.planner import estimate, layout_figures, measure, mesh_sizes  # noqa: E402
 from nnxscale.training.state import setup  # noqa: E402
@@ -52,8 +52,7 @@ def compile_seconds(s) -> tuple[float, object]:
 
 
 def config(model: str, mesh: str, remat: str) -> TrainConfig:
-    fields = {"model": model, "mesh": mesh, "remat": remat, "data.batch_size": 8, "data.seq_len": 1024}
-    return with_overrides(TrainConfig(), fields)
+    return TrainConfig.from_flags(model=model, mesh=mesh, remat=remat, batch_size=8, seq_len=1024)
 
 
 def main() -> None:
@@ -67,7 +66,7 @@ def main() -> None:
         s = setup(cfg)
         seconds, compiled = compile_seconds(s)
         m = measure(compiled)
-        lay = layout_figures(cfg, mesh_sizes(cfg.mesh))
+        lay = layout_figures(cfg, mesh_sizes(cfg.parallel.mesh))
         est = estimate(cfg, lay)["peak_bytes_per_device"]
         coll = sum(m["collective_bytes"].values()) / lay["full_param_bytes"]
         rows[name] = dict(m, compile_seconds=seconds, collectives_over_params=coll, estimate=est)

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from nnxscale.sharding.axes import STAGE, entry_axes
 from nnxscale.sharding.devices import MEMORY
-from nnxscale.sharding.layout import format_bytes, full_bytes, shard_bytes
+from nnxscale.sharding.layout import format_bytes, full_bytes
 from nnxscale.sharding.mesh import format_mesh, resolve_mesh_shape
 from nnxscale.training.config import ConfigError, TrainConfig, with_overrides
 
@@ -381,58 +381,40 @@ def mesh_sizes(spec, devices: Optional[int] = None) -> dict[str, int]:
 def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
     """Parameters, optimizer state, gradients and batch per device, from the layout alone.
 
-    Also ``model`` (the run's :class:`~nnxscale.training.model.RunModel`), ``abstract`` (the model,
-    nothing allocated) and ``rules`` (resolved against ``sizes``).
+    The run is built by :func:`nnxscale.training.setup`, the trainer's own, on an abstract
+    mesh of ``sizes`` (no devices needed); the figures are the shard sizes of its abstract
+    state, the arrays a run would allocate. Also ``model`` (the run's
+    :class:`~nnxscale.training.model.RunModel`), ``abstract`` (the model's state, nothing
+    allocated), ``rules`` (resolved against ``sizes``) and ``setup`` itself.
     """
     import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import AbstractMesh, AxisType
 
-    from nnxscale.sharding.rules import resolve
-    from nnxscale.sharding.state import layouts, state_specs
-    from nnxscale.training.model import run_model
-    from nnxscale.training.optimizer import decay_mask, make_optimizer
-    from nnxscale.training.state import check_pipeline, check_shapes, run_pipeline
+    from nnxscale.sharding.state import layouts
+    from nnxscale.training.state import setup
 
-    m = run_model(cfg)
-    rules = resolve(cfg.parallel.rules, sizes, min_shard_bytes=cfg.parallel.min_shard_bytes)
-    check_shapes(cfg, rules, m)
-    pipe = run_pipeline(cfg, rules)
-    model = nnx.eval_shape(lambda: m.build(nnx.Rngs(0)))
-    rows = layouts(model, sizes, rules)
-    stacked = None if pipe is None else check_pipeline(pipe, cfg, rules, m.name, [(r.shape, r.spec) for r in rows if r.is_param])
-    param_bytes = sum(shard_bytes(r.shape, r.dtype, r.spec, sizes) for r in rows)
+    mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
+    s = setup(cfg, mesh)
+    rows = layouts(s.model_state, sizes, s.rules)
 
-    # The optimizer state takes the layout of the parameter each leaf belongs to (as in train.setup).
-    tx, _ = make_optimizer(cfg, decay_mask(nnx.state(model)))
-    params = nnx.to_pure_dict(nnx.state(model))
-    specs = nnx.to_pure_dict(jax.tree.map(lambda v, s: v.replace(s), nnx.state(model), state_specs(model, sizes, rules),
-                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))  # fmt: skip
-    opt_state = jax.eval_shape(tx.init, params)
-    opt_specs = optax.tree_map_params(
-        tx, lambda _, spec: spec, opt_state, specs, transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P)
-    )
-    opt_bytes = sum(
-        shard_bytes(leaf.shape, leaf.dtype, spec, sizes)
-        for leaf, spec in zip(jax.tree.leaves(opt_state), jax.tree.leaves(opt_specs, is_leaf=lambda x: isinstance(x, P)))
-    )
-    d = cfg.data
-    batch_bytes = 2 * shard_bytes((d.batch_size, d.seq_len), jnp.int32, rules.batch_spec(), sizes)
+    def per_device(tree) -> int:
+        return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+    param_bytes = per_device(s.abstract["params"])
     return {
-        "model": m,
-        "abstract": model,
-        "rules": rules,
+        "model": s.model,
+        "abstract": s.model_state,
+        "rules": s.rules,
         "rows": rows,
+        "setup": s,
         "num_params": sum(math.prod(r.shape) for r in rows if r.is_param),
         "full_param_bytes": sum(full_bytes(r.shape, r.dtype) for r in rows),
         "param_bytes": param_bytes,
-        "optimizer_bytes": opt_bytes,
+        "optimizer_bytes": per_device(s.abstract["opt_state"]),
         "gradient_bytes": param_bytes,  # float32, constrained to the parameters' layout
-        "batch_bytes": batch_bytes,
-        "pipeline": pipe,
-        "stacked_layers": stacked,
+        "batch_bytes": per_device(s.abstract_batch),
+        "pipeline": s.pipeline,
+        "stacked_layers": s.stacked_layers,
     }
 
 

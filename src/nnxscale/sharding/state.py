@@ -165,7 +165,10 @@ def abstract_state(factory: Callable[[], nnx.Module], mesh, rules=None):
     Each Variable of ``state`` holds a ``jax.ShapeDtypeStruct`` carrying its target
     ``NamedSharding``: the restore target for checkpoints and the plan for sharded init.
     """
-    with jax.set_mesh(mesh):  # Flax's eager sharding needs a mesh for out_sharding-annotated models
+    # Flax's eager sharding needs a mesh for out_sharding-annotated models; a plan for a mesh
+    # larger than this machine has only an AbstractMesh (axis names and sizes, no devices).
+    context = jax.sharding.use_abstract_mesh if isinstance(mesh, jax.sharding.AbstractMesh) else jax.set_mesh
+    with context(mesh):
         graphdef, state = nnx.split(nnx.eval_shape(factory))
     shardings = state_shardings(state, mesh, rules)
 

@@ -68,6 +68,7 @@ class Setup:
     init_fn: Callable  # params -> the whole train state
     pipeline: Optional[Pipeline] = None  # the schedule over the mesh's stage axis; None without one
     stacked_layers: Optional[int] = None  # depth of the stacked layers the pipeline runs
+    model_state: Any = None  # the model's nnx State: Variables (logical names) over sharded ShapeDtypeStructs
 
     @property
     def param_shardings(self):
@@ -203,6 +204,10 @@ def setup(
 ) -> Setup:
     """Validate ``cfg`` against the devices and build the sharded plan (no arrays yet).
 
+    ``mesh``: a ``jax.sharding.Mesh`` (default ``make_mesh(cfg.parallel.mesh)``), or an
+    ``AbstractMesh`` (axis names and sizes only) to plan for devices this machine does not
+    have: the planner builds its runs here too.
+
     ``model`` and ``loss``: your own module instead of the preset ``cfg.model.name`` (see
     :func:`train`). ``recorded``: a run's record of its model (see :func:`model_architecture`).
     On a mesh with a ``stage`` axis the plan includes the pipeline
@@ -275,6 +280,7 @@ def setup(
         init_fn=init_fn,
         pipeline=pipe,
         stacked_layers=stacked,
+        model_state=abs_model_state,
     )
 
 
