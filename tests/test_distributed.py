@@ -383,7 +383,7 @@ def test_a_stalled_process_ends_the_job_with_stacks_and_the_phase(tmp_path, text
     logs = run_dir / "logs"
     for i in (0, 1):  # process 1 too: the launcher resumed it and asked for its stacks
         stacks = (logs / f"stacks_{i}.txt").read_text()
-        assert "Thread 0x" in stacks and "_train.py" in stacks, stacks[:2000]
+        assert "Thread 0x" in stacks and "training/loop.py" in stacks, stacks[:2000]
     for pid in pids.values():
         assert in_group(pid) == [], f"process group {pid} outlived the launcher"
 
