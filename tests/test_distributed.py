@@ -30,6 +30,9 @@ from nnxscale.errors import JobError, MeshError
 from nnxscale.sharding.mesh import process_findings, process_split
 from nnxscale.training.rundir import read_metrics
 
+# Processes started and timed here: one such test at a time (pyproject.toml, xdist_group).
+pytestmark = pytest.mark.xdist_group("processes")
+
 TINY = [
     "--model", "gpt2-tiny", "--batch-size", "16", "--seq-len", "32", "--log-every", "1", "--eval-every", "0",
     "--save-every", "0", "--warmup-steps", "2", "--min-lr-ratio", "1.0", "--no-progress",

@@ -31,6 +31,9 @@ from nnxscale.errors import RunFileError
 from nnxscale.training.rundir import read_metrics
 from nnxscale.training.state import setup
 
+# Processes started and timed here: one such test at a time (pyproject.toml, xdist_group).
+pytestmark = pytest.mark.xdist_group("processes")
+
 
 def cli_command(run_dir, data, *extra) -> list[str]:
     """``python -m nnxscale train`` for ``tiny_cfg``'s run (pinned schedule, every step logged)."""
