@@ -157,3 +157,26 @@ def __getattr__(name: str):
 
 def __dir__():
     return __all__
+
+
+def _lazy(package: str, exports: dict[str, str]):
+    """``(__getattr__, __dir__)`` for a package whose names load on first use.
+
+    ``exports`` maps each public name to the module that defines it (a name that is the
+    module itself, ``"nnxscale.teaching.simulate"`` for ``simulate``, is that module). Every
+    package of nnxscale exports this way, so that reading a jax-free corner of the tree (the
+    CLI's flags) does not import jax.
+    """
+
+    def __getattr__(name: str):
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        if module == f"{package}.{name}":
+            return importlib.import_module(module)
+        return getattr(importlib.import_module(module), name)
+
+    def __dir__():
+        return sorted(exports)
+
+    return __getattr__, __dir__

@@ -8,7 +8,7 @@ on; ``runlock`` keeps one trainer per run directory.
 Loads lazily, on first use of a name: the CLI reads parts of the tree before jax may be imported.
 """
 
-import importlib
+from nnxscale import _lazy
 
 _EXPORTS = {
     "Checkpointer": "nnxscale.checkpoint.checkpointer",
@@ -20,15 +20,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if module == f"{__name__}.{name}":
-        return importlib.import_module(module)
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = _lazy(__name__, _EXPORTS)

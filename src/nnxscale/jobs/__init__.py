@@ -9,7 +9,7 @@ machine; ``watchdog`` ends a process that stops making progress, with its stacks
 Loads lazily, on first use of a name: the CLI reads parts of the tree before jax may be imported.
 """
 
-import importlib
+from nnxscale import _lazy
 
 _EXPORTS = {
     "Job": "nnxscale.jobs.distributed",
@@ -25,15 +25,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if module == f"{__name__}.{name}":
-        return importlib.import_module(module)
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = _lazy(__name__, _EXPORTS)

@@ -13,7 +13,7 @@ checkpoints (``nnxscale init``); ``sampling`` generates text from a run.
 Loads lazily: ``nnxscale.training.config`` is read by the CLI before jax may be imported.
 """
 
-import importlib
+from nnxscale import _lazy
 
 _EXPORTS = {
     "TrainConfig": "config", "OptimConfig": "config", "DataConfig": "config", "ModelSettings": "config",
@@ -29,14 +29,4 @@ _EXPORTS = {
 }  # fmt: skip
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'nnxscale.training' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"nnxscale.training.{module}"), name)
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = _lazy(__name__, {name: f"{__name__}.{module}" for name, module in _EXPORTS.items()})
