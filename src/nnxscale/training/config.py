@@ -272,17 +272,19 @@ class TrainConfig:
             raise ConfigError(f"{source}: {e}") from None
 
 
-def fields_of(cls=None, prefix: str = "") -> dict[str, dataclasses.Field]:
-    """Every setting of ``cls`` (default :class:`TrainConfig`), by dotted path, sections walked."""
-    cls = TrainConfig if cls is None else cls
-    out = {}
+def _walk(cls, prefix: str = ""):
+    """``(dotted path, field, type)`` of every setting of ``cls``, sections walked."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
-            out.update(fields_of(hints[f.name], f"{prefix}{f.name}."))
+            yield from _walk(hints[f.name], f"{prefix}{f.name}.")
         else:
-            out[prefix + f.name] = f
-    return out
+            yield prefix + f.name, f, hints[f.name]
+
+
+def fields_of(cls=None) -> dict[str, dataclasses.Field]:
+    """Every setting of ``cls`` (default :class:`TrainConfig`), by dotted path, sections walked."""
+    return {path: f for path, f, _ in _walk(TrainConfig if cls is None else cls)}
 
 
 def flag(path: str) -> str:
@@ -468,17 +470,7 @@ def config_conflicts(saved: dict, new: dict) -> list[str]:
 
 #: Dotted path -> its dataclass field (with the flag and help in its metadata).
 _SETTINGS = fields_of(TrainConfig)
-def _field_types(cls, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for name, hint in typing.get_type_hints(cls).items():
-        if dataclasses.is_dataclass(hint):
-            out.update(_field_types(hint, f"{prefix}{name}."))
-        else:
-            out[prefix + name] = hint
-    return out
-
-
 #: Dotted field name -> its type, for every field of :class:`TrainConfig`.
-_FIELD_TYPES = _field_types(TrainConfig)
+_FIELD_TYPES = {path: hint for path, _, hint in _walk(TrainConfig)}
 #: A flag's name as a keyword (``seq_len`` for ``--seq-len``) -> the dotted field it sets.
 _BY_FLAG = {f.metadata["flag"][2:].replace("-", "_"): path for path, f in _SETTINGS.items()}
