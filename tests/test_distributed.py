@@ -30,8 +30,6 @@ from nnxscale.errors import JobError, MeshError
 from nnxscale.sharding.mesh import process_findings, process_split
 from nnxscale.training.rundir import read_metrics
 
-# Processes started and timed here: one such test at a time (pyproject.toml, xdist_group).
-pytestmark = pytest.mark.xdist_group("processes")
 
 TINY = [
     "--model", "gpt2-tiny", "--batch-size", "16", "--seq-len", "32", "--log-every", "1", "--eval-every", "0",
@@ -188,8 +186,9 @@ def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path, text_da
     resumed = tmp_path / "resumed"
     train_here(capsys, resumed, text_data, "data=8", 3)  # saved by 1 process
 
-    meshes = ["fsdp=8", "data=4,model=2", "model=2,data=4"]  # model first: the processes split
-    commands = [train_args(tmp_path / mesh, text_data, mesh, 3) for mesh in meshes]  # the model axis
+    # The processes split the fsdp axis, then the model axis (model first); the resume splits data.
+    meshes = ["fsdp=8", "model=2,data=4"]
+    commands = [train_args(tmp_path / mesh, text_data, mesh, 3) for mesh in meshes]
     commands.append(train_args(resumed, text_data, "data=8", 6))  # 1 -> 2 processes
     outputs = run_job(commands, processes=2, devices=4)
 
@@ -316,7 +315,7 @@ def test_a_process_that_raises_ends_the_others_with_a_line_naming_it(tmp_path, t
         subprocess.Popen(
             [sys.executable, "-c", _RAISES_WORKER, *train_args(tmp_path / "run", text_data, "data=8", 100)],
             env=dict(_CLEAN_ENV, NNXSCALE_COORDINATOR=f"127.0.0.1:{port}", NNXSCALE_NUM_PROCESSES="2",
-                     NNXSCALE_PROCESS_ID=str(i), XLA_FLAGS="--xla_force_host_platform_device_count=4"),  # fmt: skip
+                     NNXSCALE_PROCESS_ID=str(i), XLA_FLAGS=os.environ["XLA_FLAGS"].replace("count=8", "count=4")),  # fmt: skip
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         for i in range(2)

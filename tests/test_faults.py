@@ -31,8 +31,6 @@ from nnxscale.errors import RunFileError
 from nnxscale.training.rundir import read_metrics
 from nnxscale.training.state import setup
 
-# Processes started and timed here: one such test at a time (pyproject.toml, xdist_group).
-pytestmark = pytest.mark.xdist_group("processes")
 
 
 def cli_command(run_dir, data, *extra) -> list[str]:

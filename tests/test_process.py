@@ -16,13 +16,10 @@ import sys
 import textwrap
 import time
 
-import pytest
 
 from nnxscale.checkpoint.checkpointer import Checkpointer, _FILTERED_LOGGERS, _quiet_orbax_errors, checkpoint_dir
 from nnxscale.jobs.process import owned_by_command, owns_process
 
-# Processes started and timed here: one such test at a time (pyproject.toml, xdist_group).
-pytestmark = pytest.mark.xdist_group("processes")
 
 
 def installed_filters() -> list:
