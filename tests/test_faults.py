@@ -256,10 +256,10 @@ def test_a_second_trainer_is_refused_and_a_killed_ones_lock_is_stale(tmp_path, t
 
 
 def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_path, text_data, compile_cache):
-    """Four kill -9s at random moments, many during an asynchronous save (one every 2
+    """Three kill -9s at random moments, many during an asynchronous save (one every 2
     steps): each resume continues from the last complete checkpoint, and the losses of
     the whole run are bit-identical to a run that was never stopped."""
-    steps, kills = 60, 4
+    steps, kills = 40, 3
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     whole = run_cli(cli_command(tmp_path / "whole", text_data, "--steps", str(steps), "--save-every", "2"), compile_cache)
