@@ -44,6 +44,7 @@ devices and deadlock the job (see docs/multiprocess.md).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import itertools
 import json
@@ -150,6 +151,39 @@ def checkpoint_dir(run_dir) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+class _StateHandler(ocp.StandardCheckpointHandler):
+    """Orbax's handler for the state, writing each replicated array from one replica on CPU.
+
+    Orbax splits the write of an array that several devices hold whole over those replicas
+    ("replica-parallel"), compiling a slice program per replica and shape: 80 programs and
+    about 4 s at the first save of gpt2-tiny on ``data=8``, in every process of a job. CPU
+    devices share one host memory, so the split buys nothing there. The files are the same
+    either way, so checkpoints move freely between the two. GPU and TPU keep Orbax's default.
+    """
+
+    def __init__(self, *, multiprocessing_options: ocp.options.MultiprocessingOptions):
+        super().__init__(multiprocessing_options=multiprocessing_options)
+        registry = _one_replica_registry() if jax.default_backend() == "cpu" else None
+        if registry is not None and isinstance(getattr(self, "_impl", None), ocp.PyTreeCheckpointHandler):
+            self._impl = ocp.PyTreeCheckpointHandler(
+                save_concurrent_gb=96, restore_concurrent_gb=96,  # StandardCheckpointHandler's own defaults
+                multiprocessing_options=multiprocessing_options, type_handler_registry=registry,
+            )  # fmt: skip
+
+
+def _one_replica_registry():
+    """Orbax's standard type handlers with a copy of its array handler that does not split
+    replicated arrays; ``None`` where this Orbax has no such setting to change."""
+    arrays = copy.copy(ocp.type_handlers.get_type_handler(jax.Array))
+    if not hasattr(arrays, "_use_replica_parallel"):  # the one Orbax internal read here
+        return None
+    arrays._use_replica_parallel = False
+    handlers = [(ty, ocp.type_handlers.get_type_handler(ty)) for ty in ocp.type_handlers.supported_types()]
+    return ocp.type_handlers.create_type_handler_registry(
+        *[(ty, arrays if ty is jax.Array else handler) for ty, handler in handlers]
+    )
+
+
 class Checkpointer:
     """Save and restore ``(state, extras)`` by step, keeping the newest ``keep`` steps.
 
@@ -183,7 +217,7 @@ class Checkpointer:
         processes = set(range(jax.process_count())) if jax.process_count() > 1 else None
         multiprocessing = ocp.options.MultiprocessingOptions(active_processes=processes)
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-        state_handler = ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing)
+        state_handler = _StateHandler(multiprocessing_options=multiprocessing)
         extras_handler = ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing)
         checksum_handler = _ChecksumHandler()
         registry.add(_STATE, ocp.args.StandardSave, state_handler)
