@@ -10,8 +10,9 @@ import os
 import typing
 
 # LLVM at -O1 for the suite and the processes it starts: the tiny test models spend most of
-# their time compiling, and -O1 compiles about a third faster than the default -O3. The
-# programs and their numbers are the same (no fast-math either way).
+# their time compiling, and -O1 compiles about a third faster than the default -O3. No
+# fast-math either way; the last bits of a result may differ from -O3's, and the suite only
+# compares runs made under the same flags, or to a tolerance.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1"
 ).strip()

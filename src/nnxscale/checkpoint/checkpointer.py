@@ -159,6 +159,8 @@ class _StateHandler(ocp.StandardCheckpointHandler):
     about 4 s at the first save of gpt2-tiny on ``data=8``, in every process of a job. CPU
     devices share one host memory, so the split buys nothing there. The files are the same
     either way, so checkpoints move freely between the two. GPU and TPU keep Orbax's default.
+    Two Orbax internals are used: this handler's ``_impl`` and the array handler's
+    ``_use_replica_parallel``; where either is missing, Orbax's default stays.
     """
 
     def __init__(self, *, multiprocessing_options: ocp.options.MultiprocessingOptions):
@@ -175,7 +177,7 @@ def _one_replica_registry():
     """Orbax's standard type handlers with a copy of its array handler that does not split
     replicated arrays; ``None`` where this Orbax has no such setting to change."""
     arrays = copy.copy(ocp.type_handlers.get_type_handler(jax.Array))
-    if not hasattr(arrays, "_use_replica_parallel"):  # the one Orbax internal read here
+    if not hasattr(arrays, "_use_replica_parallel"):
         return None
     arrays._use_replica_parallel = False
     handlers = [(ty, ocp.type_handlers.get_type_handler(ty)) for ty in ocp.type_handlers.supported_types()]
