@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 import gpt2_reference
 import nnxscale
-from model_testing import jit_logits, params_by_path, randomize, rules_for, sharded_logits
+from model_testing import counts_by_depth, jit_logits, params_by_path, randomize, rules_for, sharded_logits
 from nnxscale.models.gpt2 import GPT2, PRESETS, GPT2Config, from_pretrained, preset, save_pretrained
 from nnxscale.sharding.rules import batch_spec
 
@@ -63,15 +63,8 @@ def checkpoint(tmp_path_factory, tokens):
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_published_parameter_counts(name):
     cfg = PRESETS[name]
-    # Built with 1 and 2 of its blocks (tracing all 48 of gpt2-xl's inits takes seconds); the
-    # count is linear in the blocks, so the two abstract builds give the whole model's.
-    built = []
-    for n_layer in (1, 2):
-        abstract = nnx.eval_shape(lambda: GPT2(dataclasses.replace(cfg, n_layer=n_layer), rngs=nnx.Rngs(0)))  # noqa: B023
-        leaves = jax.tree.leaves(nnx.state(abstract))
-        assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)  # nothing allocated
-        built.append(sum(math.prod(x.shape) for x in leaves))
-    assert built[0] + (cfg.n_layer - 1) * (built[1] - built[0]) == PUBLISHED[name]
+    _, whole = counts_by_depth(lambda c: GPT2(c, rngs=nnx.Rngs(0)), cfg, "n_layer")
+    assert whole == PUBLISHED[name]
     assert cfg.num_params() == PUBLISHED[name]
     assert (cfg.vocab_size, cfg.n_positions) == (50257, 1024)
 

@@ -8,6 +8,7 @@ import math
 import jax
 import pytest
 from flax import nnx
+from model_testing import counts_by_depth
 from test_cli import assert_one_error_line, run_main, train_args
 
 import nnxscale
@@ -23,25 +24,16 @@ def cfg_of(**fields):
     return with_overrides(TrainConfig(), {FLAT_NAMES.get(k, k): v for k, v in fields.items()})
 
 
-def built_params(family, config) -> int:
-    """Parameters of ``config``'s model, counted on its abstract build."""
-    abstract = nnx.eval_shape(lambda: family.build(config, rngs=nnx.Rngs(0)))
-    return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
-
-
 def test_every_preset_of_every_family_builds_with_its_dimensions():
     names = [name for family in FAMILIES.values() for name in family.presets]
     assert len(names) == len(set(names)), "a preset name in two families"
     for family in FAMILIES.values():
         for name, config in family.presets.items():
             assert find_preset(name) == (family, config)
-            # Built with 1 and 2 of its layers (tracing the init of all 48 of gpt2-xl's takes
-            # seconds: each random draw costs more as the trace grows); the count is linear in
-            # the layers, so the two builds pin the whole preset's count.
             depth = "n_layer" if hasattr(config, "n_layer") else "num_hidden_layers"
-            built = [built_params(family, dataclasses.replace(config, **{depth: n})) for n in (1, 2)]
+            built, whole = counts_by_depth(lambda c: family.build(c, rngs=nnx.Rngs(0)), config, depth)  # noqa: B023
             assert built == [dataclasses.replace(config, **{depth: n}).num_params() for n in (1, 2)], name
-            assert config.num_params() == built[0] + (getattr(config, depth) - 1) * (built[1] - built[0]), name
+            assert config.num_params() == whole, name
             dims = family.dims(config)
             assert isinstance(dims, ModelDims) and min(dataclasses.astuple(dims)) > 0, name
             assert dims.heads % dims.kv_heads == 0 and dims.width % dims.heads == 0, name
