@@ -399,6 +399,23 @@ def test_two_processes_write_their_own_shards_and_restore_onto_another_mesh(tmp_
 # --------------------------------------------------------------------------------------
 
 
+def test_checksums_are_the_same_on_the_host_and_on_the_devices_on_any_layout(monkeypatch):
+    """Small arrays are summed on the host, others by a program on their devices: the two
+    agree bit for bit on every dtype here (float32, bfloat16, int32, uint32, a typed key),
+    and neither depends on the layout (replicated shards are counted once)."""
+    state = {**host_state(7), "key": jax.random.key(3)}
+    layouts = [(make_mesh("data=8"), {**SAVE_SPECS, "key": P()}), (make_mesh("data=2,model=4"), {**RESTORE_SPECS, "key": P()})]
+    got = {}
+    for (mesh, specs), where in [(layout, where) for layout in layouts for where in ("host", "devices")]:
+        monkeypatch.setattr(integrity, "HOST_BYTES", 1 << 40 if where == "host" else 0)
+        placed = jax.tree.leaves(place(state, specs, mesh))
+        assert all(integrity._on_host(x) == (where == "host") for x in placed)
+        got[mesh.axis_names, where] = integrity.checksums(placed)
+    first, *others = got.values()
+    assert len(set(first)) == len(first)  # the arrays differ, and so do their sums
+    assert all(o == first for o in others), got
+
+
 # Flipped bytes in a compressed chunk make Orbax abandon its other reads (see above).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_damaged_data_is_found_and_the_newest_intact_step_restored(tmp_path, mesh8):

@@ -31,6 +31,10 @@ restoring onto ``data=2,model=4`` in 1.
 
 Each device walks its shard in chunks of about :data:`CHUNK` words (whole rows of its
 trailing dimension), so a checksum needs a few chunks of memory, never a copy of the state.
+Arrays whose shards are at most :data:`HOST_BYTES` are summed on the host instead, from the
+shards this process holds (each shard once: the copy with replica id 0): the same sums,
+with no program to compile for the many small arrays of a state (biases, norms, the step,
+the RNG key), which a small model's first save otherwise spent seconds compiling.
 Measured (gpt2 train state, 1.49 GB, ``fsdp=8``, 8 CPU devices on 2 cores): 0.4-0.7 s for
 v2, 1.3-2.2 s for v1, whose positions needed integer divisions per element.
 """
@@ -58,6 +62,8 @@ ALGORITHMS = (ALGORITHM, ALGORITHM_V1)
 
 #: Words per loop step on each device (4 MiB).
 CHUNK = 1 << 20
+#: Arrays whose shards are at most this many bytes are summed on the host (v2 only).
+HOST_BYTES = 1 << 20
 
 _K = np.uint32(0x9E3779B9)  # golden-ratio constant: positions 0, 1, ... get unrelated m_i
 _K2 = np.uint32(0x7F4A7C15)
@@ -84,6 +90,61 @@ def _words(x) -> jax.Array:
     if size in (1, 2):
         return jax.lax.bitcast_convert_type(x, jnp.uint8 if size == 1 else jnp.uint16).astype(jnp.uint32)
     raise TypeError(f"no checksum for dtype {x.dtype} ({size} bytes per element)")
+
+
+def _host_words(a: np.ndarray) -> np.ndarray:
+    """:func:`_words` on the host: the same words, for a numpy shard."""
+    if a.dtype == np.bool_:
+        return a.astype(np.uint32)
+    size = a.dtype.itemsize
+    a = np.ascontiguousarray(a)
+    if size == 4:
+        return a.view(np.uint32)
+    if size == 8:
+        return a.view(np.uint32).reshape(a.shape + (2,))
+    if size in (1, 2):
+        return a.view(np.uint8 if size == 1 else np.uint16).astype(np.uint32)
+    raise TypeError(f"no checksum for dtype {a.dtype} ({size} bytes per element)")
+
+
+def _host_sums_v2(words: np.ndarray, offsets: Sequence[int], global_shape: tuple) -> np.ndarray:
+    """uint32 (2,): the v2 sums of one shard's words, whose first element sits at ``offsets``
+    of an array of ``global_shape`` (as :func:`_sums_v2`; numpy's uint32 wraps like XLA's)."""
+    gshape = tuple(global_shape) or (1,)
+    offsets = tuple(offsets) or (0,)
+    words = words.reshape(words.shape or (1,))
+    position = np.zeros((1,) * len(gshape), np.uint32)
+    for d, stride in enumerate(_row_major_strides(gshape)):
+        n = words.shape[d]
+        index = (np.arange(offsets[d], offsets[d] + n, dtype=np.uint64) * np.uint64(stride % 2**32)) % 2**32
+        position = position + index.astype(np.uint32).reshape((1,) * d + (n,) + (1,) * (len(gshape) - d - 1))
+    if words.ndim == len(gshape) + 1:  # 64-bit elements and keys: word t of element i is at 2 * i + t
+        position = position[..., None] * np.uint32(2) + np.arange(2, dtype=np.uint32)
+    m = position * _K + _K2
+    a, b = _mix(words ^ m), words * (m | np.uint32(1))
+    return np.array([np.sum(a, dtype=np.uint32), np.sum(b, dtype=np.uint32)], np.uint32)
+
+
+def _on_host(x: jax.Array) -> bool:
+    """Whether ``x`` is summed on the host: shards of at most HOST_BYTES, one or two words each."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x).shape[-1] == 2 and math.prod(x.sharding.shard_shape(x.shape)) * 8 <= HOST_BYTES
+    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize <= HOST_BYTES
+
+
+def _host_partial(x: jax.Array) -> np.ndarray:
+    """uint32 (1, 2): the v2 sums of the shards of ``x`` that this process holds, each shard
+    counted once over the job (by the device holding its replica 0). Blocks until ``x`` is ready."""
+    total = np.zeros(2, np.uint32)
+    for shard in x.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        data = shard.data
+        if jax.dtypes.issubdtype(data.dtype, jax.dtypes.prng_key):
+            data = jax.random.key_data(data)
+        offsets = [s.start or 0 for s in shard.index]
+        total = total + _host_sums_v2(_host_words(np.asarray(data)), offsets, x.shape)
+    return total[None]
 
 
 def _row_major_strides(shape) -> list[int]:
@@ -238,17 +299,22 @@ def partial_sums(leaves, algorithm: str = ALGORITHM) -> list[jax.Array]:
     """Start the checksums of ``leaves``: one ``(devices, 2)`` uint32 array each, not awaited.
 
     The programs hold no collective, so they may be in flight beside anything else; the
-    caller may donate ``leaves`` right away (JAX orders the reads before the reuse).
+    caller may donate ``leaves`` right away (JAX orders the reads before the reuse). Small
+    arrays (see :data:`HOST_BYTES`) are summed on the host before this returns: their entry
+    is already this process's ``(1, 2)`` numpy sum.
     """
     if algorithm not in _KERNELS:
         raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {', '.join(_KERNELS)})")
     leaves = [_named(x) for x in leaves]
-    return [_program(x.shape, x.dtype, x.sharding, algorithm)(x) for x in leaves]
+    return [
+        _host_partial(x) if algorithm == ALGORITHM and _on_host(x) else _program(x.shape, x.dtype, x.sharding, algorithm)(x)
+        for x in leaves
+    ]
 
 
-def local_sums(partials: Sequence[jax.Array]) -> np.ndarray:
+def local_sums(partials: Sequence[jax.Array | np.ndarray]) -> np.ndarray:
     """``(n, 2)`` uint32: the partial sums of this process's devices, added up. Blocks."""
-    rows = jax.device_get([[shard.data for shard in p.addressable_shards] for p in partials])
+    rows = jax.device_get([[p] if isinstance(p, np.ndarray) else [s.data for s in p.addressable_shards] for p in partials])
     out = np.zeros((len(rows), 2), np.uint32)
     for i, r in enumerate(rows):
         out[i] = np.sum(np.concatenate(r, axis=0), axis=0, dtype=np.uint32)
@@ -305,6 +371,6 @@ def global_sums(local: np.ndarray) -> np.ndarray:
 def checksums(leaves, algorithm: str = ALGORITHM) -> list[str]:
     """One 16-hex-digit checksum per array in ``leaves``; every process gets the same values.
 
-    Computed on the devices that hold each array, added up on the hosts. Blocks.
+    Computed on the devices that hold each array (small ones on the host), added up on the hosts. Blocks.
     """
     return to_hex(global_sums(local_sums(partial_sums(leaves, algorithm))))
