@@ -48,6 +48,9 @@ import nnxscale
 
 handler = lambda *a: None
 signal.signal(signal.SIGTERM, handler)
+# Python's own Ctrl-C handler, which a process started from a shell's background job lacks
+# (it inherits SIGINT ignored, e.g. under `pytest ... &`).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 hook = sys.unraisablehook
 try:
     nnxscale.train(tiny_cfg({run_dir!r}, {data!r}, steps=100000, save_every=5), progress=False, log=lambda _: None)
