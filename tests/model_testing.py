@@ -1,6 +1,6 @@
 """Helpers the model tests share: randomized weights, parameters by path, parameter counts
-of deep models, and the forward pass as training runs it, on one device or on a mesh with
-the activation rules in force."""
+of deep models, greedy decoding by hand, and the forward pass as training runs it, on one
+device or on a mesh with the activation rules in force."""
 
 import dataclasses
 import math
@@ -63,6 +63,18 @@ def jit_logits(model, tokens, key=None):
     if key is None:
         return np.asarray(_forward(graphdef, state, tokens))
     return np.asarray(_forward_dropout(graphdef, state, tokens, key))
+
+
+def greedy_by_hand(model, ids: list[int], n: int, window: int) -> list[int]:
+    """``n`` greedy tokens after ``ids``, the slow obvious way: the sequence so far through
+    the whole model in one window of ``window`` tokens (causal, so the padding after it does
+    not matter; one shape, so one compiled forward), argmax at its last position."""
+    ids = list(ids)
+    for _ in range(n):
+        padded = np.zeros((1, window), np.int32)
+        padded[0, : len(ids)] = ids
+        ids.append(int(np.argmax(jit_logits(model, jnp.asarray(padded))[0, len(ids) - 1])))
+    return ids[-n:]
 
 
 def rules_for(mesh):

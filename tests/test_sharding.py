@@ -1,7 +1,6 @@
 """State sharding: specs from rules, sharded init on real devices, place/reshard, lint, the table."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

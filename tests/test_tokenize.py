@@ -6,10 +6,9 @@ import dataclasses
 import json
 import shutil
 
-import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
+from model_testing import greedy_by_hand
 from test_cli import assert_one_error_line, run_main, train_args
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -114,12 +113,7 @@ def test_fine_tune_a_hugging_face_directory_on_text_and_sample_words(tmp_path, t
     got = nnxscale.sample(run_dir, prompt, max_new_tokens=n, temperature=0)
     # The same greedy choices by hand, decoded with the tokenizer: words, not bytes or ids.
     tok, model = Tokenizer.from_file(str(bpe_tokenizer)), nnxscale.load_model(run_dir)
-    ids = tok.encode(prompt).ids
-    for _ in range(n):
-        window = np.zeros(config.n_positions, np.int32)
-        window[: len(ids)] = ids
-        ids.append(int(jnp.argmax(model(jnp.asarray(window)[None])[0, len(ids) - 1])))
-    assert got == prompt + tok.decode(ids[-n:])
+    assert got == prompt + tok.decode(greedy_by_hand(model, tok.encode(prompt).ids, n, config.n_positions))
     code, out, err = run_main(capsys, ["sample", "--run-dir", str(run_dir), "--prompt", prompt,
                                        "--max-new-tokens", str(n), "--temperature", "0"])  # fmt: skip
     assert code == 0 and out == got + "\n", err
