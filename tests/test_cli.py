@@ -18,11 +18,15 @@ from nnxscale.cli.commands import main
 
 
 def train_args(run_dir, data, *extra) -> list[str]:
-    """A small valid ``train`` command; flags in ``extra`` override (argparse: last wins)."""
+    """A small valid ``train`` command; flags in ``extra`` override (argparse: last wins).
+
+    Its schedule is test_train's pinned one (2 warmup steps, then constant), so its step is
+    the same program as test_train's data=8 runs: compiled once for both.
+    """
     return [
         "train", "--model", "gpt2-tiny", "--mesh", "data=8", "--batch-size", "16", "--seq-len", "32",
-        "--steps", "4", "--save-every", "2", "--eval-every", "0", "--data", str(data),
-        "--run-dir", str(run_dir), "--no-progress", *extra,
+        "--steps", "4", "--save-every", "2", "--eval-every", "0", "--warmup-steps", "2", "--min-lr-ratio", "1.0",
+        "--data", str(data), "--run-dir", str(run_dir), "--no-progress", *extra,
     ]  # fmt: skip
 
 
@@ -291,8 +295,8 @@ def test_train_help_documents_the_flags(capsys):
 def test_config_file_sets_fields_and_flags_override_it(tmp_path, text_data, capsys):
     config = tmp_path / "run.toml"
     config.write_text(
-        "steps = 3\n[model]\nname = \"gpt2-tiny\"\n[parallel]\nmesh = \"fsdp=8\"\n"
-        "[optim]\nlr = 0.002\nwarmup_steps = 1\n"
+        "steps = 3\n[model]\nname = \"gpt2-tiny\"\n[parallel]\nmesh = \"fsdp=8\"\nmin_shard_bytes = 0\n"
+        "[optim]\nwarmup_steps = 2\nmin_lr_ratio = 1.0\n"  # test_train's fsdp=8 run: one compiled step for both
         "[data]\nseq_len = 32\nbatch_size = 16\n"
     )
     run_dir = tmp_path / "run"
@@ -301,7 +305,8 @@ def test_config_file_sets_fields_and_flags_override_it(tmp_path, text_data, caps
     code, out, err = run_main(capsys, argv)
     assert code == 0, err
     saved = json.loads((run_dir / "config.json").read_text())["train"]
-    assert saved["parallel"]["mesh"] == "fsdp=8" and saved["optim"]["lr"] == 0.002 and saved["data"]["seq_len"] == 32
+    assert saved["parallel"]["mesh"] == "fsdp=8" and saved["optim"]["warmup_steps"] == 2 and saved["data"]["seq_len"] == 32
+    assert saved["optim"]["min_lr_ratio"] == 1.0 and saved["parallel"]["min_shard_bytes"] == 0
     assert not err.strip(), err  # sections: no deprecation line
     assert saved["steps"] == 2  # the flag wins over the file
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [2]

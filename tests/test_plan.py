@@ -21,9 +21,11 @@ def tiny(mesh: str, **fields) -> TrainConfig:
 
 
 def compiler_memory(cfg: TrainConfig):
-    """``memory_analysis()`` of the real train step, compiled ahead of time with JAX's own API."""
+    """``memory_analysis()`` of the real train step, compiled ahead of time with JAX's own API
+    (under the run's mesh, as the trainer calls it: the same program, so a cache hit after a plan)."""
     s = setup(cfg)
-    return make_train_step(s).lower(s.abstract, s.abstract_batch).compile().memory_analysis()
+    with jax.set_mesh(s.mesh):
+        return make_train_step(s).lower(s.abstract, s.abstract_batch).compile().memory_analysis()
 
 
 def shard_bytes_on_device0(tree) -> int:
