@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from nnxscale.errors import ModelError
+from nnxscale.layers.loss import chunked_cross_entropy
 from nnxscale.models import gpt2, llama
 
 
@@ -48,6 +49,16 @@ def next_token_loss(model, inputs, targets, *, rngs=None):
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 
+def chunked_next_token_loss(model, inputs, targets, *, rngs=None):
+    """GPT-2's and Llama's loss: :func:`next_token_loss` without ever holding every logit.
+
+    The model's ``hidden_states`` go through its ``logits`` head a chunk of tokens at a
+    time (:func:`nnxscale.layers.loss.chunked_cross_entropy`); the value and gradients are
+    those of :func:`next_token_loss`.
+    """
+    return chunked_cross_entropy(model.hidden_states(inputs, rngs=rngs), targets, model.logits)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelDims:
     """A model's shape in the few numbers the planner needs."""
@@ -59,6 +70,11 @@ class ModelDims:
     mlp_width: int  # the MLP's hidden width
     vocab_size: int
     context: int  # the longest sequence it takes
+    head_dim: int = 0  # the width of one attention head (0: width // heads)
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.width // self.heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +98,8 @@ class ModelFamily:
         directory, read from its ``config.json`` only (``--model DIR``).
       hf_model_types: the ``model_type`` values of ``config.json`` this family loads.
       run_options: the :class:`~nnxscale.TrainConfig` fields that are also fields of the
-        family's config (``dropout``, ``dtype``, ``remat``): a run sets them on the preset.
+        family's config (``dropout``, ``dtype``, ``remat``, ``attention``): a run sets them
+        on the preset.
       loss: ``loss(model, inputs, targets, *, rngs)`` -> scalar; default
         :func:`next_token_loss`.
     """
@@ -95,7 +112,7 @@ class ModelFamily:
     save_pretrained: Callable[[Any, Any], None]
     pretrained_config: Callable[[Any], Any]
     hf_model_types: tuple[str, ...]
-    run_options: tuple[str, ...] = ("dropout", "dtype", "remat")
+    run_options: tuple[str, ...] = ("dropout", "dtype", "remat", "attention")
     loss: Callable[..., Any] = next_token_loss
 
     def flops_per_token(self, config, seq_len: int) -> int:
@@ -105,13 +122,13 @@ class ModelFamily:
 
 def _gpt2_dims(c: gpt2.GPT2Config) -> ModelDims:
     return ModelDims(layers=c.n_layer, width=c.n_embd, heads=c.n_head, kv_heads=c.n_head, mlp_width=4 * c.n_embd,
-                     vocab_size=c.vocab_size, context=c.n_positions)  # fmt: skip
+                     vocab_size=c.vocab_size, context=c.n_positions, head_dim=c.head_dim)  # fmt: skip
 
 
 def _llama_dims(c: llama.LlamaConfig) -> ModelDims:
     return ModelDims(layers=c.num_hidden_layers, width=c.hidden_size, heads=c.num_attention_heads,
                      kv_heads=c.num_key_value_heads, mlp_width=c.intermediate_size, vocab_size=c.vocab_size,
-                     context=c.max_position_embeddings)  # fmt: skip
+                     context=c.max_position_embeddings, head_dim=c.head_size)  # fmt: skip
 
 
 #: Every registered family, by name.
@@ -125,6 +142,7 @@ FAMILIES: dict[str, ModelFamily] = {
         save_pretrained=gpt2.save_pretrained,
         pretrained_config=gpt2.pretrained_config,
         hf_model_types=("gpt2",),
+        loss=chunked_next_token_loss,
     ),
     "llama": ModelFamily(
         name="llama",
@@ -135,6 +153,7 @@ FAMILIES: dict[str, ModelFamily] = {
         save_pretrained=llama.save_pretrained,
         pretrained_config=llama.pretrained_config,
         hf_model_types=("llama",),
+        loss=chunked_next_token_loss,
     ),
 }
 
@@ -198,6 +217,7 @@ __all__ = [
     "ModelDims",
     "ModelFamily",
     "architecture_differences",
+    "chunked_next_token_loss",
     "find_preset",
     "gpt2",
     "is_pretrained_dir",

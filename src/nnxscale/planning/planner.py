@@ -119,6 +119,8 @@ class StepPlan:
     activations: list = dataclasses.field(default_factory=list)  # {names, shape, spec, dropped} per constrained activation
     notes: list = dataclasses.field(default_factory=list)
     pipeline: Optional[dict] = None  # the pipeline's layout and costs (see pipeline_figures); None without one
+    attention: Optional[str] = None  # the attention implementation in use (a family's model; None: your own)
+    attention_line: Optional[str] = None  # the run's line about it (nnxscale.layers.attention.describe)
     #: :func:`layout_figures` of the plan (the abstract model, resolved rules, rows): reused by
     #: callers (``nnxscale plan``'s table and lint) instead of being built again.
     layout: Optional[dict] = dataclasses.field(default=None, repr=False, compare=False)
@@ -176,6 +178,7 @@ class StepPlan:
             "fits": self.fits,
             "estimate": self.estimated,
             "pipeline": self.pipeline,
+            "attention": self.attention,
         }
 
     def __str__(self) -> str:
@@ -183,6 +186,7 @@ class StepPlan:
             f"plan: {self.model} ({self.num_params:,} parameters) on mesh {format_mesh(self.mesh)}, rules {self.rules}, "
             f"remat {self.remat}, {self.dtype} compute, global batch {self.batch_size} x {self.seq_len}"
             + (f" in {self.grad_accum} micro-batches" if self.grad_accum > 1 else ""),
+            *([self.attention_line] if self.attention_line else []),
             "",
             f"{'per device':<36}{'bytes':>11}  source",
         ]
@@ -261,6 +265,7 @@ def plan(
         num_params=lay["num_params"], full_param_bytes=lay["full_param_bytes"], param_bytes=lay["param_bytes"],
         optimizer_bytes=lay["optimizer_bytes"], gradient_bytes=lay["gradient_bytes"], batch_bytes=lay["batch_bytes"],
         textbook=textbook_collectives(cfg, lay), device_memory=device_memory, layout=lay,
+        **attention_figures(cfg, lay["model"]),
     )  # fmt: skip
     family = lay["model"].family.name
     calibration = [] if family == ESTIMATE_FAMILY else [
@@ -592,6 +597,19 @@ def estimate(cfg: TrainConfig, lay: Optional[dict] = None) -> dict[str, Any]:
         "peak_bytes_per_device": int(lay["param_bytes"] + lay["optimizer_bytes"] + lay["batch_bytes"] + temp),
         "collective_bytes_per_step": coll,
         "collective_bytes_by_kind": {"all (estimate)": coll},
+    }
+
+
+def attention_figures(cfg: TrainConfig, model) -> dict[str, Optional[str]]:
+    """The attention implementation a family's model uses at ``cfg``'s length, and its line."""
+    if not getattr(model.config, "attention", None):  # your own module picks its own
+        return {"attention": None, "attention_line": None}
+    from nnxscale.layers import attention
+
+    c, head = model.config, model.dims.head_width
+    return {
+        "attention": attention.resolve(c.attention, cfg.data.seq_len, c.dtype, head),
+        "attention_line": attention.describe(c.attention, cfg.data.seq_len, c.dtype, head),
     }
 
 

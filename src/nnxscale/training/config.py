@@ -50,6 +50,10 @@ class ModelSettings:
     remat: str = setting("none", "--remat", "rematerialize in the backward pass: none; full (keep only each block's "
                          "input; a bare --remat); dots (keep the weight matmuls' outputs)", const="full",
                          choices=("none", "full", "dots"))  # fmt: skip
+    attention: str = setting("auto", "--attention", "attention implementation: auto (cudnn on NVIDIA GPUs in bfloat16, "
+                             "else xla up to 2,047 tokens, blockwise from 2,048); xla (jax.nn.dot_product_attention: "
+                             "the full T x T scores); blockwise (flash-attention recurrence in plain JAX: memory "
+                             "linear in T); cudnn", choices=("auto", "xla", "blockwise", "cudnn"))  # fmt: skip
     init_from: Optional[str] = setting(None, "--init-from", "start from a seed checkpoint (nnxscale init) or a Hugging "
                                        "Face directory of the model's family")  # fmt: skip
 
@@ -238,6 +242,10 @@ class TrainConfig:
             raise ConfigError(f"{_label('model.dtype')} must be float32 or bfloat16, got {self.model.dtype!r}")
         if self.model.remat not in ("none", "full", "dots"):
             raise ConfigError(f"{_label('model.remat')} must be none, full or dots, got {self.model.remat!r}")
+        if self.model.attention not in ("auto", "xla", "blockwise", "cudnn"):
+            raise ConfigError(
+                f"{_label('model.attention')} must be auto, xla, blockwise or cudnn, got {self.model.attention!r}"
+            )
         self._validate_pipeline()
 
     def _validate_pipeline(self) -> None:
@@ -402,14 +410,15 @@ def _typed(path: str, value, hint, *, strict: bool):
 
 
 #: Fields that may differ between a run directory's config and a resuming command:
-#: how long to run, where (mesh, rules), and how often to log/save. Anything else would
+#: how long to run, where (mesh, rules), how (remat, attention: the same function computed
+#: another way), and how often to log/save. Anything else would
 #: silently turn the resumed run into a different experiment. The pipeline settings go
 #: with the mesh (a ``stage`` axis needs them) and give the same numbers without dropout.
 #: ``optim.decay_steps`` (the LR schedule's length) is fixed by a run's first command; a command that leaves it unset
 #: takes the run's own, so growing ``--steps`` does not restart warmup.
 RESUMABLE_FIELDS = frozenset(
     {"steps", "parallel.mesh", "parallel.rules", "run_dir", "logging.log_every", "logging.eval_every",
-     "checkpoint.save_every", "checkpoint.keep", "model.remat", "model.init_from", "parallel.min_shard_bytes",
+     "checkpoint.save_every", "checkpoint.keep", "model.remat", "model.attention", "model.init_from", "parallel.min_shard_bytes",
      "max_bad_steps", "hang_timeout", "data.eval_batches", "parallel.microbatches", "parallel.pipeline_repeats"}
 )
 

@@ -33,6 +33,7 @@ from nnxscale.errors import storage_error
 from nnxscale.jobs.distributed import StopVote, current
 from nnxscale.jobs.process import owns_process
 from nnxscale.jobs.watchdog import ProgressWatchdog, timeout_from
+from nnxscale.layers import attention
 from nnxscale.progress import ProgressBar
 from nnxscale.sharding.devices import peak_flops
 from nnxscale.sharding.mesh import format_mesh, process_findings
@@ -255,6 +256,9 @@ class _Run:
     def describe(self) -> None:
         s = self.s
         self.log(describe_decay(s.decay_mask, s.abstract["params"], self.cfg.optim.weight_decay))
+        if getattr(s.model.config, "attention", None):  # a family's model (your own module picks its own)
+            c = s.model.config
+            self.log(attention.describe(c.attention, self.cfg.data.seq_len, c.dtype, s.model.dims.head_width))
         if s.pipeline is not None:
             self.log(describe_pipeline(s))
             shardings = jax.tree.leaves(s.param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))

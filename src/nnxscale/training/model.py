@@ -23,7 +23,7 @@ from nnxscale.models import (
 from nnxscale.training.config import ConfigError, TrainConfig, flag
 
 #: TrainConfig fields that set a family's config (see ``ModelFamily.run_options``).
-RUN_OPTIONS = ("dropout", "dtype", "remat")
+RUN_OPTIONS = ("dropout", "dtype", "remat", "attention")
 
 
 @dataclasses.dataclass(frozen=True)

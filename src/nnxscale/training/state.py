@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
 from nnxscale.data import text as text
+from nnxscale.layers import attention
 from nnxscale.layers.pipeline import Pipeline, to_layer_order, to_stage_order
 from nnxscale.layers.stack import LAYERS
 from nnxscale.models import (
@@ -219,6 +220,8 @@ def setup(
     rules = resolve(cfg.parallel.rules, mesh, min_shard_bytes=cfg.parallel.min_shard_bytes)
     m = run_model(cfg, model, loss, recorded=recorded)
     check_shapes(cfg, rules, m)
+    if getattr(m.config, "attention", None):  # --attention cudnn where it cannot run: one line, before anything is built
+        attention.resolve(m.config.attention, cfg.data.seq_len, m.config.dtype, m.dims.head_width)
     pipe = run_pipeline(cfg, rules)
     d = cfg.data
 

@@ -1,6 +1,7 @@
 """What every model family's config shares: the training fields' checks, a dict round
 trip, and presets with overrides. Each family's config is a frozen dataclass deriving
-from :class:`ModelConfig`, with fields ``dropout``, ``dtype``, ``param_dtype``, ``remat``."""
+from :class:`ModelConfig`, with fields ``dropout``, ``dtype``, ``param_dtype``, ``remat``,
+``attention``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from nnxscale.errors import ModelError
+from nnxscale.layers.attention import IMPLEMENTATIONS
 from nnxscale.layers.remat import remat_name
 from nnxscale.layers.stack import REMAT_POLICIES
 
@@ -17,12 +19,15 @@ DTYPES = ("float32", "bfloat16")
 
 class ModelConfig:
     def _check_training_fields(self) -> None:
-        """Normalize ``remat`` (``True`` -> ``"full"``) and check it, ``dropout`` and the dtypes."""
+        """Normalize ``remat`` (``True`` -> ``"full"``) and check it, ``attention``, ``dropout``
+        and the dtypes."""
         name = type(self).__name__
         if isinstance(self.remat, bool) or self.remat is None:
             object.__setattr__(self, "remat", remat_name(self.remat))
         if self.remat not in REMAT_POLICIES:
             raise ModelError(f"{name}.remat must be one of {', '.join(REMAT_POLICIES)} (or a bool), got {self.remat!r}")
+        if self.attention not in IMPLEMENTATIONS:
+            raise ModelError(f"{name}.attention must be one of {', '.join(IMPLEMENTATIONS)}, got {self.attention!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ModelError(f"{name}.dropout must be in [0, 1), got {self.dropout!r}")
         for field in ("dtype", "param_dtype"):

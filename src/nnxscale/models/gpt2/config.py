@@ -23,7 +23,9 @@ class GPT2Config(ModelConfig):
     embeddings and residual branches, and only when ``GPT2.__call__`` gets ``rngs``.
     ``remat`` is a policy of :data:`nnxscale.layers.stack.REMAT_POLICIES` (``"none"``,
     ``"full"``: keep each block's input only, ``"dots"``: keep the weight matmuls'
-    outputs); ``True`` means ``"full"``.
+    outputs); ``True`` means ``"full"``. ``attention`` is an implementation of
+    :func:`nnxscale.layers.attention.attention` (``"auto"``, ``"xla"``, ``"blockwise"``,
+    ``"cudnn"``).
     """
 
     vocab_size: int
@@ -36,6 +38,7 @@ class GPT2Config(ModelConfig):
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    attention: str = "auto"
 
     def __post_init__(self):
         self._check_training_fields()

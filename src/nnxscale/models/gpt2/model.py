@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxscale.errors import ModelError
+from nnxscale.layers.attention import attention as attend
 from nnxscale.layers.stack import scan_layers, stack_layers
 from nnxscale.models.common.dropout import dropout, dropout_keys
 from nnxscale.models.gpt2.config import GPT2Config
@@ -30,8 +31,9 @@ def _layer_norm(n_embd, eps, dtype, param_dtype, rngs):
 
 
 class CausalSelfAttention(nnx.Module):
-    def __init__(self, n_embd: int, n_head: int, *, proj_std: float, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, n_embd: int, n_head: int, *, proj_std: float, impl: str = "auto", dtype, param_dtype, rngs: nnx.Rngs):
         N, H = n_head, n_embd // n_head
+        self.impl = impl  # the attention implementation (nnxscale.layers.attention)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.c_attn = nnx.Einsum(
             "btc,cknh->btknh", (n_embd, 3, N, H), (3, N, H),
@@ -47,7 +49,7 @@ class CausalSelfAttention(nnx.Module):
     def __call__(self, x):  # (B, T, C)
         qkv = self.c_attn(x)  # (B, T, 3, N, H)
         q, k, v = (constrain(qkv[:, :, i], "batch", "length", "heads", "kv") for i in range(3))  # each (B, T, N, H)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, N, H)
+        y = attend(q, k, v, causal=True, impl=self.impl)  # (B, T, N, H)
         y = constrain(y, "batch", "length", "heads", "kv")
         return self.c_proj(y)  # (B, T, C)
 
@@ -70,10 +72,10 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, n_embd, n_head, *, proj_std, eps, dropout, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, n_embd, n_head, *, proj_std, eps, dropout, attention="auto", dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.ln_1 = _layer_norm(n_embd, eps, **kw)
-        self.attn = CausalSelfAttention(n_embd, n_head, proj_std=proj_std, **kw)
+        self.attn = CausalSelfAttention(n_embd, n_head, proj_std=proj_std, impl=attention, **kw)
         self.ln_2 = _layer_norm(n_embd, eps, **kw)
         self.mlp = MLP(n_embd, proj_std=proj_std, **kw)
         self.dropout = dropout
@@ -99,7 +101,8 @@ class GPT2(nnx.Module):
         self.wte = nnx.Embed(c.vocab_size, c.n_embd, embedding_init=logical(_normal(0.02), "vocab", "embed"), **kw)
         self.wpe = nnx.Embed(c.n_positions, c.n_embd, embedding_init=logical(_normal(0.02), None, "embed"), **kw)
         proj_std = 0.02 / math.sqrt(2 * c.n_layer)  # GPT-2 paper: scale residual projections by 1/sqrt(N)
-        block = partial(Block, c.n_embd, c.n_head, proj_std=proj_std, eps=c.layer_norm_epsilon, dropout=c.dropout)
+        block = partial(Block, c.n_embd, c.n_head, proj_std=proj_std, eps=c.layer_norm_epsilon, dropout=c.dropout,
+                        attention=c.attention)  # fmt: skip
         self.h = stack_layers(lambda rngs: block(**(kw | {"rngs": rngs})), c.n_layer, rngs=rngs)
         self.ln_f = _layer_norm(c.n_embd, c.layer_norm_epsilon, **kw)
 
@@ -110,6 +113,10 @@ class GPT2(nnx.Module):
         applied only when ``rngs`` is given and ``config.dropout > 0``; its key comes from
         the ``dropout`` stream (or ``default``).
         """
+        return self.logits(self.hidden_states(tokens, rngs=rngs))
+
+    def hidden_states(self, tokens, *, rngs: Optional[nnx.Rngs] = None):
+        """``tokens`` int (B, T) -> the final layer norm's output (B, T, n_embd), before the head."""
         c = self.config
         T = tokens.shape[1]
         if T > c.n_positions:
@@ -118,7 +125,10 @@ class GPT2(nnx.Module):
         x = self.wte(tokens) + self.wpe(jnp.arange(T))  # (B, T, C)
         x = dropout(constrain(x, "batch", "length", "embed"), c.dropout, embed_key)
         x = scan_layers(self.h, x, keys=block_keys, remat=c.remat)  # (B, T, C)
-        x = self.ln_f(x)
+        return self.ln_f(x)
+
+    def logits(self, x):
+        """The output head, tied to the token embedding: (B, T, C) -> float32 logits (B, T, V)."""
         wte = self.wte.embedding[...].astype(x.dtype)  # (V, C)
         logits = jnp.einsum("btc,vc->btv", x, wte, preferred_element_type=jnp.float32)  # (B, T, V)
         return constrain(logits, "batch", "length", "vocab")

@@ -53,7 +53,8 @@ class LlamaConfig(ModelConfig):
     (parameters are cast at use; logits are always float32), ``param_dtype`` the storage
     dtype. ``dropout`` applies to embeddings and residual branches, and only when
     ``Llama.__call__`` gets ``rngs``. ``remat`` is a policy of
-    :data:`nnxscale.layers.stack.REMAT_POLICIES` (``True`` means ``"full"``).
+    :data:`nnxscale.layers.stack.REMAT_POLICIES` (``True`` means ``"full"``); ``attention``
+    an implementation of :func:`nnxscale.layers.attention.attention`.
     """
 
     vocab_size: int
@@ -72,6 +73,7 @@ class LlamaConfig(ModelConfig):
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    attention: str = "auto"
 
     def __post_init__(self):
         self._check_training_fields()

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from nnxscale.errors import ModelError
+from nnxscale.layers.attention import attention as attend
 from nnxscale.layers.stack import scan_layers, stack_layers
 from nnxscale.models.common.dropout import dropout, dropout_keys
 from nnxscale.models.llama.config import LlamaConfig, RopeScaling
@@ -50,8 +51,10 @@ def _rms_norm(hidden_size, eps, dtype, param_dtype, rngs):
 
 
 class LlamaAttention(nnx.Module):
-    def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int, *, impl: str = "auto", dtype,
+                 param_dtype, rngs: nnx.Rngs):  # fmt: skip
         C, N, K, H = hidden_size, n_heads, n_kv_heads, head_dim
+        self.impl = impl  # the attention implementation (nnxscale.layers.attention)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         proj = lambda heads, name: nnx.Einsum("btc,cnh->btnh", (C, heads, H), kernel_init=logical(_normal, "embed", name, "kv"), **kw)  # noqa: E731
         self.q_proj = proj(N, "heads")
@@ -64,7 +67,7 @@ class LlamaAttention(nnx.Module):
         k = constrain(_rotate(self.k_proj(x), cos, sin), "batch", "length", "kv_heads", "kv")  # (B, T, K, H)
         v = constrain(self.v_proj(x), "batch", "length", "kv_heads", "kv")  # (B, T, K, H)
         # grouped-query attention: query head n reads K/V head n // (N // K), as HF's repeat_kv
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, N, H)
+        y = attend(q, k, v, causal=True, impl=self.impl)  # (B, T, N, H)
         y = constrain(y, "batch", "length", "heads", "kv")
         return self.o_proj(y)  # (B, T, C)
 
@@ -86,7 +89,8 @@ class LlamaDecoderLayer(nnx.Module):
     def __init__(self, c: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.input_layernorm = _rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
-        self.self_attn = LlamaAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size, **kw)
+        self.self_attn = LlamaAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size,
+                                        impl=c.attention, **kw)  # fmt: skip
         self.post_attention_layernorm = _rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
         self.mlp = LlamaMLP(c.hidden_size, c.intermediate_size, **kw)
         self.dropout = c.dropout
@@ -125,6 +129,10 @@ class Llama(nnx.Module):
         Dropout (embeddings and residual branches) is applied only when ``rngs`` is given
         and ``config.dropout > 0``; its key comes from the ``dropout`` stream (or ``default``).
         """
+        return self.logits(self.hidden_states(tokens, rngs=rngs))
+
+    def hidden_states(self, tokens, *, rngs: Optional[nnx.Rngs] = None):
+        """``tokens`` int (B, T) -> the final norm's output (B, T, hidden_size), before the head."""
         c = self.config
         T = tokens.shape[1]
         if T > c.max_position_embeddings:
@@ -135,8 +143,11 @@ class Llama(nnx.Module):
         angles = jnp.concatenate([angles, angles], axis=-1)  # (T, H): HF's rotate_half layout
         x = dropout(constrain(self.embed_tokens(tokens), "batch", "length", "embed"), c.dropout, embed_key)  # (B, T, C)
         x = scan_layers(self.layers, x, jnp.cos(angles), jnp.sin(angles), keys=layer_keys, remat=c.remat)
-        x = self.norm(x)
-        if c.tie_word_embeddings:
+        return self.norm(x)
+
+    def logits(self, x):
+        """The output head: (B, T, hidden_size) -> float32 logits (B, T, vocab_size)."""
+        if self.config.tie_word_embeddings:
             head = self.embed_tokens.embedding[...].astype(x.dtype)  # (V, C)
             logits = jnp.einsum("btc,vc->btv", x, head, preferred_element_type=jnp.float32)
         else:

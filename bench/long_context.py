@@ -1,0 +1,116 @@
+"""Long sequences: the training step's memory against the sequence length, at real sizes.
+
+Compiles nnxscale's real train step ahead of time (nothing allocated) on 8 simulated CPU
+devices and reads the compiler's memory analysis:
+
+- llama-3.2-1b, ``fsdp=8``, ``--remat full``, global batch 8 (one sequence per device),
+  float32, at T = 4,096 and 16,384: activations and temporaries (the compiled step's temp
+  bytes), with today's defaults (``--attention auto``: blockwise from 2,048 tokens; the
+  chunked loss) and with the baseline in the same run (``--attention xla`` and the loss
+  over all logits at once, as before the long-sequence work);
+- at T <= 1,024 the defaults pick XLA's attention and one loss chunk, the same program
+  as the baseline: the step time of gpt2-mini at 8 x 1,024 on ``data=8`` (run, the best
+  of several steps) against the baseline's.
+
+Prints a table and last one JSON line:
+``{"temp_16k_over_4k", "peak_128k_context8_gib", "peak_8b_128k_gib", "short_seq_step_time_ratio"}``
+(targets: <= 4.5, <= 16, <= 80, <= 1.1). The two 128k figures need the ``context`` mesh
+axis; until it exists they are ``null``.
+
+    python bench/long_context.py
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from nnxscale.layers import loss as losslib  # noqa: E402
+from nnxscale.sharding.layout import format_bytes  # noqa: E402
+from nnxscale.training.config import TrainConfig  # noqa: E402
+from nnxscale.training.state import init_state, setup  # noqa: E402
+from nnxscale.training.step import make_train_step  # noqa: E402
+
+GIB = 1 << 30
+
+
+@contextlib.contextmanager
+def baseline():
+    """The step as it was before: XLA's attention (set per config) and one loss chunk."""
+    saved = losslib.CHUNK_BYTES
+    losslib.CHUNK_BYTES = 1 << 62
+    try:
+        yield
+    finally:
+        losslib.CHUNK_BYTES = saved
+
+
+def compiled_memory(cfg: TrainConfig):
+    s = setup(cfg)
+    t = time.perf_counter()
+    with jax.set_mesh(s.mesh):
+        compiled = make_train_step(s).lower(s.abstract, s.abstract_batch).compile()
+    return compiled.memory_analysis(), time.perf_counter() - t
+
+
+def step_seconds(cfg: TrainConfig, steps: int = 6) -> float:
+    """The fastest of ``steps`` runs of the real step on a fixed batch."""
+    s = setup(cfg)
+    state = init_state(s)
+    rng = np.random.default_rng(0)
+    batch = {
+        k: jax.device_put(rng.integers(0, 256, v.shape).astype(v.dtype), v.sharding) for k, v in s.abstract_batch.items()
+    }
+    step = make_train_step(s)
+    best = float("inf")
+    with jax.set_mesh(s.mesh):
+        for _ in range(steps):
+            t = time.perf_counter()
+            state, metrics = step(state, batch)
+            jax.block_until_ready(metrics)
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    print("llama-3.2-1b, fsdp=8, --remat full, global batch 8, float32, 8 CPU devices (compiled, not run)")
+    print(f"{'':28}{'T':>8}{'temp / device':>16}{'peak / device':>16}{'compile s':>11}")
+    temps = {}
+    for name, attention, ctx in (("baseline (xla, whole loss)", "xla", baseline), ("nnxscale (auto)", "auto", contextlib.nullcontext)):
+        for T in (4096, 16384):
+            cfg = TrainConfig.from_flags(model="llama-3.2-1b", mesh="fsdp=8", remat="full", batch_size=8, seq_len=T,
+                                         attention=attention)  # fmt: skip
+            with ctx():
+                ma, secs = compiled_memory(cfg)
+            peak = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+            temps[name, T] = ma.temp_size_in_bytes
+            print(f"{name:28}{T:>8,}{format_bytes(ma.temp_size_in_bytes):>16}{format_bytes(peak):>16}{secs:>11.1f}")
+    for name in ("baseline (xla, whole loss)", "nnxscale (auto)"):
+        print(f"  {name}: 16k / 4k temporaries {temps[name, 16384] / temps[name, 4096]:.2f}x")
+
+    print("gpt2-mini, data=8, global batch 8 x 1024 (run): step time, best of 6")
+    short = TrainConfig.from_flags(model="gpt2-mini", mesh="data=8", batch_size=8, seq_len=1024)
+    with baseline():
+        base = step_seconds(TrainConfig.from_flags(model="gpt2-mini", mesh="data=8", batch_size=8, seq_len=1024,
+                                                   attention="xla"))  # fmt: skip
+    ours = step_seconds(short)
+    print(f"  baseline {base * 1000:.1f} ms, nnxscale {ours * 1000:.1f} ms")
+    print(json.dumps({
+        "temp_16k_over_4k": round(temps["nnxscale (auto)", 16384] / temps["nnxscale (auto)", 4096], 3),
+        "temp_16k_gib": round(temps["nnxscale (auto)", 16384] / GIB, 3),
+        "baseline_temp_16k_over_4k": round(temps["baseline (xla, whole loss)", 16384] / temps["baseline (xla, whole loss)", 4096], 3),
+        "peak_128k_context8_gib": None,
+        "peak_8b_128k_gib": None,
+        "short_seq_step_time_ratio": round(ours / base, 3),
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

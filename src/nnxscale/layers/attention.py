@@ -1,0 +1,329 @@
+"""Attention whose memory is linear in the sequence: one function, several implementations.
+
+:func:`attention` takes queries ``(B, T, N, H)`` and keys and values ``(B, S, K, H)``
+(grouped-query attention when ``K < N``: query head ``n`` reads key/value head
+``n // (N // K)``), as ``jax.nn.dot_product_attention`` does, and returns ``(B, T, N, H)``.
+Masks are given as what they mean, not as a ``(T, S)`` array, so no implementation ever
+needs one:
+
+- ``causal``: a query sees the keys at its own position and before;
+- ``q_positions`` / ``k_positions``: each token's position in the whole sequence (default
+  ``0..T-1``), for a sequence that is split or reordered (ring attention);
+- ``q_segments`` / ``k_segments``: document ids of packed sequences; a query sees only
+  keys of its own document.
+
+Implementations (``impl``):
+
+- ``"xla"``: ``jax.nn.dot_product_attention``, which materializes the ``(T, S)`` scores
+  of every head, and again for their gradient. Fastest for short sequences on CPU.
+- ``"blockwise"``: the flash-attention recurrence in plain JAX. Queries are taken a block at
+  a time; each block walks the key/value blocks with an online softmax (a running maximum
+  and sum), so only a ``(block, block)`` tile of scores exists at once. Its backward
+  (``jax.custom_vjp``) recomputes the tiles from the saved log-sum-exp instead of storing
+  the scores. Tiles that the masks hide entirely are skipped (``lax.cond``): causal
+  attention does about half the work. Works on every backend.
+- ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, NVIDIA's fused
+  kernel; needs an NVIDIA GPU and float16 or bfloat16.
+- ``"auto"``: ``cudnn`` where it applies, else ``xla`` up to :data:`AUTO_BLOCKWISE_FROM`
+  tokens, else ``blockwise``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nnxscale.errors import ConfigError
+
+IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn")
+#: ``auto`` uses the blockwise kernel from this many query tokens on (where cuDNN does not apply).
+AUTO_BLOCKWISE_FROM = 2048
+#: Query and key/value tokens per tile of the blockwise kernel.
+BLOCK = 512
+
+_NEG = -1e30  # "minus infinity" that keeps exp() and max() finite in the masked tiles
+
+
+def check_impl(impl: str) -> str:
+    if impl not in IMPLEMENTATIONS:
+        raise ConfigError(f"--attention {impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    return impl
+
+
+def cudnn_applies(dtype, head_dim: int) -> bool:
+    """Whether ``jax.nn.dot_product_attention(implementation="cudnn")`` can run here."""
+    try:
+        platform = jax.devices()[0].platform
+    except RuntimeError:
+        return False
+    return platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 128 and head_dim % 8 == 0
+
+
+def resolve(impl: str, q_len: int, dtype, head_dim: int) -> str:
+    """The implementation ``impl`` names for queries of ``q_len`` tokens: ``auto`` decided."""
+    check_impl(impl)
+    if impl == "cudnn" and not cudnn_applies(dtype, head_dim):
+        raise ConfigError(
+            f"--attention cudnn needs an NVIDIA GPU and float16 or bfloat16 (head width a multiple of 8, at most 128); "
+            f"here: {jax.devices()[0].platform}, {jnp.dtype(dtype).name}, head width {head_dim}: "
+            "use --attention auto, xla or blockwise"
+        )
+    if impl != "auto":
+        return impl
+    if cudnn_applies(dtype, head_dim):
+        return "cudnn"
+    return "blockwise" if q_len >= AUTO_BLOCKWISE_FROM else "xla"
+
+
+def describe(impl: str, q_len: int, dtype, head_dim: int) -> str:
+    """One line for the start of a run and for ``plan``: the implementation in use, and why."""
+    chosen = resolve(impl, q_len, dtype, head_dim)
+    if impl != "auto":
+        return f"attention: {chosen} (--attention {impl})"
+    if chosen == "cudnn":
+        why = "NVIDIA GPU, " + jnp.dtype(dtype).name
+    else:
+        why = f"{q_len:,} tokens per sequence; blockwise from {AUTO_BLOCKWISE_FROM:,}"
+    return f"attention: {chosen} (auto: {why})"
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    q_positions=None,
+    k_positions=None,
+    q_segments=None,
+    k_segments=None,
+    impl: str = "auto",
+    block: Optional[int] = None,
+):
+    """Scaled dot-product attention of ``q (B, T, N, H)`` over ``k, v (B, S, K, H)``.
+
+    Positions are ``(T,)`` / ``(S,)`` integers (or ``(B, T)`` / ``(B, S)``); segments are
+    ``(B, T)`` / ``(B, S)`` integers. The result has ``q``'s dtype. ``block``: tokens per tile
+    of the blockwise kernel (default :data:`BLOCK`).
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    if N % K:
+        raise ValueError(f"{N} query heads do not share {K} key/value heads evenly")
+    impl = resolve(impl, T, q.dtype, H)
+    if impl == "blockwise":
+        return blockwise_attention(
+            q, k, v, causal=causal, q_positions=q_positions, k_positions=k_positions,
+            q_segments=q_segments, k_segments=k_segments, block=block,
+        )  # fmt: skip
+    plain = q_positions is None and k_positions is None and q_segments is None and k_segments is None
+    if impl == "cudnn":
+        if not plain:
+            raise ConfigError("--attention cudnn takes plain causal attention here (no positions or segments): use blockwise")
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    if plain:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    visible = _visible(_positions(q_positions, T), _positions(k_positions, S), q_segments, k_segments, causal, B)
+    return jax.nn.dot_product_attention(q, k, v, mask=visible[:, None])  # (B, 1, T, S) for every head
+
+
+def _positions(p, n: int):
+    return jnp.arange(n, dtype=jnp.int32) if p is None else jnp.asarray(p, jnp.int32)
+
+
+def _visible(qp, kp, qs, ks, causal: bool, batch: int):
+    """``(B, T, S)`` bool: which keys each query sees."""
+    qp = jnp.broadcast_to(qp, (batch,) + qp.shape[-1:])
+    kp = jnp.broadcast_to(kp, (batch,) + kp.shape[-1:])
+    out = jnp.ones((batch, qp.shape[-1], kp.shape[-1]), bool)
+    if causal:
+        out = out & (qp[:, :, None] >= kp[:, None, :])
+    if qs is not None:
+        out = out & (jnp.asarray(qs)[:, :, None] == jnp.asarray(ks)[:, None, :])
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# the blockwise kernel
+# --------------------------------------------------------------------------------------
+
+
+def blockwise_attention(q, k, v, *, causal=True, q_positions=None, k_positions=None, q_segments=None,
+                        k_segments=None, block: Optional[int] = None):  # fmt: skip
+    """:func:`attention` with ``impl="blockwise"``: scores one ``(block, block)`` tile at a time."""
+    block = block or BLOCK
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    bq, bk = min(block, T), min(block, S)
+    nq, nk = -(-T // bq), -(-S // bk)
+    qp = jnp.broadcast_to(_positions(q_positions, T), (B, T))
+    kp = jnp.broadcast_to(_positions(k_positions, S), (B, S))
+    segmented = q_segments is not None
+    qs = jnp.asarray(q_segments, jnp.int32) if segmented else jnp.zeros((B, T), jnp.int32)
+    ks = jnp.asarray(k_segments, jnp.int32) if segmented else jnp.zeros((B, S), jnp.int32)
+    # Padding to whole blocks: padded keys are never seen (segment -1, which no query has);
+    # padded queries are computed and dropped.
+    qb = _blocks(q, nq * bq).reshape(B, nq, bq, K, N // K, H)
+    kb, vb = (_blocks(x, nk * bk).reshape(B, nk, bk, K, H) for x in (k, v))
+    qpb, kpb = _blocks(qp, nq * bq).reshape(B, nq, bq), _blocks(kp, nk * bk).reshape(B, nk, bk)
+    qsb = _blocks(qs, nq * bq).reshape(B, nq, bq)
+    ksb = _blocks(ks, nk * bk, fill=-1).reshape(B, nk, bk)
+    meta = _Meta(causal=causal, segmented=segmented or nk * bk > S, scale=1.0 / math.sqrt(H))
+    out = _flash(meta, qb, kb, vb, qpb, kpb, qsb, ksb)  # (B, nq, bq, K, G, H)
+    return out.reshape(B, nq * bq, N, H)[:, :T].astype(q.dtype)
+
+
+def _blocks(x, n: int, fill=0):
+    """``x`` padded along axis 1 to ``n``."""
+    if x.shape[1] == n:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, n - x.shape[1])
+    return jnp.pad(x, pad, constant_values=fill)
+
+
+class _Meta(NamedTuple):
+    """What the kernel's masks are (static: one program per combination)."""
+
+    causal: bool
+    segmented: bool  # segments given, or padded keys to hide
+    scale: float
+
+
+def _tile_mask(meta: _Meta, qp, kp, qs, ks):
+    """``(B, bq, bk)`` bool: which keys of a tile each query sees (None: all)."""
+    mask = None
+    if meta.causal:
+        mask = qp[:, :, None] >= kp[:, None, :]
+    if meta.segmented:
+        same = qs[:, :, None] == ks[:, None, :]
+        mask = same if mask is None else mask & same
+    return mask
+
+
+def _tile_needed(meta: _Meta, qp, kp, qs, ks):
+    """Whether any query of the tile sees any of its keys (a scalar, for lax.cond)."""
+    if meta.segmented:
+        return jnp.any(_tile_mask(meta, qp, kp, qs, ks))
+    if meta.causal:
+        return jnp.max(qp) >= jnp.min(kp)
+    return jnp.bool_(True)
+
+
+def _scores(meta: _Meta, q, k, qp, kp, qs, ks):
+    """One tile's masked scores ``(B, K, G, bq, bk)`` in float32."""
+    s = jnp.einsum("bqkgh,bskh->bkgqs", q, k, preferred_element_type=jnp.float32) * meta.scale
+    mask = _tile_mask(meta, qp, kp, qs, ks)
+    if mask is not None:
+        s = jnp.where(mask[:, None, None], s, _NEG)
+    return s
+
+
+def _forward(meta: _Meta, qb, kb, vb, qpb, kpb, qsb, ksb):
+    """``(out (B, nq, bq, K, G, H) float32, lse (B, nq, K, G, bq))``."""
+    B, nq, bq, K, G, H = qb.shape
+    nk = kb.shape[1]
+
+    def one_query_block(args):
+        q, qp, qs = args  # (B, bq, K, G, H), (B, bq), (B, bq)
+
+        def step(j, carry):
+            k, v, kp, ks = kb[:, j], vb[:, j], kpb[:, j], ksb[:, j]
+
+            def visit(carry):
+                m, l, acc = carry
+                s = _scores(meta, q, k, qp, kp, qs, ks)  # (B, K, G, bq, bk)
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                p = jnp.exp(s - m_new[..., None])
+                if meta.causal or meta.segmented:
+                    p = jnp.where(s > _NEG / 2, p, 0.0)  # a row with nothing visible yet adds nothing
+                corr = jnp.exp(m - m_new)
+                l = l * corr + jnp.sum(p, axis=-1)
+                acc = acc * corr[..., None] + jnp.einsum("bkgqs,bskh->bkgqh", p, v.astype(jnp.float32))
+                return m_new, l, acc
+
+            return jax.lax.cond(_tile_needed(meta, qp, kp, qs, ks), visit, lambda c: c, carry)
+
+        init = (
+            jnp.full((B, K, G, bq), _NEG, jnp.float32),
+            jnp.zeros((B, K, G, bq), jnp.float32),
+            jnp.zeros((B, K, G, bq, H), jnp.float32),
+        )
+        m, l, acc = jax.lax.fori_loop(0, nk, step, init)
+        safe = jnp.where(l > 0, l, 1.0)
+        out = acc / safe[..., None]  # (B, K, G, bq, H)
+        lse = jnp.where(l > 0, m + jnp.log(safe), jnp.inf)  # inf: p = exp(s - lse) = 0 in the backward
+        return jnp.moveaxis(out, 3, 1), lse  # (B, bq, K, G, H), (B, K, G, bq)
+
+    xs = (jnp.moveaxis(qb, 1, 0), jnp.moveaxis(qpb, 1, 0), jnp.moveaxis(qsb, 1, 0))
+    out, lse = jax.lax.map(one_query_block, xs)  # leading nq
+    return jnp.moveaxis(out, 0, 1), jnp.moveaxis(lse, 0, 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(meta, qb, kb, vb, qpb, kpb, qsb, ksb):
+    return _forward(meta, qb, kb, vb, qpb, kpb, qsb, ksb)[0]
+
+
+def _flash_fwd(meta, qb, kb, vb, qpb, kpb, qsb, ksb):
+    out, lse = _forward(meta, qb, kb, vb, qpb, kpb, qsb, ksb)
+    return out, (qb, kb, vb, qpb, kpb, qsb, ksb, out, lse)
+
+
+def _flash_bwd(meta, res, d_out):
+    qb, kb, vb, qpb, kpb, qsb, ksb, out, lse = res
+    B, nq, bq, K, G, H = qb.shape
+    nk = kb.shape[1]
+    d_out = d_out.astype(jnp.float32)
+    delta = jnp.einsum("bnqkgh,bnqkgh->bnkgq", d_out, out)  # rowsum(dO * O): (B, nq, K, G, bq)
+
+    def one_key_block(carry, xs):
+        dq = carry  # (B, nq, bq, K, G, H) float32
+        k, v, kp, ks = xs  # (B, bk, K, H), ..., (B, bk), (B, bk)
+        k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+
+        def step(i, inner):
+            dq, dk, dv = inner
+            q, qp, qs = qb[:, i], qpb[:, i], qsb[:, i]
+
+            def visit(inner):
+                dq, dk, dv = inner
+                s = _scores(meta, q, k, qp, kp, qs, ks)  # (B, K, G, bq, bk)
+                p = jnp.exp(s - lse[:, i][..., None])
+                if meta.causal or meta.segmented:
+                    p = jnp.where(s > _NEG / 2, p, 0.0)
+                do = d_out[:, i]  # (B, bq, K, G, H)
+                dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p, do)
+                dp = jnp.einsum("bqkgh,bskh->bkgqs", do, v32)
+                ds = p * (dp - delta[:, i][..., None]) * meta.scale
+                dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, q.astype(jnp.float32))
+                dq_i = jnp.einsum("bkgqs,bskh->bqkgh", ds, k32)
+                dq = jax.lax.dynamic_update_index_in_dim(dq, dq[:, i] + dq_i, i, axis=1)
+                return dq, dk, dv
+
+            return jax.lax.cond(_tile_needed(meta, qp, kp, qs, ks), visit, lambda c: c, inner)
+
+        zeros = jnp.zeros(k.shape, jnp.float32)
+        dq, dk, dv = jax.lax.fori_loop(0, nq, step, (dq, zeros, zeros))
+        return dq, (dk, dv)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (kb, vb, kpb, ksb))
+    dq, (dk, dv) = jax.lax.scan(one_key_block, jnp.zeros(qb.shape, jnp.float32), xs)
+    dk, dv = jnp.moveaxis(dk, 0, 1), jnp.moveaxis(dv, 0, 1)
+    none = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731  integer inputs: no gradient
+    return (dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), none(qpb), none(kpb), none(qsb), none(ksb))
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def scores_bytes(batch: int, q_len: int, k_len: int, heads: int, impl: str, itemsize: int = 4, block: int = BLOCK) -> int:
+    """Bytes of attention scores one layer holds at once per device (for the planner)."""
+    if impl == "blockwise":
+        return batch * heads * min(block, q_len) * min(block, k_len) * 4
+    return batch * heads * q_len * k_len * itemsize

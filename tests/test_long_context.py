@@ -1,0 +1,204 @@
+"""Long sequences. Attention: the blockwise kernel equals ``jax.nn.dot_product_attention``
+(outputs and gradients, float32, 1e-5) for odd lengths, lengths that are not a multiple of
+the block, grouped-query attention, document masks and reordered positions; its memory
+grows linearly with the sequence; bad choices are one clear error. The loss: in chunks of
+tokens, equal to the plain one, with the logits never held whole."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nnxscale.errors import ConfigError
+from nnxscale.layers import attention as attn
+from nnxscale.layers import loss as losslib
+
+
+def reference(q, k, v, causal=True, q_positions=None, k_positions=None, q_segments=None, k_segments=None):
+    """``jax.nn.dot_product_attention`` with the mask written out as a (B, 1, T, S) array."""
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    qp = np.arange(T) if q_positions is None else np.asarray(q_positions)
+    kp = np.arange(S) if k_positions is None else np.asarray(k_positions)
+    mask = np.ones((B, T, S), bool)
+    if causal:
+        mask &= qp[None, :, None] >= kp[None, None, :]
+    if q_segments is not None:
+        mask &= np.asarray(q_segments)[:, :, None] == np.asarray(k_segments)[:, None, :]
+    return jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(mask)[:, None])
+
+
+def inputs(B, T, S, N, K, H, seed=0):
+    r = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(r.standard_normal(shape), jnp.float32) for shape in ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
+    ct = jnp.asarray(r.standard_normal((B, T, N, H)), jnp.float32)
+    return q, k, v, ct
+
+
+def value_and_grads(f, q, k, v, ct):
+    """``f``'s output and its input gradients for the cotangent ``ct``: one compiled program."""
+
+    @jax.jit
+    def both(q, k, v, ct):
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(ct)
+
+    return both(q, k, v, ct)
+
+
+def assert_close(got, want, what):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        scale = float(jnp.max(jnp.abs(w)))
+        np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, rtol=0, atol=1e-5, err_msg=what)
+
+
+def documents(B, T, lengths_per_row):
+    """Segment ids of packed rows: row b holds documents of the given lengths (the rest padding-like)."""
+    seg = np.zeros((B, T), np.int32)
+    for b, lengths in enumerate(lengths_per_row):
+        start = 0
+        for i, n in enumerate(lengths):
+            seg[b, start : start + n] = i
+            start += n
+        seg[b, start:] = len(lengths)
+    return seg
+
+
+CASES = {
+    # name: (B, T, S, N, K, H, block, causal)
+    "odd length, one block": (2, 13, 13, 2, 2, 8, 16, True),
+    "not a multiple of the block": (2, 37, 37, 4, 4, 8, 16, True),
+    "grouped-query": (1, 64, 64, 8, 2, 16, 16, True),
+    "not causal, longer keys": (2, 20, 33, 4, 2, 8, 8, False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_blockwise_equals_dot_product_attention(case):
+    B, T, S, N, K, H, block, causal = CASES[case]
+    q, k, v, ct = inputs(B, T, S, N, K, H)
+    want = value_and_grads(lambda q, k, v: reference(q, k, v, causal), q, k, v, ct)
+    got = value_and_grads(lambda q, k, v: attn.attention(q, k, v, causal=causal, impl="blockwise", block=block), q, k, v, ct)
+    assert_close(got, want, case)
+    if causal and T == S:  # the plain path, as the models call it
+        assert_close(value_and_grads(lambda q, k, v: attn.attention(q, k, v, impl="xla"), q, k, v, ct), want, case)
+
+
+def test_document_masks_and_reordered_positions():
+    """Packed documents (segment ids) and a sequence stored out of order (the zigzag layout of
+    ring attention): the same as the reference's written-out mask, in both implementations."""
+    B, T, N, K, H = 2, 48, 4, 2, 8
+    q, k, v, ct = inputs(B, T, T, N, K, H, seed=1)
+    seg = documents(B, T, [(5, 30, 13), (48,)])
+    order = np.concatenate([np.arange(0, 12), np.arange(36, 48), np.arange(12, 24), np.arange(24, 36)])  # head-tail
+    for positions in (None, order):
+        kw = dict(q_segments=seg, k_segments=seg)
+        if positions is not None:
+            kw.update(q_positions=positions, k_positions=positions)
+            kw.update(q_segments=seg[:, positions], k_segments=seg[:, positions])
+        want = value_and_grads(lambda q, k, v: reference(q, k, v, True, **kw), q, k, v, ct)  # noqa: B023
+        for impl in ("blockwise", "xla"):
+            f = lambda q, k, v: attn.attention(q, k, v, impl=impl, block=16, **kw)  # noqa: B023, E731
+            assert_close(value_and_grads(f, q, k, v, ct), want, f"{impl}, positions {positions is not None}")
+
+
+def test_a_row_of_documents_attends_like_each_document_alone():
+    B, N, H = 1, 2, 8
+    q, k, v, ct = inputs(B, 40, 40, N, N, H, seed=2)
+    seg = documents(B, 40, [(17, 23)])
+    packed = attn.attention(q, k, v, q_segments=seg, k_segments=seg, impl="blockwise", block=8)
+    for start, stop in ((0, 17), (17, 40)):
+        alone = attn.attention(q[:, start:stop], k[:, start:stop], v[:, start:stop], impl="blockwise", block=8)
+        np.testing.assert_allclose(packed[:, start:stop], alone, rtol=1e-5, atol=1e-6)
+
+
+def _temp_bytes(impl: str, T: int) -> int:
+    q = jax.ShapeDtypeStruct((1, T, 2, 16), jnp.float32)
+
+    def loss(q, k, v):
+        return jnp.sum(attn.attention(q, k, v, impl=impl, block=256) ** 2)
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_blockwise_memory_grows_linearly_with_the_sequence():
+    """Compiled, nothing run: 4x the tokens costs the blockwise backward about 4x the
+    temporaries, and the full scores about 16x."""
+    blockwise = _temp_bytes("blockwise", 4096) / _temp_bytes("blockwise", 1024)
+    xla = _temp_bytes("xla", 4096) / _temp_bytes("xla", 1024)
+    assert blockwise <= 4.5, blockwise
+    assert xla >= 10, xla
+
+
+def test_auto_and_bad_choices():
+    assert attn.resolve("auto", 1024, jnp.float32, 64) == "xla"
+    assert attn.resolve("auto", 4096, jnp.float32, 64) == "blockwise"
+    with pytest.raises(ConfigError, match="--attention 'flash' is not one of auto, xla, blockwise, cudnn"):
+        attn.resolve("flash", 1024, jnp.float32, 64)
+    with pytest.raises(ConfigError, match="--attention cudnn needs an NVIDIA GPU.*here: cpu, float32"):
+        attn.resolve("cudnn", 1024, jnp.float32, 64)
+
+
+def test_llama_gives_the_same_loss_and_gradients_with_blockwise_attention_and_a_chunked_loss(monkeypatch):
+    """``--attention blockwise`` and the family's chunked loss in Llama (grouped-query, RoPE),
+    several tiles and chunks per sequence, against XLA's attention and the plain loss."""
+    import dataclasses
+
+    from flax import nnx
+
+    from nnxscale.models import FAMILIES, next_token_loss
+
+    monkeypatch.setattr(attn, "BLOCK", 8)
+    monkeypatch.setattr(losslib, "CHUNK_BYTES", 2 * 28 * 256 * 4 // 4)  # 4 chunks of 7 tokens
+    fam = FAMILIES["llama"]
+    config = dataclasses.replace(fam.presets["llama-tiny"], num_key_value_heads=2)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 29)), jnp.int32)
+
+    def loss_and_grads(impl, loss):
+        model = fam.build(dataclasses.replace(config, attention=impl), rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+        f = lambda state: loss(nnx.merge(graphdef, state), tokens[:, :-1], tokens[:, 1:])  # noqa: E731
+        return jax.jit(jax.value_and_grad(f))(state)
+
+    assert losslib.chunk_count(2, 28, 256) == 4
+    assert_close(loss_and_grads("blockwise", fam.loss), loss_and_grads("xla", next_token_loss), "llama")
+
+
+def test_the_chunked_loss_equals_the_plain_one_and_never_holds_all_logits():
+    B, T, C, V = 2, 12, 8, 50
+    r = np.random.default_rng(3)
+    hidden = jnp.asarray(r.standard_normal((B, T, C)), jnp.float32)
+    head = jnp.asarray(r.standard_normal((C, V)), jnp.float32)
+    targets = jnp.asarray(r.integers(0, V, (B, T)), jnp.int32)
+    weights = jnp.asarray(r.integers(0, 2, (B, T)), jnp.float32).at[:, 0].set(1)
+
+    def plain(hidden, head, weights):
+        losses = optax_ce(hidden @ head, targets)
+        return jnp.sum(losses * weights) / jnp.sum(weights)
+
+    for chunks in (1, 3, 4):
+        chunked = lambda hidden, head, weights: losslib.chunked_cross_entropy(  # noqa: E731
+            hidden, targets, lambda x: x @ head, weights=weights, chunks=chunks  # noqa: B023
+        )
+        got = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1)))(hidden, head, weights)
+        want = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(hidden, head, weights)
+        assert_close(got, want, f"{chunks} chunks")
+
+    # Compiled, nothing run: with 8 chunks of 4,096 tokens x 8,192 words, the backward holds a
+    # chunk's logits and their gradient at a time (two eighths, and a little), not all of them.
+    def temp(chunks):
+        h = jax.ShapeDtypeStruct((1, 4096, 64), jnp.float32)
+        w = jax.ShapeDtypeStruct((64, 8192), jnp.float32)
+        t = jnp.zeros((1, 4096), jnp.int32)
+        f = lambda h, w: losslib.chunked_cross_entropy(h, t, lambda x: x @ w, chunks=chunks)  # noqa: E731
+        return jax.jit(jax.grad(f, argnums=(0, 1))).lower(h, w).compile().memory_analysis().temp_size_in_bytes
+
+    logits = 4096 * 8192 * 4
+    assert temp(1) >= logits
+    assert temp(8) <= 3 * logits / 8, (temp(8), logits)
+
+
+def optax_ce(logits, targets):
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
