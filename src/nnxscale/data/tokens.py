@@ -437,16 +437,18 @@ def batch_rows(sharding: jax.sharding.Sharding, global_batch_size: int) -> np.nd
 
     Raises :class:`DataError` when ``B`` does not split over the sharding's batch axes.
     """
-    shape = (global_batch_size,) + (1,) * max(len(getattr(sharding, "spec", ())) - 1, 0)
+    spec = getattr(sharding, "spec", ())
+    rows_only = _rows_only(sharding)
+    shape = (global_batch_size,)
     try:
-        sharding.shard_shape(shape)
+        rows_only.shard_shape(shape)
     except ValueError as e:
         raise DataError(
-            f"a global batch of {global_batch_size} rows does not split over {sharding.spec} on mesh "
+            f"a global batch of {global_batch_size} rows does not split over {spec} on mesh "
             f"{dict(sharding.mesh.shape)}: make the global batch a multiple of the batch-sharded mesh axes ({e})"
         ) from None
     rows: set[int] = set()
-    for index in sharding.addressable_devices_indices_map(shape).values():
+    for index in rows_only.addressable_devices_indices_map(shape).values():
         rows.update(range(*index[0].indices(global_batch_size)))
     return np.array(sorted(rows), dtype=np.int64)
 
@@ -479,8 +481,17 @@ def to_global(local_batch: dict[str, np.ndarray], sharding: jax.sharding.NamedSh
     return out
 
 
+def _rows_only(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """``sharding`` of the rows alone: a ``(B,)`` array split as the batch's first dimension
+    (a ``context`` axis that splits the length does not change who holds which rows)."""
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return sharding
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(spec[0] if len(spec) else None))
+
+
 def _global_batch_size(local_rows: int, sharding: jax.sharding.Sharding) -> int:
     """``B`` such that this process holds ``local_rows`` of it under ``sharding``."""
-    shards = sharding.mesh.size // sharding.shard_shape((sharding.mesh.size,) + (1,) * max(len(sharding.spec) - 1, 0))[0]
+    shards = sharding.mesh.size // _rows_only(sharding).shard_shape((sharding.mesh.size,))[0]
     held = len(batch_rows(sharding, shards))  # with one row per shard: the shards held here
     return local_rows * shards // held

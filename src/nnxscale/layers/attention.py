@@ -80,8 +80,12 @@ def resolve(impl: str, q_len: int, dtype, head_dim: int) -> str:
     return "blockwise" if q_len >= AUTO_BLOCKWISE_FROM else "xla"
 
 
-def describe(impl: str, q_len: int, dtype, head_dim: int) -> str:
-    """One line for the start of a run and for ``plan``: the implementation in use, and why."""
+def describe(impl: str, q_len: int, dtype, head_dim: int, context: int = 1) -> str:
+    """One line for the start of a run and for ``plan``: the implementation in use, and why.
+    ``context``: how many ways the sequence is split (then attention is a ring)."""
+    if context > 1:
+        return (f"attention: ring over {context} devices (the context axis), {q_len // context:,} tokens each, "
+                f"blockwise tiles of {min(BLOCK, q_len // context)}")  # fmt: skip
     chosen = resolve(impl, q_len, dtype, head_dim)
     if impl != "auto":
         return f"attention: {chosen} (--attention {impl})"
@@ -116,6 +120,13 @@ def attention(
     if N % K:
         raise ValueError(f"{N} query heads do not share {K} key/value heads evenly")
     impl = resolve(impl, T, q.dtype, H)
+    ring = _ring_axis()
+    if ring is not None:  # the sequence is split: a ring, whatever the implementation asked for
+        axis, mesh = ring
+        return ring_attention(
+            q, k, v, axis=axis, mesh=mesh, causal=causal, q_positions=q_positions, k_positions=k_positions,
+            q_segments=q_segments, k_segments=k_segments, block=block,
+        )  # fmt: skip
     if impl == "blockwise":
         return blockwise_attention(
             q, k, v, causal=causal, q_positions=q_positions, k_positions=k_positions,
@@ -130,6 +141,21 @@ def attention(
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
     visible = _visible(_positions(q_positions, T), _positions(k_positions, S), q_segments, k_segments, causal, B)
     return jax.nn.dot_product_attention(q, k, v, mask=visible[:, None])  # (B, 1, T, S) for every head
+
+
+def _ring_axis():
+    """``(axis, mesh)`` when the activation rules in force split the sequence, else None."""
+    from jax.sharding import Mesh
+
+    from nnxscale.sharding.activations import current_rules
+
+    rules = current_rules()
+    if rules is None or getattr(rules, "length_shard_count", 1) <= 1:
+        return None
+    if len(rules.length_axes) != 1:
+        raise ConfigError(f"the sequence is split over {rules.length_axes}: ring attention takes one mesh axis")
+    mesh = rules.mesh if isinstance(rules.mesh, Mesh) else jax.sharding.get_abstract_mesh()
+    return rules.length_axes[0], mesh
 
 
 def _positions(p, n: int):
@@ -257,7 +283,7 @@ def _forward(meta: _Meta, qb, kb, vb, qpb, kpb, qsb, ksb):
         m, l, acc = jax.lax.fori_loop(0, nk, step, init)
         safe = jnp.where(l > 0, l, 1.0)
         out = acc / safe[..., None]  # (B, K, G, bq, H)
-        lse = jnp.where(l > 0, m + jnp.log(safe), jnp.inf)  # inf: p = exp(s - lse) = 0 in the backward
+        lse = jnp.where(l > 0, m + jnp.log(safe), -jnp.inf)  # -inf: nothing visible (the row's p are all 0)
         return jnp.moveaxis(out, 3, 1), lse  # (B, bq, K, G, H), (B, K, G, bq)
 
     xs = (jnp.moveaxis(qb, 1, 0), jnp.moveaxis(qpb, 1, 0), jnp.moveaxis(qsb, 1, 0))
@@ -275,12 +301,13 @@ def _flash_fwd(meta, qb, kb, vb, qpb, kpb, qsb, ksb):
     return out, (qb, kb, vb, qpb, kpb, qsb, ksb, out, lse)
 
 
-def _flash_bwd(meta, res, d_out):
-    qb, kb, vb, qpb, kpb, qsb, ksb, out, lse = res
-    B, nq, bq, K, G, H = qb.shape
-    nk = kb.shape[1]
+def _backward(meta: _Meta, qb, kb, vb, qpb, kpb, qsb, ksb, out, lse, d_out):
+    """``(dq, dk, dv)`` float32 of one query set against one key/value set, given the
+    attention's final ``out`` and ``lse`` (for a ring, those over every key: then each
+    set's ``p = exp(s - lse)`` is exactly its share of the softmax)."""
     d_out = d_out.astype(jnp.float32)
     delta = jnp.einsum("bnqkgh,bnqkgh->bnkgq", d_out, out)  # rowsum(dO * O): (B, nq, K, G, bq)
+    nq = qb.shape[1]
 
     def one_key_block(carry, xs):
         dq = carry  # (B, nq, bq, K, G, H) float32
@@ -288,15 +315,12 @@ def _flash_bwd(meta, res, d_out):
         k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
 
         def step(i, inner):
-            dq, dk, dv = inner
             q, qp, qs = qb[:, i], qpb[:, i], qsb[:, i]
 
             def visit(inner):
                 dq, dk, dv = inner
                 s = _scores(meta, q, k, qp, kp, qs, ks)  # (B, K, G, bq, bk)
-                p = jnp.exp(s - lse[:, i][..., None])
-                if meta.causal or meta.segmented:
-                    p = jnp.where(s > _NEG / 2, p, 0.0)
+                p = jnp.where(s > _NEG / 2, jnp.exp(s - lse[:, i][..., None]), 0.0)
                 do = d_out[:, i]  # (B, bq, K, G, H)
                 dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p, do)
                 dp = jnp.einsum("bqkgh,bskh->bkgqs", do, v32)
@@ -314,12 +338,131 @@ def _flash_bwd(meta, res, d_out):
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (kb, vb, kpb, ksb))
     dq, (dk, dv) = jax.lax.scan(one_key_block, jnp.zeros(qb.shape, jnp.float32), xs)
-    dk, dv = jnp.moveaxis(dk, 0, 1), jnp.moveaxis(dv, 0, 1)
-    none = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731  integer inputs: no gradient
-    return (dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), none(qpb), none(kpb), none(qsb), none(ksb))
+    return dq, jnp.moveaxis(dk, 0, 1), jnp.moveaxis(dv, 0, 1)
+
+
+def _no_grad(x):
+    return np.zeros(x.shape, jax.dtypes.float0)  # integer inputs (positions, segments) have no gradient
+
+
+def _flash_bwd(meta, res, d_out):
+    qb, kb, vb, qpb, kpb, qsb, ksb, out, lse = res
+    dq, dk, dv = _backward(meta, qb, kb, vb, qpb, kpb, qsb, ksb, out, lse, d_out)
+    ints = tuple(_no_grad(x) for x in (qpb, kpb, qsb, ksb))
+    return (dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), *ints)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# --------------------------------------------------------------------------------------
+# ring attention: the sequence split over a mesh axis
+# --------------------------------------------------------------------------------------
+
+
+def _shift(tree, axis: str, n: int):
+    """Every device's ``tree`` to the next device along ``axis`` (the last to the first)."""
+    return jax.lax.ppermute(tree, axis, [(i, (i + 1) % n) for i in range(n)])
+
+
+def _merge(out, lse, o, l):
+    """Two partial attentions of the same queries over disjoint keys, as one (online softmax)."""
+    new = jnp.logaddexp(lse, l)
+    finite = jnp.isfinite(new)
+    wa = jnp.where(finite, jnp.exp(lse - new), 0.0)
+    wb = jnp.where(finite, jnp.exp(l - new), 0.0)
+    to_out = lambda w: jnp.moveaxis(w, -1, 2)[..., None]  # noqa: E731  (B, nq, K, G, bq) -> (B, nq, bq, K, G, 1)
+    return out * to_out(wa) + o * to_out(wb), new
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ring(meta, axis, n, qb, kb, vb, qpb, kpb, qsb, ksb):
+    return _ring_fwd(meta, axis, n, qb, kb, vb, qpb, kpb, qsb, ksb)[0]
+
+
+def _ring_fwd(meta, axis, n, qb, kb, vb, qpb, kpb, qsb, ksb):
+    """Each device keeps its queries; the key/value blocks go round the ring (n - 1 shifts),
+    and each visit's partial attention joins the running one by its log-sum-exp."""
+    kv = (kb, vb, kpb, ksb)
+    out, lse = _forward(meta, qb, kb, vb, qpb, kpb, qsb, ksb)
+    for _ in range(n - 1):
+        kv = _shift(kv, axis, n)
+        o, l = _forward(meta, qb, kv[0], kv[1], qpb, kv[2], qsb, kv[3])
+        out, lse = _merge(out, lse, o, l)
+    return out, (qb, kb, vb, qpb, kpb, qsb, ksb, out, lse)
+
+
+def _ring_bwd(meta, axis, n, res, d_out):
+    """The blocks go round again; each one's key/value gradient travels with it and is home
+    after the n-th shift."""
+    qb, kb, vb, qpb, kpb, qsb, ksb, out, lse = res
+    kv = (kb, vb, kpb, ksb)
+    dq = jnp.zeros(qb.shape, jnp.float32)
+    dkv = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
+    for i in range(n):
+        dq_i, dk_i, dv_i = _backward(meta, qb, kv[0], kv[1], qpb, kv[2], qsb, kv[3], out, lse, d_out)
+        dq = dq + dq_i
+        dkv = (dkv[0] + dk_i, dkv[1] + dv_i)
+        if i < n - 1:
+            kv = _shift(kv, axis, n)
+        dkv = _shift(dkv, axis, n)
+    ints = tuple(_no_grad(x) for x in (qpb, kpb, qsb, ksb))
+    return (dq.astype(qb.dtype), dkv[0].astype(kb.dtype), dkv[1].astype(vb.dtype), *ints)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention(q, k, v, *, axis: str, mesh, causal=True, q_positions=None, k_positions=None, q_segments=None,
+                   k_segments=None, block: Optional[int] = None):  # fmt: skip
+    """:func:`attention` with the sequence split over the mesh axis ``axis`` (length ``T``:
+    each device holds ``T / n`` of the queries, keys and values).
+
+    ``jax.shard_map`` over ``axis`` alone (the other axes stay with the compiler): each device
+    keeps its queries and passes its key/value block to the next with ``ppermute``, ``n``
+    visits in all, so no device ever holds more than two blocks of keys and values. Give the
+    tokens' ``positions`` when the sequence is stored out of order (a zigzag layout, which
+    gives every device the same share of causal work); tiles the masks hide are skipped.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    block = block or BLOCK
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    n = mesh.shape[axis]
+    if T % n or S % n:
+        raise ValueError(f"the mesh axis {axis}={n} does not divide the sequence of {T} tokens")
+    qp = jnp.broadcast_to(_positions(q_positions, T), (B, T))
+    kp = jnp.broadcast_to(_positions(k_positions, S), (B, S))
+    segmented = q_segments is not None
+    qs = jnp.asarray(q_segments, jnp.int32) if segmented else jnp.zeros((B, T), jnp.int32)
+    ks = jnp.asarray(k_segments, jnp.int32) if segmented else jnp.zeros((B, S), jnp.int32)
+    Tl, Sl = T // n, S // n
+    bq, bk = min(block, Tl), min(block, Sl)
+    nq, nk = -(-Tl // bq), -(-Sl // bk)
+    meta = _Meta(causal=causal, segmented=segmented or nk * bk > Sl, scale=1.0 / math.sqrt(H))
+
+    def local(q, k, v, qp, kp, qs, ks):
+        qb = _blocks(q, nq * bq).reshape(B, nq, bq, K, N // K, H)
+        kb, vb = (_blocks(x, nk * bk).reshape(B, nk, bk, K, H) for x in (k, v))
+        qpb, kpb = _blocks(qp, nq * bq).reshape(B, nq, bq), _blocks(kp, nk * bk).reshape(B, nk, bk)
+        qsb, ksb = _blocks(qs, nq * bq).reshape(B, nq, bq), _blocks(ks, nk * bk, fill=-1).reshape(B, nk, bk)
+        out = _ring(meta, axis, n, qb, kb, vb, qpb, kpb, qsb, ksb)
+        return out.reshape(B, nq * bq, N, H)[:, :Tl].astype(q.dtype)
+
+    tokens = P(None, axis)
+    return jax.shard_map(local, mesh=mesh, in_specs=(tokens,) * 7, out_specs=tokens, axis_names=frozenset({axis}),
+                         check_vma=False)(q, k, v, qp, kp, qs, ks)  # fmt: skip
+
+
+def zigzag(length: int, n: int) -> np.ndarray:
+    """The head-tail order of ``length`` positions over ``n`` devices: the sequence cut into
+    ``2n`` chunks, device ``i`` holding chunks ``i`` and ``2n - 1 - i``, so under a causal
+    mask every device has the same work. ``x[:, zigzag(T, n)]`` lays a sequence out so."""
+    if length % (2 * n):
+        return np.arange(length)  # too short to balance: in order (correct, less even)
+    chunks = np.arange(length).reshape(2 * n, length // (2 * n))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
 
 
 def scores_bytes(batch: int, q_len: int, k_len: int, heads: int, impl: str, itemsize: int = 4, block: int = BLOCK) -> int:

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from nnxscale.sharding.activations import current_rules
@@ -44,6 +45,19 @@ def _token_shards() -> int:
     if rules is None:
         return 1
     return rules.batch_shard_count * getattr(rules, "length_shard_count", 1)
+
+
+def context_order(length: int):
+    """The zigzag order of a sequence of ``length`` tokens when the rules in force split it
+    over a ``context`` axis (:func:`nnxscale.layers.attention.zigzag`); None otherwise."""
+    rules = current_rules()
+    n = getattr(rules, "length_shard_count", 1) if rules is not None else 1
+    if n <= 1:
+        return None
+    from nnxscale.layers.attention import zigzag
+
+    order = zigzag(length, n)
+    return None if (order == np.arange(length)).all() else order
 
 
 def chunked_cross_entropy(

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from nnxscale.errors import ModelError
-from nnxscale.layers.loss import chunked_cross_entropy
+from nnxscale.layers.loss import chunked_cross_entropy, context_order
 from nnxscale.models import gpt2, llama
 
 
@@ -54,9 +54,17 @@ def chunked_next_token_loss(model, inputs, targets, *, rngs=None):
 
     The model's ``hidden_states`` go through its ``logits`` head a chunk of tokens at a
     time (:func:`nnxscale.layers.loss.chunked_cross_entropy`); the value and gradients are
-    those of :func:`next_token_loss`.
+    those of :func:`next_token_loss`. With the sequence split over a ``context`` axis, the
+    tokens are laid out in :func:`nnxscale.layers.attention.zigzag` order first.
     """
-    return chunked_cross_entropy(model.hidden_states(inputs, rngs=rngs), targets, model.logits)
+    order = context_order(inputs.shape[1])
+    if order is None:
+        return chunked_cross_entropy(model.hidden_states(inputs, rngs=rngs), targets, model.logits)
+    # The sequence is split over a context axis: lay it out head-tail (every device the same
+    # causal work), tell the model where each token is; the loss is a sum, in any order.
+    inputs, targets = inputs[:, order], targets[:, order]
+    hidden = model.hidden_states(inputs, rngs=rngs, positions=jnp.asarray(order, jnp.int32))
+    return chunked_cross_entropy(hidden, targets, model.logits)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -265,7 +265,7 @@ def plan(
         num_params=lay["num_params"], full_param_bytes=lay["full_param_bytes"], param_bytes=lay["param_bytes"],
         optimizer_bytes=lay["optimizer_bytes"], gradient_bytes=lay["gradient_bytes"], batch_bytes=lay["batch_bytes"],
         textbook=textbook_collectives(cfg, lay), device_memory=device_memory, layout=lay,
-        **attention_figures(cfg, lay["model"]),
+        **attention_figures(cfg, lay["model"], lay["rules"]),
     )  # fmt: skip
     family = lay["model"].family.name
     calibration = [] if family == ESTIMATE_FAMILY else [
@@ -600,16 +600,16 @@ def estimate(cfg: TrainConfig, lay: Optional[dict] = None) -> dict[str, Any]:
     }
 
 
-def attention_figures(cfg: TrainConfig, model) -> dict[str, Optional[str]]:
+def attention_figures(cfg: TrainConfig, model, rules) -> dict[str, Optional[str]]:
     """The attention implementation a family's model uses at ``cfg``'s length, and its line."""
     if not getattr(model.config, "attention", None):  # your own module picks its own
         return {"attention": None, "attention_line": None}
     from nnxscale.layers import attention
 
-    c, head = model.config, model.dims.head_width
+    c, head, context = model.config, model.dims.head_width, rules.length_shard_count
     return {
-        "attention": attention.resolve(c.attention, cfg.data.seq_len, c.dtype, head),
-        "attention_line": attention.describe(c.attention, cfg.data.seq_len, c.dtype, head),
+        "attention": "ring" if context > 1 else attention.resolve(c.attention, cfg.data.seq_len, c.dtype, head),
+        "attention_line": attention.describe(c.attention, cfg.data.seq_len, c.dtype, head, context),
     }
 
 

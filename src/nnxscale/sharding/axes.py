@@ -5,7 +5,9 @@ A mesh may name any axes; these are the ones presets, the trainer and the planne
 - ``DATA`` and ``BATCH`` split the batch (pure data parallelism);
 - ``FSDP`` splits the batch and the parameters, gathered per layer when used;
 - ``MODEL`` and ``TENSOR`` split matrices within a layer (tensor parallelism);
-- ``STAGE`` holds pipeline stages (:mod:`nnxscale.layers.pipeline`).
+- ``STAGE`` holds pipeline stages (:mod:`nnxscale.layers.pipeline`);
+- ``CONTEXT`` splits the sequence (``length``) of activations, and the parameters like
+  FSDP (ring attention: :mod:`nnxscale.layers.attention`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ FSDP = "fsdp"
 MODEL = "model"
 TENSOR = "tensor"
 STAGE = "stage"
+CONTEXT = "context"
 
 #: Axes that split the batch (every data-like axis).
 BATCH_AXES = (DATA, BATCH, FSDP)

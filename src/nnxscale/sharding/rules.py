@@ -54,7 +54,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import RulesError
-from nnxscale.sharding.axes import BATCH_AXES, STAGE, entry_axes
+from nnxscale.sharding.axes import BATCH_AXES, CONTEXT, STAGE, entry_axes
 from nnxscale.sharding.layout import itemsize
 from nnxscale.sharding.mesh import TENSOR_PARALLEL_AXES, mesh_axis_sizes
 
@@ -83,8 +83,11 @@ _TENSOR: Table = (
     ("kv_heads", _TENSOR_AXES),  # grouped-query K/V heads: split with their query heads, or replicated if too few
     ("vocab", _TENSOR_AXES),  # embedding / output head split by vocabulary
 )
-_FSDP_PARAMS: Table = (("embed", "fsdp"),)  # ZeRO-3: parameters split along their embedding
+# ZeRO-3: parameters split along their embedding, over fsdp and over the context axis (whose
+# devices hold different tokens of the same rows: as MaxText, they share the weights' memory too)
+_FSDP_PARAMS: Table = (("embed", ("fsdp", CONTEXT)),)
 _STAGES: Table = (("layers", STAGE),)  # pipeline stages: each holds its own stacked layers
+_CONTEXT: Table = (("length", CONTEXT),)  # context parallelism: activations split along the sequence
 
 
 def _norm_axes(v) -> AxisNames:
@@ -130,19 +133,21 @@ def _preset(params: Table, activations: Table) -> AxisRules:
 #: ``model``/``tensor`` split heads, MLP and vocabulary for parameters and activations).
 #: Each preset names every logical axis in :data:`LOGICAL_NAMES` in both tables; those it
 #: does not shard are replicated explicitly. On a mesh with a ``stage`` axis every preset
-#: splits stacked layers (``layers``) over it, so each pipeline stage holds only its own.
+#: splits stacked layers (``layers``) over it, so each pipeline stage holds only its own; on
+#: one with a ``context`` axis every preset splits the activations' ``length`` over it (the
+#: FSDP presets also split the parameters over it).
 PRESETS: dict[str, AxisRules] = {
-    "auto": _preset(_BATCH + _TENSOR + _FSDP_PARAMS + _STAGES, _BATCH + _TENSOR),
-    "dp": _preset(_BATCH + _STAGES, _BATCH),
-    "fsdp": _preset(_BATCH + _FSDP_PARAMS + _STAGES, _BATCH),
-    "tp": _preset(_BATCH + _TENSOR + _STAGES, _BATCH + _TENSOR),
-    "fsdp_tp": _preset(_BATCH + _TENSOR + _FSDP_PARAMS + _STAGES, _BATCH + _TENSOR),
+    "auto": _preset(_BATCH + _TENSOR + _FSDP_PARAMS + _STAGES, _BATCH + _CONTEXT + _TENSOR),
+    "dp": _preset(_BATCH + _STAGES, _BATCH + _CONTEXT),
+    "fsdp": _preset(_BATCH + _FSDP_PARAMS + _STAGES, _BATCH + _CONTEXT),
+    "tp": _preset(_BATCH + _TENSOR + _STAGES, _BATCH + _CONTEXT + _TENSOR),
+    "fsdp_tp": _preset(_BATCH + _TENSOR + _FSDP_PARAMS + _STAGES, _BATCH + _CONTEXT + _TENSOR),
 }
 
 PRESET_HELP = {
-    "auto": "follow the mesh axis names (default): data/batch split the batch, fsdp splits parameters and batch, model/tensor split heads, MLP and vocabulary",
+    "auto": "follow the mesh axis names (default): data/batch split the batch, fsdp splits parameters and batch, model/tensor split heads, MLP and vocabulary, context splits the sequence (and parameters, like fsdp)",
     "dp": "data parallel: batch split over data, batch and fsdp axes; parameters replicated",
-    "fsdp": "fully sharded data parallel: batch split, parameters split along 'embed' over fsdp",
+    "fsdp": "fully sharded data parallel: batch split, parameters split along 'embed' over fsdp (and context)",
     "tp": "tensor parallel (Megatron column/row): heads, MLP and vocabulary split over model/tensor",
     "fsdp_tp": "FSDP + tensor parallel: both of the above",
 }
@@ -359,6 +364,10 @@ class MeshRules:
         #: Mesh axes that split the batch; parameters split over them are FSDP-sharded.
         self.batch_axes: tuple[str, ...] = tuple(axes or ())
         self.batch_shard_count = math.prod(self.sizes[a] for a in self.batch_axes)
+        length, _ = resolve_name("length", self.rules.activations, self.sizes)
+        #: Mesh axes that split the sequence of the activations (context parallelism).
+        self.length_axes: tuple[str, ...] = tuple(length or ())
+        self.length_shard_count = math.prod(self.sizes[a] for a in self.length_axes)
 
     def __repr__(self) -> str:
         mesh = ",".join(f"{k}={v}" for k, v in self.sizes.items())
@@ -369,7 +378,7 @@ class MeshRules:
         small = math.prod(int(d) for d in shape) * itemsize(dtype) < self.min_shard_bytes
         return layout_for(
             names, shape, self.rules.params, self.sizes,
-            no_split=self.batch_axes if small else (),
+            no_split=self.batch_axes + self.length_axes if small else (),
             no_split_reason=f"smaller than min_shard_bytes={self.min_shard_bytes}, kept whole",
         )  # fmt: skip
 
@@ -384,8 +393,9 @@ class MeshRules:
         return self.activation_layout(names, shape).spec
 
     def batch_spec(self, ndim: int = 2) -> P:
-        """PartitionSpec of a ``(batch, length, ...)`` input batch."""
-        return self.activation_spec(("batch",) + (None,) * (ndim - 1))
+        """PartitionSpec of a ``(batch, length, ...)`` input batch (the length split too on a
+        ``context`` axis)."""
+        return self.activation_spec(("batch", "length")[:ndim] + (None,) * (ndim - 2))
 
     def sharding(self, spec: P) -> NamedSharding:
         if isinstance(self.mesh, Mapping):

@@ -258,7 +258,8 @@ class _Run:
         self.log(describe_decay(s.decay_mask, s.abstract["params"], self.cfg.optim.weight_decay))
         if getattr(s.model.config, "attention", None):  # a family's model (your own module picks its own)
             c = s.model.config
-            self.log(attention.describe(c.attention, self.cfg.data.seq_len, c.dtype, s.model.dims.head_width))
+            context = s.rules.length_shard_count
+            self.log(attention.describe(c.attention, self.cfg.data.seq_len, c.dtype, s.model.dims.head_width, context))
         if s.pipeline is not None:
             self.log(describe_pipeline(s))
             shardings = jax.tree.leaves(s.param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))

@@ -107,6 +107,16 @@ def check_shapes(cfg: TrainConfig, rules: MeshRules, model: RunModel) -> None:
     d = cfg.data
     if model.dims is not None and d.seq_len > model.dims.context:
         raise ConfigError(f"--seq-len {d.seq_len} is longer than {cfg.model.name}'s context of {model.dims.context} tokens")
+    context = getattr(rules, "length_shard_count", 1)
+    if context > 1:
+        axes = ",".join(f"{a}={rules.sizes[a]}" for a in rules.length_axes)
+        if d.seq_len % context:
+            raise ConfigError(
+                f"--seq-len {d.seq_len} must be a multiple of {context}: the sequence is split {context} ways "
+                f"(mesh axes {axes}); e.g. --seq-len {-(-d.seq_len // context) * context}"
+            )
+        if rules.sizes.get(STAGE, 1) > 1:
+            raise ConfigError(f"a context axis ({axes}) beside a stage axis is not supported yet: use one of them")
     shards = rules.batch_shard_count
     accum = cfg.optim.grad_accum
     if d.batch_size % (shards * accum):

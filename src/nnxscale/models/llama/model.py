@@ -62,12 +62,12 @@ class LlamaAttention(nnx.Module):
         self.v_proj = proj(K, "kv_heads")
         self.o_proj = nnx.Einsum("btnh,nhc->btc", (N, H, C), kernel_init=logical(_normal, "heads", "kv", "embed"), **kw)
 
-    def __call__(self, x, cos, sin):  # x (B, T, C); cos, sin (T, H)
+    def __call__(self, x, cos, sin, positions=None):  # x (B, T, C); cos, sin (T, H); positions (T,) if out of order
         q = constrain(_rotate(self.q_proj(x), cos, sin), "batch", "length", "heads", "kv")  # (B, T, N, H)
         k = constrain(_rotate(self.k_proj(x), cos, sin), "batch", "length", "kv_heads", "kv")  # (B, T, K, H)
         v = constrain(self.v_proj(x), "batch", "length", "kv_heads", "kv")  # (B, T, K, H)
         # grouped-query attention: query head n reads K/V head n // (N // K), as HF's repeat_kv
-        y = attend(q, k, v, causal=True, impl=self.impl)  # (B, T, N, H)
+        y = attend(q, k, v, causal=True, q_positions=positions, k_positions=positions, impl=self.impl)  # (B, T, N, H)
         y = constrain(y, "batch", "length", "heads", "kv")
         return self.o_proj(y)  # (B, T, C)
 
@@ -95,10 +95,10 @@ class LlamaDecoderLayer(nnx.Module):
         self.mlp = LlamaMLP(c.hidden_size, c.intermediate_size, **kw)
         self.dropout = c.dropout
 
-    def __call__(self, x, cos, sin, key=None):  # x (B, T, C)
+    def __call__(self, x, cos, sin, positions=None, key=None):  # x (B, T, C)
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         x = constrain(x, "batch", "length", "embed")  # the residual stream
-        x = x + dropout(self.self_attn(self.input_layernorm(x), cos, sin), self.dropout, k1)
+        x = x + dropout(self.self_attn(self.input_layernorm(x), cos, sin, positions), self.dropout, k1)
         x = x + dropout(self.mlp(self.post_attention_layernorm(x)), self.dropout, k2)
         return constrain(x, "batch", "length", "embed")
 
@@ -131,18 +131,24 @@ class Llama(nnx.Module):
         """
         return self.logits(self.hidden_states(tokens, rngs=rngs))
 
-    def hidden_states(self, tokens, *, rngs: Optional[nnx.Rngs] = None):
-        """``tokens`` int (B, T) -> the final norm's output (B, T, hidden_size), before the head."""
+    def hidden_states(self, tokens, *, rngs: Optional[nnx.Rngs] = None, positions=None):
+        """``tokens`` int (B, T) -> the final norm's output (B, T, hidden_size), before the head.
+
+        ``positions`` (T,) ints: each token's place in the sequence (for RoPE and the causal
+        mask) when ``tokens`` are stored out of order (a zigzag layout); default ``0..T-1``.
+        """
         c = self.config
         T = tokens.shape[1]
         if T > c.max_position_embeddings:
             raise ModelError(f"sequence length {T} exceeds the context max_position_embeddings={c.max_position_embeddings}")
         embed_key, layer_keys = dropout_keys(rngs, c.dropout, c.num_hidden_layers)
         inv_freq = rope_frequencies(c.head_size, c.rope_theta, c.rope_scaling).astype(np.float32)  # (H/2,)
-        angles = jnp.arange(T, dtype=jnp.float32)[:, None] * inv_freq  # (T, H/2)
+        where = jnp.arange(T) if positions is None else positions
+        angles = where.astype(jnp.float32)[:, None] * inv_freq  # (T, H/2)
         angles = jnp.concatenate([angles, angles], axis=-1)  # (T, H): HF's rotate_half layout
         x = dropout(constrain(self.embed_tokens(tokens), "batch", "length", "embed"), c.dropout, embed_key)  # (B, T, C)
-        x = scan_layers(self.layers, x, jnp.cos(angles), jnp.sin(angles), keys=layer_keys, remat=c.remat)
+        args = () if positions is None else (positions,)
+        x = scan_layers(self.layers, x, jnp.cos(angles), jnp.sin(angles), *args, keys=layer_keys, remat=c.remat)
         return self.norm(x)
 
     def logits(self, x):
