@@ -9,13 +9,16 @@ devices and reads the compiler's memory analysis:
   chunked loss) and with the baseline in the same run (``--attention xla`` and the loss
   over all logits at once, as before the long-sequence work);
 - at T <= 1,024 the defaults pick XLA's attention and one loss chunk, the same program
-  as the baseline: the step time of gpt2-mini at 8 x 1,024 on ``data=8`` (run, the best
-  of several steps) against the baseline's.
+  as the baseline: the step time of gpt2-mini at 8 x 256 (its context) on ``data=8`` (run,
+  the best of 6 steps) against the baseline's.
+
+- T = 131,072 with the sequence split over a ``context`` axis of 8: llama-3.2-1b at batch 1
+  on ``context=8`` and llama-3.1-8b at global batch 1 on ``context=8``, ``--remat full``:
+  the compiled peak per device.
 
 Prints a table and last one JSON line:
 ``{"temp_16k_over_4k", "peak_128k_context8_gib", "peak_8b_128k_gib", "short_seq_step_time_ratio"}``
-(targets: <= 4.5, <= 16, <= 80, <= 1.1). The two 128k figures need the ``context`` mesh
-axis; until it exists they are ``null``.
+(targets: <= 4.5, <= 16, <= 80, <= 1.1).
 
     python bench/long_context.py
 """
@@ -95,10 +98,19 @@ def main() -> None:
     for name in ("baseline (xla, whole loss)", "nnxscale (auto)"):
         print(f"  {name}: 16k / 4k temporaries {temps[name, 16384] / temps[name, 4096]:.2f}x")
 
-    print("gpt2-mini, data=8, global batch 8 x 1024 (run): step time, best of 6")
-    short = TrainConfig.from_flags(model="gpt2-mini", mesh="data=8", batch_size=8, seq_len=1024)
+    print("T = 131,072 on context=8, --remat full, batch 1 (compiled, not run)")
+    peaks = {}
+    for model in ("llama-3.2-1b", "llama-3.1-8b"):
+        cfg = TrainConfig.from_flags(model=model, mesh="context=8", remat="full", batch_size=1, seq_len=131072)
+        ma, secs = compiled_memory(cfg)
+        peaks[model] = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+        print(f"  {model:14}peak {format_bytes(peaks[model]):>11}, temporaries {format_bytes(ma.temp_size_in_bytes):>11}, "
+              f"compiled in {secs:.0f} s")  # fmt: skip
+
+    print("gpt2-mini, data=8, global batch 8 x 256 (run): step time, best of 6")
+    short = TrainConfig.from_flags(model="gpt2-mini", mesh="data=8", batch_size=8, seq_len=256)
     with baseline():
-        base = step_seconds(TrainConfig.from_flags(model="gpt2-mini", mesh="data=8", batch_size=8, seq_len=1024,
+        base = step_seconds(TrainConfig.from_flags(model="gpt2-mini", mesh="data=8", batch_size=8, seq_len=256,
                                                    attention="xla"))  # fmt: skip
     ours = step_seconds(short)
     print(f"  baseline {base * 1000:.1f} ms, nnxscale {ours * 1000:.1f} ms")
@@ -106,8 +118,8 @@ def main() -> None:
         "temp_16k_over_4k": round(temps["nnxscale (auto)", 16384] / temps["nnxscale (auto)", 4096], 3),
         "temp_16k_gib": round(temps["nnxscale (auto)", 16384] / GIB, 3),
         "baseline_temp_16k_over_4k": round(temps["baseline (xla, whole loss)", 16384] / temps["baseline (xla, whole loss)", 4096], 3),
-        "peak_128k_context8_gib": None,
-        "peak_8b_128k_gib": None,
+        "peak_128k_context8_gib": round(peaks["llama-3.2-1b"] / GIB, 3),
+        "peak_8b_128k_gib": round(peaks["llama-3.1-8b"] / GIB, 3),
         "short_seq_step_time_ratio": round(ours / base, 3),
     }))  # fmt: skip
 

@@ -251,6 +251,14 @@ def _scores(meta: _Meta, q, k, qp, kp, qs, ks):
 
 
 def _forward(meta: _Meta, qb, kb, vb, qpb, kpb, qsb, ksb):
+    # Rematerialized as a whole: inside a differentiated scan (the model's layers), JAX would
+    # otherwise split these loops and keep their per-tile values (a T x T mask and scores)
+    # as residuals of the parts that depend only on the layer-invariant positions.
+    return jax.checkpoint(functools.partial(_forward_body, meta), policy=jax.checkpoint_policies.nothing_saveable,
+                          prevent_cse=False)(qb, kb, vb, qpb, kpb, qsb, ksb)  # fmt: skip
+
+
+def _forward_body(meta: _Meta, qb, kb, vb, qpb, kpb, qsb, ksb):
     """``(out (B, nq, bq, K, G, H) float32, lse (B, nq, K, G, bq))``."""
     B, nq, bq, K, G, H = qb.shape
     nk = kb.shape[1]
