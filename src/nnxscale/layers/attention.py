@@ -182,26 +182,46 @@ def _visible(qp, kp, qs, ks, causal: bool, batch: int):
 def blockwise_attention(q, k, v, *, causal=True, q_positions=None, k_positions=None, q_segments=None,
                         k_segments=None, block: Optional[int] = None):  # fmt: skip
     """:func:`attention` with ``impl="blockwise"``: scores one ``(block, block)`` tile at a time."""
+    masks = _mask_inputs(q, k, q_positions, k_positions, q_segments, k_segments)
+    meta, tiles, untile = _tiled(q, k, v, *masks, causal=causal, segmented=q_segments is not None, block=block)
+    return untile(_flash(meta, *tiles))
+
+
+def _mask_inputs(q, k, q_positions, k_positions, q_segments, k_segments):
+    """``(qp, kp, qs, ks)``: positions and segments as ``(B, T)`` / ``(B, S)`` int32 arrays."""
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    qp = jnp.broadcast_to(_positions(q_positions, T), (B, T))
+    kp = jnp.broadcast_to(_positions(k_positions, S), (B, S))
+    if q_segments is None:
+        return qp, kp, jnp.zeros((B, T), jnp.int32), jnp.zeros((B, S), jnp.int32)
+    return qp, kp, jnp.asarray(q_segments, jnp.int32), jnp.asarray(k_segments, jnp.int32)
+
+
+def _tiled(q, k, v, qp, kp, qs, ks, *, causal: bool, segmented: bool, block: Optional[int]):
+    """The kernel's view of one device's tokens: ``(meta, tiles, untile)``.
+
+    ``tiles`` are ``(qb, kb, vb, qpb, kpb, qsb, ksb)``, the tokens padded to whole tiles of
+    ``block`` and split into them (queries grouped by their key/value head); ``untile``
+    turns the kernel's ``(B, nq, bq, K, G, H)`` result back into ``q``'s shape and dtype.
+    Padded keys are never seen (segment -1, which no query has); padded queries are
+    computed and dropped.
+    """
     block = block or BLOCK
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     bq, bk = min(block, T), min(block, S)
     nq, nk = -(-T // bq), -(-S // bk)
-    qp = jnp.broadcast_to(_positions(q_positions, T), (B, T))
-    kp = jnp.broadcast_to(_positions(k_positions, S), (B, S))
-    segmented = q_segments is not None
-    qs = jnp.asarray(q_segments, jnp.int32) if segmented else jnp.zeros((B, T), jnp.int32)
-    ks = jnp.asarray(k_segments, jnp.int32) if segmented else jnp.zeros((B, S), jnp.int32)
-    # Padding to whole blocks: padded keys are never seen (segment -1, which no query has);
-    # padded queries are computed and dropped.
-    qb = _blocks(q, nq * bq).reshape(B, nq, bq, K, N // K, H)
-    kb, vb = (_blocks(x, nk * bk).reshape(B, nk, bk, K, H) for x in (k, v))
-    qpb, kpb = _blocks(qp, nq * bq).reshape(B, nq, bq), _blocks(kp, nk * bk).reshape(B, nk, bk)
-    qsb = _blocks(qs, nq * bq).reshape(B, nq, bq)
-    ksb = _blocks(ks, nk * bk, fill=-1).reshape(B, nk, bk)
+    tiles = (
+        _blocks(q, nq * bq).reshape(B, nq, bq, K, N // K, H),
+        _blocks(k, nk * bk).reshape(B, nk, bk, K, H),
+        _blocks(v, nk * bk).reshape(B, nk, bk, K, H),
+        _blocks(qp, nq * bq).reshape(B, nq, bq),
+        _blocks(kp, nk * bk).reshape(B, nk, bk),
+        _blocks(qs, nq * bq).reshape(B, nq, bq),
+        _blocks(ks, nk * bk, fill=-1).reshape(B, nk, bk),
+    )
     meta = _Meta(causal=causal, segmented=segmented or nk * bk > S, scale=1.0 / math.sqrt(H))
-    out = _flash(meta, qb, kb, vb, qpb, kpb, qsb, ksb)  # (B, nq, bq, K, G, H)
-    return out.reshape(B, nq * bq, N, H)[:, :T].astype(q.dtype)
+    return meta, tiles, lambda out: out.reshape(B, nq * bq, N, H)[:, :T].astype(q.dtype)
 
 
 def _blocks(x, n: int, fill=0):
@@ -434,33 +454,19 @@ def ring_attention(q, k, v, *, axis: str, mesh, causal=True, q_positions=None, k
     """
     from jax.sharding import PartitionSpec as P
 
-    block = block or BLOCK
-    B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
+    T, S = q.shape[1], k.shape[1]
     n = mesh.shape[axis]
     if T % n or S % n:
         raise ValueError(f"the mesh axis {axis}={n} does not divide the sequence of {T} tokens")
-    qp = jnp.broadcast_to(_positions(q_positions, T), (B, T))
-    kp = jnp.broadcast_to(_positions(k_positions, S), (B, S))
-    segmented = q_segments is not None
-    qs = jnp.asarray(q_segments, jnp.int32) if segmented else jnp.zeros((B, T), jnp.int32)
-    ks = jnp.asarray(k_segments, jnp.int32) if segmented else jnp.zeros((B, S), jnp.int32)
-    Tl, Sl = T // n, S // n
-    bq, bk = min(block, Tl), min(block, Sl)
-    nq, nk = -(-Tl // bq), -(-Sl // bk)
-    meta = _Meta(causal=causal, segmented=segmented or nk * bk > Sl, scale=1.0 / math.sqrt(H))
+    masks = _mask_inputs(q, k, q_positions, k_positions, q_segments, k_segments)
 
-    def local(q, k, v, qp, kp, qs, ks):
-        qb = _blocks(q, nq * bq).reshape(B, nq, bq, K, N // K, H)
-        kb, vb = (_blocks(x, nk * bk).reshape(B, nk, bk, K, H) for x in (k, v))
-        qpb, kpb = _blocks(qp, nq * bq).reshape(B, nq, bq), _blocks(kp, nk * bk).reshape(B, nk, bk)
-        qsb, ksb = _blocks(qs, nq * bq).reshape(B, nq, bq), _blocks(ks, nk * bk, fill=-1).reshape(B, nk, bk)
-        out = _ring(meta, axis, n, qb, kb, vb, qpb, kpb, qsb, ksb)
-        return out.reshape(B, nq * bq, N, H)[:, :Tl].astype(q.dtype)
+    def local(q, k, v, qp, kp, qs, ks):  # this device's T / n tokens
+        meta, tiles, untile = _tiled(q, k, v, qp, kp, qs, ks, causal=causal, segmented=q_segments is not None, block=block)
+        return untile(_ring(meta, axis, n, *tiles))
 
     tokens = P(None, axis)
     return jax.shard_map(local, mesh=mesh, in_specs=(tokens,) * 7, out_specs=tokens, axis_names=frozenset({axis}),
-                         check_vma=False)(q, k, v, qp, kp, qs, ks)  # fmt: skip
+                         check_vma=False)(q, k, v, *masks)  # fmt: skip
 
 
 def zigzag(length: int, n: int) -> np.ndarray:
