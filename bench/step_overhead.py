@@ -231,7 +231,7 @@ def main() -> None:
 
     print(f"{MODEL}, seq {SEQ}, batch {BATCH}, mesh {MESH} ({jax.device_count()} {jax.devices()[0].platform} devices); "
           f"{args.rounds} rounds x {args.steps} steps (synced every {args.chunk}), median of rounds")  # fmt: skip
-    print(f"first-step loss: " + ", ".join(f"{k} {v:.5f}" for k, v in first.items()))
+    print("first-step loss: " + ", ".join(f"{k} {v:.5f}" for k, v in first.items()))
     print(f"{'step':<22}{'median us/step':>15}{'min':>10}{'max':>10}{'vs hand':>9}{'host us/call':>14}")
     for name, t in times.items():
         print(f"{name:<22}{med[name] * 1e6:>15.0f}{min(t) * 1e6:>10.0f}{max(t) * 1e6:>10.0f}{med[name] / base:>9.2f}"
