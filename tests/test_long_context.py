@@ -96,7 +96,7 @@ def test_document_masks_and_reordered_positions():
             kw.update(q_positions=positions, k_positions=positions)
             kw.update(q_segments=seg[:, positions], k_segments=seg[:, positions])
         want = value_and_grads(lambda q, k, v: reference(q, k, v, True, **kw), q, k, v, ct)  # noqa: B023
-        for impl in ("blockwise", "xla"):
+        for impl in ("blockwise", "xla") if positions is None else ("blockwise",):  # xla's mask array: once is enough
             f = lambda q, k, v: attn.attention(q, k, v, impl=impl, block=16, **kw)  # noqa: B023, E731
             assert_close(value_and_grads(f, q, k, v, ct), want, f"{impl}, positions {positions is not None}")
 
@@ -157,8 +157,10 @@ def test_llama_gives_the_same_loss_and_gradients_with_blockwise_attention_and_a_
     config = dataclasses.replace(fam.presets["llama-tiny"], num_key_value_heads=2)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 29)), jnp.int32)
 
+    model = fam.build(dataclasses.replace(config, attention="blockwise"), rngs=nnx.Rngs(0))
+
     def loss_and_grads(impl, loss):
-        model = fam.build(dataclasses.replace(config, attention=impl), rngs=nnx.Rngs(0))
+        model.layers.self_attn.impl = impl  # the same weights, the other implementation
         graphdef, state = nnx.split(model)
         f = lambda state: loss(nnx.merge(graphdef, state), tokens[:, :-1], tokens[:, 1:])  # noqa: E731
         return jax.jit(jax.value_and_grad(f))(state)
