@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnxscale.errors import ConfigError
+from nnxscale.layers.attention_names import IMPLEMENTATIONS
 
-IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn")
 #: ``auto`` uses the blockwise kernel from this many query tokens on (where cuDNN does not apply).
 AUTO_BLOCKWISE_FROM = 2048
 #: Query and key/value tokens per tile of the blockwise kernel.
@@ -150,7 +150,7 @@ def _ring_axis():
     from nnxscale.sharding.activations import current_rules
 
     rules = current_rules()
-    if rules is None or getattr(rules, "length_shard_count", 1) <= 1:
+    if rules is None or rules.length_shard_count <= 1:
         return None
     if len(rules.length_axes) != 1:
         raise ConfigError(f"the sequence is split over {rules.length_axes}: ring attention takes one mesh axis")
@@ -477,10 +477,3 @@ def zigzag(length: int, n: int) -> np.ndarray:
         return np.arange(length)  # too short to balance: in order (correct, less even)
     chunks = np.arange(length).reshape(2 * n, length // (2 * n))
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
-
-
-def scores_bytes(batch: int, q_len: int, k_len: int, heads: int, impl: str, itemsize: int = 4, block: int = BLOCK) -> int:
-    """Bytes of attention scores one layer holds at once per device (for the planner)."""
-    if impl == "blockwise":
-        return batch * heads * min(block, q_len) * min(block, k_len) * 4
-    return batch * heads * q_len * k_len * itemsize

@@ -44,14 +44,14 @@ def _token_shards() -> int:
     rules = current_rules()
     if rules is None:
         return 1
-    return rules.batch_shard_count * getattr(rules, "length_shard_count", 1)
+    return rules.batch_shard_count * rules.length_shard_count
 
 
 def context_order(length: int):
     """The zigzag order of a sequence of ``length`` tokens when the rules in force split it
     over a ``context`` axis (:func:`nnxscale.layers.attention.zigzag`); None otherwise."""
     rules = current_rules()
-    n = getattr(rules, "length_shard_count", 1) if rules is not None else 1
+    n = rules.length_shard_count if rules is not None else 1
     if n <= 1:
         return None
     from nnxscale.layers.attention import zigzag

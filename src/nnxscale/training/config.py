@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from nnxscale.errors import ConfigError
+from nnxscale.layers.attention_names import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from nnxscale.layers.remat import remat_name
 
 #: Most steps a run can have: the train state counts steps in an int32.
@@ -53,7 +54,7 @@ class ModelSettings:
     attention: str = setting("auto", "--attention", "attention implementation: auto (cudnn on NVIDIA GPUs in bfloat16, "
                              "else xla up to 2,047 tokens, blockwise from 2,048); xla (jax.nn.dot_product_attention: "
                              "the full T x T scores); blockwise (flash-attention recurrence in plain JAX: memory "
-                             "linear in T); cudnn", choices=("auto", "xla", "blockwise", "cudnn"))  # fmt: skip
+                             "linear in T); cudnn", choices=ATTENTION_IMPLEMENTATIONS)  # fmt: skip
     init_from: Optional[str] = setting(None, "--init-from", "start from a seed checkpoint (nnxscale init) or a Hugging "
                                        "Face directory of the model's family")  # fmt: skip
 
@@ -242,9 +243,9 @@ class TrainConfig:
             raise ConfigError(f"{_label('model.dtype')} must be float32 or bfloat16, got {self.model.dtype!r}")
         if self.model.remat not in ("none", "full", "dots"):
             raise ConfigError(f"{_label('model.remat')} must be none, full or dots, got {self.model.remat!r}")
-        if self.model.attention not in ("auto", "xla", "blockwise", "cudnn"):
+        if self.model.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ConfigError(
-                f"{_label('model.attention')} must be auto, xla, blockwise or cudnn, got {self.model.attention!r}"
+                f"{_label('model.attention')} must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, got {self.model.attention!r}"
             )
         self._validate_pipeline()
 

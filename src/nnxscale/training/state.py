@@ -107,7 +107,7 @@ def check_shapes(cfg: TrainConfig, rules: MeshRules, model: RunModel) -> None:
     d = cfg.data
     if model.dims is not None and d.seq_len > model.dims.context:
         raise ConfigError(f"--seq-len {d.seq_len} is longer than {cfg.model.name}'s context of {model.dims.context} tokens")
-    context = getattr(rules, "length_shard_count", 1)
+    context = rules.length_shard_count
     if context > 1:
         axes = ",".join(f"{a}={rules.sizes[a]}" for a in rules.length_axes)
         if d.seq_len % context:

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from nnxscale.errors import ModelError
-from nnxscale.layers.attention import IMPLEMENTATIONS
+from nnxscale.layers.attention_names import IMPLEMENTATIONS
 from nnxscale.layers.remat import remat_name
 from nnxscale.layers.stack import REMAT_POLICIES
 
