@@ -91,6 +91,27 @@ def test_bad_settings_fail_with_one_line(tmp_path, text_data, capsys, extra, wor
     assert_one_error_line(code, err, *words)
 
 
+def test_a_document_mask_needs_a_separator_and_a_family_loss(tmp_path, capsys):
+    """A token file does not say which token ends a document; your own module or loss
+    decides its own masks. One line each, nothing written."""
+    import numpy as np
+    from flax import nnx
+
+    from nnxscale import TrainConfig
+    from nnxscale.errors import ConfigError
+    from nnxscale.training.config import with_overrides
+    from nnxscale.training.model import run_model
+
+    data = tmp_path / "tokens.npy"
+    np.save(data, np.arange(20_000, dtype=np.int32) % 256)
+    code, _, err = run_main(capsys, train_args(tmp_path / "run", data, "--document-mask"))
+    assert_one_error_line(code, err, "--document-mask", "tokens.npy", "--tokenizer")
+    assert not (tmp_path / "run").exists()
+    cfg = with_overrides(TrainConfig(), {"data.document_mask": True})
+    with pytest.raises(ConfigError, match="--document-mask.*your own module or loss"):
+        run_model(cfg, model=lambda rngs: nnx.Linear(2, 2, rngs=rngs), separator=0)
+
+
 # Every setting, from a flag: what it must be. Each of these ran (or crashed) before.
 BAD_FLAGS = [
     (["--lr", "inf"], ["--lr (optim.lr)", "finite", "inf"]),
@@ -406,5 +427,6 @@ def test_train_plan_and_init_take_the_same_settings_with_the_same_defaults(tmp_p
         parser = build_parser()._subparsers._group_actions[0].choices[command]
         flags = {a.dest: a for a in parser._actions}
         for path in paths:
-            assert flags[path].option_strings == [flag(path)], (command, path)
+            negated = [f"--no-{flag(path)[2:]}"] if settings[path].type in (bool, "bool") else []  # --no-document-mask
+            assert flags[path].option_strings == [flag(path), *negated], (command, path)
             assert settings[path].metadata["help"] in flags[path].help

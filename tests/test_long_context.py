@@ -96,19 +96,9 @@ def test_document_masks_and_reordered_positions():
             kw.update(q_positions=positions, k_positions=positions)
             kw.update(q_segments=seg[:, positions], k_segments=seg[:, positions])
         want = value_and_grads(lambda q, k, v: reference(q, k, v, True, **kw), q, k, v, ct)  # noqa: B023
-        for impl in ("blockwise", "xla") if positions is None else ("blockwise",):  # xla's mask array: once is enough
-            f = lambda q, k, v: attn.attention(q, k, v, impl=impl, block=16, **kw)  # noqa: B023, E731
-            assert_close(value_and_grads(f, q, k, v, ct), want, f"{impl}, positions {positions is not None}")
-
-
-def test_a_row_of_documents_attends_like_each_document_alone():
-    B, N, H = 1, 2, 8
-    q, k, v, ct = inputs(B, 40, 40, N, N, H, seed=2)
-    seg = documents(B, 40, [(17, 23)])
-    packed = attn.attention(q, k, v, q_segments=seg, k_segments=seg, impl="blockwise", block=8)
-    for start, stop in ((0, 17), (17, 40)):
-        alone = attn.attention(q[:, start:stop], k[:, start:stop], v[:, start:stop], impl="blockwise", block=8)
-        np.testing.assert_allclose(packed[:, start:stop], alone, rtol=1e-5, atol=1e-6)
+        # (xla's mask path: test_a_row_of_documents_trains_like_each_document_alone)
+        f = lambda q, k, v: attn.attention(q, k, v, impl="blockwise", block=16, **kw)  # noqa: B023, E731
+        assert_close(value_and_grads(f, q, k, v, ct), want, f"positions {positions is not None}")
 
 
 def _temp_bytes(impl: str, T: int) -> int:
@@ -265,3 +255,87 @@ def test_context_parallel_training_logs_the_losses_of_data_parallel_and_resumes_
         what = f"{model} on {mesh}, then data=8: step {a['step']}"
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5, err_msg=what)
         np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-5, err_msg=what)
+
+
+# --------------------------------------------------------------------------------------
+# packed documents: --document-mask
+# --------------------------------------------------------------------------------------
+
+
+def test_a_row_of_documents_trains_like_each_document_alone():
+    """Two rows, each two documents joined by the separator (byte 0). With the document mask
+    the per-token losses of each document equal those of the document run alone (its own
+    positions from 0), float32 1e-5: on one device and with the sequence split over
+    context=4 (ring attention, zigzag layout). The family's loss is their mean over the
+    tokens that do not predict across a boundary, with the same value and gradients on
+    context=4 and pipelined over stage=2 (each microbatch a row, with its own documents)."""
+    import dataclasses
+
+    import nnxscale
+    from flax import nnx
+
+    from nnxscale.layers.pipeline import Pipeline, use_pipeline
+    from nnxscale.models import FAMILIES
+    from nnxscale.models.common.documents import document_layout
+
+    fam = FAMILIES["llama"]
+    model = fam.build(dataclasses.replace(fam.presets["llama-tiny"], num_key_value_heads=2), rngs=nnx.Rngs(0))
+    T, sep = 16, 0
+    r = np.random.default_rng(5)
+    rows, alone, where = [], np.zeros((4, T + 1), np.int32), []
+    for row, a in enumerate((9, 5)):  # A: a tokens and the separator; B: the other 16 - a
+        A, B = r.integers(1, 256, a), r.integers(1, 256, T - a)
+        rows.append(np.concatenate([A, [sep], B]))
+        # Alone, each document starts a row (right-padded: under the causal mask the padding
+        # changes nothing before it): A predicts its tokens and the separator, B its own.
+        alone[2 * row, : a + 1], alone[2 * row + 1, : T - a] = np.append(A, sep), B
+        where += [(row, 0, 2 * row, a), (row, a + 1, 2 * row + 1, T - a - 1)]
+    rows = jnp.asarray(np.stack(rows), jnp.int32)
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    positions, segments, weights = document_layout(inputs, sep)
+    assert positions[0].tolist() == [*range(9), 9, *range(6)] and segments[1].tolist() == [0] * 6 + [1] * 10
+    assert weights.sum() == 2 * (T - 1)
+
+    graphdef, state = nnx.split(model)
+
+    def token_losses(state, inputs, targets, positions=None, segments=None):
+        m = nnx.merge(graphdef, state)
+        kw = {} if positions is None else dict(positions=positions, segments=segments)
+        return optax_ce(m.logits(m.hidden_states(inputs, **kw)), targets)
+
+    alone_losses = np.asarray(jax.jit(token_losses)(state, alone[:, :-1], alone[:, 1:]))
+    want = np.full((2, T), np.nan, np.float32)
+    for row, start, alone_row, n in where:
+        want[row, start : start + n] = alone_losses[alone_row, :n]
+    kept = ~np.isnan(want)
+    assert kept.sum() == weights.sum()
+
+    def check_tokens(got, what):
+        np.testing.assert_allclose(np.asarray(got)[kept], want[kept], rtol=1e-5, atol=1e-6, err_msg=what)
+
+    check_tokens(jax.jit(token_losses)(state, inputs, targets, positions, segments), "one device")
+
+    def loss(state):
+        return fam.loss(nnx.merge(graphdef, state), inputs, targets, separator=sep)
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(state)
+    np.testing.assert_allclose(value, want[kept].mean(), rtol=1e-5)
+
+    for spec in ("context=4", "stage=2"):
+        mesh = nnxscale.make_mesh(spec, devices=jax.devices()[: int(spec[-1])])
+        rules = nnxscale.resolve("auto", mesh, min_shard_bytes=0)
+        pipe = Pipeline.for_mesh(mesh, microbatches=2) if "stage" in spec else None
+        placed = nnx.state(nnxscale.place(model, mesh, rules))
+
+        def on_mesh(f):
+            def run(*args):
+                with nnxscale.use_rules(rules), use_pipeline(pipe):  # noqa: B023
+                    return f(*args)
+
+            return jax.jit(run)
+
+        if pipe is None:  # per token: the sequence in the zigzag order the loss uses
+            order = attn.zigzag(T, 4)
+            got = on_mesh(token_losses)(placed, inputs[:, order], targets[:, order], positions[:, order], segments[:, order])
+            check_tokens(np.asarray(got)[:, np.argsort(order)], spec)
+        assert_close(on_mesh(jax.value_and_grad(loss))(placed), (value, grads), spec)

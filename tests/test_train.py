@@ -326,15 +326,25 @@ def test_optimizer_state_is_sharded_like_the_parameters(text_data, mesh):
 # --------------------------------------------------------------------------------------
 
 
-def test_gradient_accumulation_matches_one_big_batch(text_data):
+@pytest.mark.parametrize("documents", [False, True], ids=["", "document-mask"])
+def test_gradient_accumulation_matches_one_big_batch(text_data, documents):
+    """With a document mask the micro-batches train different numbers of tokens (the
+    separators' are masked), and the step still gives the big batch's mean."""
     results = {}
     for accum in (1, 2):
         # warmup 0: the first step already uses the peak learning rate, so parameters move.
-        cfg = tiny_cfg("unused", text_data, optim__grad_accum=accum, optim__warmup_steps=0)  # data=8
-        s = setup(cfg)
+        cfg = tiny_cfg("unused", text_data, optim__grad_accum=accum, optim__warmup_steps=0,
+                       data__document_mask=documents)  # fmt: skip  data=8
+        s = setup(cfg, separator=0 if documents else None)
         state = init_state(s)
         before = host_params(state)
-        state, metrics = make_train_step(s)(state, fixed_batch(text_data, s.batch_sharding))
+        batch = fixed_batch(text_data, s.batch_sharding)
+        if documents:  # separators in the even rows only: micro-batch 0 (rows 0, 2, ...) trains fewer tokens
+            inputs = np.array(batch["inputs"])
+            inputs[::2, 5::7] = 0
+            assert (inputs == 0).sum() == 8 * 4
+            batch = datalib.to_global({"inputs": inputs, "targets": np.array(batch["targets"])}, s.batch_sharding)
+        state, metrics = make_train_step(s)(state, batch)
         results[accum] = (before, jax.device_get(metrics), host_params(state))
     (before, m1, p1), (before2, m2, p2) = results[1], results[2]
     assert_params_equal(before2, before)

@@ -56,7 +56,7 @@ def configure_cpu_devices(n: Optional[int]) -> None:
 #: `plan` and `init` describe the same run with the same flags and defaults.
 PLAN_SETTINGS = (
     "model.name", "parallel.mesh", "parallel.rules", "data.batch_size", "data.seq_len", "model.remat", "model.dtype",
-    "model.attention", "model.dropout", "optim.grad_accum", "parallel.microbatches", "parallel.pipeline_repeats", "parallel.min_shard_bytes",
+    "model.attention", "data.document_mask", "model.dropout", "optim.grad_accum", "parallel.microbatches", "parallel.pipeline_repeats", "parallel.min_shard_bytes",
 )  # fmt: skip
 INIT_SETTINGS = ("model.name", "parallel.mesh", "parallel.rules", "parallel.min_shard_bytes", "seed", "run_dir")
 
@@ -75,7 +75,9 @@ def _add_settings(p: argparse.ArgumentParser, paths=None, *, required=()) -> Non
             options = {"required": True, "help": meta["help"]}
         else:
             options = {"default": None, "help": f"{meta['help']} (default: {defaults[path]})"}
-        if "const" in meta:  # a bare flag means `const`: --remat is --remat full
+        if kind is bool:  # --document-mask / --no-document-mask
+            options |= {"action": argparse.BooleanOptionalAction}
+        elif "const" in meta:  # a bare flag means `const`: --remat is --remat full
             options |= {"nargs": "?", "const": meta["const"], "choices": meta["choices"], "metavar": "POLICY"}
         elif "choices" in meta:
             options |= {"choices": meta["choices"], "metavar": meta["flag"][2:].upper().replace("-", "_")}

@@ -22,6 +22,7 @@ _EXPORTS = {
     "REMAT_NAMES": "nnxscale.layers.remat",
     "remat_name": "nnxscale.layers.remat",
     "REMAT_POLICIES": "nnxscale.layers.stack",
+    "Rows": "nnxscale.layers.stack",
     "scan_layers": "nnxscale.layers.stack",
     "stack_layers": "nnxscale.layers.stack",
 }

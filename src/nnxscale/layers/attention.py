@@ -64,9 +64,13 @@ def cudnn_applies(dtype, head_dim: int) -> bool:
     return platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 128 and head_dim % 8 == 0
 
 
-def resolve(impl: str, q_len: int, dtype, head_dim: int) -> str:
-    """The implementation ``impl`` names for queries of ``q_len`` tokens: ``auto`` decided."""
+def resolve(impl: str, q_len: int, dtype, head_dim: int, documents: bool = False) -> str:
+    """The implementation ``impl`` names for queries of ``q_len`` tokens: ``auto`` decided.
+    ``documents``: a document mask is in force (segments and per-document positions), which
+    the cuDNN path here does not take."""
     check_impl(impl)
+    if impl == "cudnn" and documents:
+        raise ConfigError("--attention cudnn takes plain causal attention here, not --document-mask: use auto or blockwise")
     if impl == "cudnn" and not cudnn_applies(dtype, head_dim):
         raise ConfigError(
             f"--attention cudnn needs an NVIDIA GPU and float16 or bfloat16 (head width a multiple of 8, at most 128); "
@@ -75,25 +79,29 @@ def resolve(impl: str, q_len: int, dtype, head_dim: int) -> str:
         )
     if impl != "auto":
         return impl
-    if cudnn_applies(dtype, head_dim):
+    if cudnn_applies(dtype, head_dim) and not documents:
         return "cudnn"
     return "blockwise" if q_len >= AUTO_BLOCKWISE_FROM else "xla"
 
 
-def describe(impl: str, q_len: int, dtype, head_dim: int, context: int = 1) -> str:
+def describe(impl: str, q_len: int, dtype, head_dim: int, context: int = 1, documents: bool = False) -> str:
     """One line for the start of a run and for ``plan``: the implementation in use, and why.
-    ``context``: how many ways the sequence is split (then attention is a ring)."""
+    ``context``: how many ways the sequence is split (then attention is a ring);
+    ``documents``: a document mask is in force."""
+    masked = ", masked at document boundaries" if documents else ""
     if context > 1:
         return (f"attention: ring over {context} devices (the context axis), {q_len // context:,} tokens each, "
-                f"blockwise tiles of {min(BLOCK, q_len // context)}")  # fmt: skip
-    chosen = resolve(impl, q_len, dtype, head_dim)
+                f"blockwise tiles of {min(BLOCK, q_len // context)}{masked}")  # fmt: skip
+    chosen = resolve(impl, q_len, dtype, head_dim, documents)
     if impl != "auto":
-        return f"attention: {chosen} (--attention {impl})"
+        return f"attention: {chosen} (--attention {impl}){masked}"
     if chosen == "cudnn":
         why = "NVIDIA GPU, " + jnp.dtype(dtype).name
     else:
         why = f"{q_len:,} tokens per sequence; blockwise from {AUTO_BLOCKWISE_FROM:,}"
-    return f"attention: {chosen} (auto: {why})"
+        if documents and cudnn_applies(dtype, head_dim):
+            why += "; cuDNN takes no document mask here"
+    return f"attention: {chosen} (auto: {why}){masked}"
 
 
 def attention(
@@ -119,7 +127,8 @@ def attention(
     S, K = k.shape[1], k.shape[2]
     if N % K:
         raise ValueError(f"{N} query heads do not share {K} key/value heads evenly")
-    impl = resolve(impl, T, q.dtype, H)
+    plain = q_positions is None and k_positions is None and q_segments is None and k_segments is None
+    impl = resolve(impl, T, q.dtype, H, documents=q_segments is not None)
     ring = _ring_axis()
     if ring is not None:  # the sequence is split: a ring, whatever the implementation asked for
         axis, mesh = ring
@@ -132,7 +141,6 @@ def attention(
             q, k, v, causal=causal, q_positions=q_positions, k_positions=k_positions,
             q_segments=q_segments, k_segments=k_segments, block=block,
         )  # fmt: skip
-    plain = q_positions is None and k_positions is None and q_segments is None and k_segments is None
     if impl == "cudnn":
         if not plain:
             raise ConfigError("--attention cudnn takes plain causal attention here (no positions or segments): use blockwise")

@@ -99,7 +99,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import ConfigError
-from nnxscale.layers.stack import layers_run_by, num_layers, scan_state
+from nnxscale.layers.stack import Rows, layers_run_by, num_layers, scan_state
 from nnxscale.sharding.activations import current_rules
 from nnxscale.sharding.axes import STAGE, entry_axes
 from nnxscale.sharding.layout import itemsize
@@ -291,8 +291,9 @@ def pipeline_layers(
       x: ``(B, ...)``, the first layer's input; ``B`` split into ``M`` microbatches of
         ``B/M`` rows (microbatch ``m`` is rows ``m, m+M, m+2M, ...``, so each is spread over
         every batch shard).
-      args: passed unchanged to every layer and microbatch (rotary tables; not per-example
-        masks, which would need splitting with the batch).
+      args: passed to every layer: unchanged to every microbatch (rotary tables), or,
+        wrapped in :class:`~nnxscale.layers.stack.Rows`, ``(B, ...)`` per-row values
+        (positions, document ids) split into microbatches with ``x``.
       pipeline: the schedule; by default the one in force (:func:`use_pipeline`).
       mesh: the mesh (see :func:`use_pipeline`).
       keys: ``None``, or per-layer PRNG keys ``(L, ...)`` in layer order, as
@@ -319,12 +320,19 @@ def pipeline_layers(
     data = _data_axes(state, rules)
     rows = P(None, data) if data else P()
 
-    microbatches = x.reshape((x.shape[0] // M, M) + x.shape[1:]).swapaxes(0, 1)  # (M, B/M, ...)
-    operands, specs = [state, microbatches, args], [P(axis), rows, P()]
+    split = lambda a: a.reshape((a.shape[0] // M, M) + a.shape[1:]).swapaxes(0, 1)  # noqa: E731  (M, B/M, ...)
+    per_row = tuple(i for i, a in enumerate(args) if isinstance(a, Rows))
+    for i in per_row:
+        if jnp.shape(args[i].value)[:1] != x.shape[:1]:
+            raise ConfigError(f"pipeline_layers: a Rows argument of shape {jnp.shape(args[i].value)} has not x's {x.shape[0]} rows")
+    shared = tuple(None if i in per_row else a for i, a in enumerate(args))
+    row_args = tuple(split(args[i].value) for i in per_row)
+    operands = [state, split(x), shared, row_args]
+    specs = [P(axis), rows, P(), rows]
     if keys is not None:  # into stage order, like the layers: a gather of L keys
         operands.append(keys[pipeline.layer_order(n)])
         specs.append(P(axis))
-    program = functools.partial(_stage, graphdef=graphdef, pipeline=pipeline, data=data, remat=remat)
+    program = functools.partial(_stage, graphdef=graphdef, pipeline=pipeline, data=data, remat=remat, per_row=per_row)
     run = jax.shard_map(
         program, mesh=context_mesh(mesh), in_specs=tuple(specs), out_specs=rows, axis_names=frozenset((axis,) + data)
     )
@@ -352,8 +360,10 @@ def _data_axes(state, rules) -> tuple[str, ...]:
     return tuple(a for a in rules.batch_axes if a not in used)
 
 
-def _stage(state, microbatches, args, keys=None, *, graphdef, pipeline: Pipeline, data: tuple, remat):
-    """One stage's program. ``state``: its ``R*L/(S*R)`` layers; ``microbatches`` ``(M, B/M, ...)``.
+def _stage(state, microbatches, args, row_args, keys=None, *, graphdef, pipeline: Pipeline, data: tuple, remat,
+           per_row: tuple):  # fmt: skip
+    """One stage's program. ``state``: its ``R*L/(S*R)`` layers; ``microbatches`` ``(M, B/M, ...)``;
+    ``row_args``: the :class:`Rows` arguments (at positions ``per_row`` of ``args``), ``(M, B/M, ...)``.
 
     Work item ``k = r*M + m`` is microbatch ``m`` in repeat ``r``; stage ``s`` does item
     ``t - s`` at iteration ``t`` and hands its output to stage ``s+1`` (stage ``S-1`` to
@@ -397,7 +407,10 @@ def _stage(state, microbatches, args, keys=None, *, graphdef, pipeline: Pipeline
         if keys is not None:
             layer_keys = keys if repeat is None else jax.lax.dynamic_index_in_dim(keys, repeat, axis=1, keepdims=False)
             group_keys = jax.vmap(jax.random.fold_in, (0, None))(layer_keys, (k % M) * shards + shard)
-        out = scan_state(graphdef, layers, h, *args, keys=group_keys, remat=remat, pick=repeat)
+        layer_args = list(args)
+        for i, a in zip(per_row, row_args, strict=True):  # this item's microbatch of each per-row argument
+            layer_args[i] = jax.lax.dynamic_index_in_dim(a, k % M, keepdims=False)
+        out = scan_state(graphdef, layers, h, *layer_args, keys=group_keys, remat=remat, pick=repeat)
         return (buffer, jax.lax.ppermute(out, axis, shift)), None
 
     received = jnp.zeros_like(buffer[0])

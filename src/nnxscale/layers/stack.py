@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +105,19 @@ def layers_run_by(runner: Optional[Callable]):
         _RUNNER.reset(token)
 
 
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """A :func:`scan_layers` argument with one entry per batch row (``(B, ...)``): per-example
+    positions or document ids. Every layer gets ``value`` itself; a pipeline splits it into
+    microbatches with the batch, where a plain argument goes unchanged to every microbatch."""
+
+    value: Any
+
+
+def _unwrap(args: tuple) -> tuple:
+    return tuple(a.value if isinstance(a, Rows) else a for a in args)
+
+
 def scan_layers(layers: nnx.Module, x, *args, keys=None, remat: Union[str, bool, None] = "none"):
     """Run stacked ``layers`` in order: ``x = layer_i(x, *args)`` (``key=keys[i]`` when given).
 
@@ -111,7 +125,8 @@ def scan_layers(layers: nnx.Module, x, *args, keys=None, remat: Union[str, bool,
       layers: a module from :func:`stack_layers`.
       x: the input of the first layer, e.g. the residual stream ``(B, T, C)``; every
         layer returns the same shape and dtype.
-      args: passed unchanged to every layer (masks, rotary tables).
+      args: passed to every layer: unchanged (rotary tables), or, wrapped in :class:`Rows`,
+        per batch row (``(B, ...)``: per-example positions and document ids).
       keys: ``None``, or per-layer PRNG keys ``(n, ...)`` passed as ``key=``.
       remat: a policy of :data:`REMAT_POLICIES` (or ``True`` for ``"full"``).
 
@@ -126,7 +141,7 @@ def scan_layers(layers: nnx.Module, x, *args, keys=None, remat: Union[str, bool,
     if runner is not None:
         return runner(layers, x, *args, keys=keys, remat=remat)
     graphdef, state = nnx.split(layers)
-    return scan_state(graphdef, state, x, *args, keys=keys, remat=remat)
+    return scan_state(graphdef, state, x, *_unwrap(args), keys=keys, remat=remat)
 
 
 _MOVES = frozenset(

@@ -21,7 +21,7 @@ import inspect
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import jax.numpy as jnp
 import optax
@@ -29,6 +29,7 @@ import optax
 from nnxscale.errors import ModelError
 from nnxscale.layers.loss import chunked_cross_entropy, context_order
 from nnxscale.models import gpt2, llama
+from nnxscale.models.common.documents import document_layout
 
 
 def next_token_loss(model, inputs, targets, *, rngs=None):
@@ -49,22 +50,39 @@ def next_token_loss(model, inputs, targets, *, rngs=None):
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 
-def chunked_next_token_loss(model, inputs, targets, *, rngs=None):
+def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Optional[int] = None):
     """GPT-2's and Llama's loss: :func:`next_token_loss` without ever holding every logit.
 
     The model's ``hidden_states`` go through its ``logits`` head a chunk of tokens at a
     time (:func:`nnxscale.layers.loss.chunked_cross_entropy`); the value and gradients are
     those of :func:`next_token_loss`. With the sequence split over a ``context`` axis, the
     tokens are laid out in :func:`nnxscale.layers.attention.zigzag` order first.
+
+    ``separator`` (``--document-mask``): the token that ends each document of a packed row.
+    Attention stops at document boundaries, positions restart at each document, and the
+    mean is over the tokens whose input is not a separator
+    (:func:`nnxscale.models.common.documents.document_layout`).
     """
+    positions = segments = weights = None
+    if separator is not None:
+        positions, segments, weights = document_layout(inputs, separator)
     order = context_order(inputs.shape[1])
-    if order is None:
-        return chunked_cross_entropy(model.hidden_states(inputs, rngs=rngs), targets, model.logits)
-    # The sequence is split over a context axis: lay it out head-tail (every device the same
-    # causal work), tell the model where each token is; the loss is a sum, in any order.
-    inputs, targets = inputs[:, order], targets[:, order]
-    hidden = model.hidden_states(inputs, rngs=rngs, positions=jnp.asarray(order, jnp.int32))
-    return chunked_cross_entropy(hidden, targets, model.logits)
+    if order is not None:
+        # The sequence is split over a context axis: lay it out head-tail (every device the
+        # same causal work), tell the model where each token is; the loss is a sum, in any order.
+        inputs, targets = inputs[:, order], targets[:, order]
+        if separator is None:
+            positions = jnp.asarray(order, jnp.int32)
+        else:
+            positions, segments, weights = positions[:, order], segments[:, order], weights[:, order]
+    hidden = model.hidden_states(inputs, rngs=rngs, **_where(positions, segments))
+    return chunked_cross_entropy(hidden, targets, model.logits, weights=weights)
+
+
+def _where(positions, segments) -> dict:
+    """``hidden_states`` keywords: only those given (a model without document masks takes none)."""
+    given = {"positions": positions, "segments": segments}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 @dataclasses.dataclass(frozen=True)

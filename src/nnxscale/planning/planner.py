@@ -399,7 +399,7 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
     from nnxscale.training.state import setup
 
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
-    s = setup(cfg, mesh)
+    s = setup(cfg, mesh, separator=_separator(cfg))
     rows = layouts(s.model_state, sizes, s.rules)
 
     def per_device(tree) -> int:
@@ -608,8 +608,8 @@ def attention_figures(cfg: TrainConfig, model, rules) -> dict[str, Optional[str]
 
     c, head, context = model.config, model.dims.head_width, rules.length_shard_count
     return {
-        "attention": "ring" if context > 1 else attention.resolve(c.attention, cfg.data.seq_len, c.dtype, head),
-        "attention_line": attention.describe(c.attention, cfg.data.seq_len, c.dtype, head, context),
+        "attention": "ring" if context > 1 else attention.resolve(c.attention, cfg.data.seq_len, c.dtype, head, cfg.data.document_mask),
+        "attention_line": attention.describe(c.attention, cfg.data.seq_len, c.dtype, head, context, cfg.data.document_mask),
     }
 
 
@@ -625,10 +625,17 @@ def compile_step(cfg: TrainConfig, mesh=None):
     from nnxscale.training.state import setup
     from nnxscale.training.step import make_train_step
 
-    s = setup(cfg, mesh)
+    s = setup(cfg, mesh, separator=_separator(cfg))
     with jax.set_mesh(s.mesh):
         compiled = make_train_step(s).lower(s.abstract, s.abstract_batch).compile()
     return s, compiled
+
+
+def _separator(cfg: TrainConfig):
+    """A plan's document separator under ``--document-mask``: the plan reads no data, and the
+    compiled step is the same program whichever token ends a document (the trainer's
+    separator: :func:`nnxscale.training.inputs.document_separator`)."""
+    return 0 if cfg.data.document_mask else None
 
 
 def measure(compiled) -> dict[str, Any]:
@@ -745,7 +752,7 @@ def sweep(
 
     if cfg.parallel.microbatches is not None:
         raise ConfigError("--sweep plans meshes without a stage axis: plan a pipeline without --sweep (drop --microbatches)")
-    dims = run_model(cfg).dims
+    dims = run_model(cfg, separator=_separator(cfg)).dims
     plans = []
     for mesh in candidate_meshes(devices, math.gcd(dims.heads, dims.kv_heads)):
         for remat in remats:

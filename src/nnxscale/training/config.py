@@ -102,6 +102,9 @@ class DataConfig:
     tokenizer: Optional[str] = setting(None, "--tokenizer", "tokenizer.json (or a directory holding one) for text data; "
                                        "default: bytes, or the one in an --init-from Hugging Face directory")  # fmt: skip
     seq_len: int = setting(128, "--seq-len", "tokens per sequence (at most the model's context)")
+    document_mask: bool = setting(False, "--document-mask", "keep the packed documents of a sequence apart: attention "
+                                  "stops at the separator between documents (byte 0, or the tokenizer's end-of-text "
+                                  "token), positions restart at each, no token is trained to predict across one")  # fmt: skip
     batch_size: int = setting(32, "--batch-size", "global batch size in sequences, over all devices and processes")
     val_fraction: float = setting(0.005, "--val-fraction", "fraction of the tokens held out for validation (the tail)")
     eval_batches: int = setting(4, "--eval-batches", "validation batches per evaluation")

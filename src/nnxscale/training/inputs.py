@@ -44,6 +44,31 @@ def pretrained_source(cfg: TrainConfig) -> Optional[str]:
     return cfg.model.name if is_pretrained_dir(cfg.model.name) else None
 
 
+def document_separator(cfg: TrainConfig, tokenizer: Optional[text.TextTokenizer]) -> Optional[int]:
+    """The token that ends each document of the run's data under ``--document-mask`` (``None``
+    without it): the tokenizer's end-of-text token, or byte 0 for text read as bytes.
+
+    Raises ConfigError when the data has none: a tokenizer without an end-of-text token, or
+    a token file without ``--tokenizer`` to say which id it is.
+    """
+    if not cfg.data.document_mask:
+        return None
+    if tokenizer is not None:
+        if tokenizer.separator is None:
+            raise ConfigError(
+                f"--document-mask: tokenizer {tokenizer.path} has no end-of-text token (no eos_token in a "
+                "tokenizer_config.json beside it, none of <|endoftext|>, <|end_of_text|>, </s>, <eos>), so its "
+                "documents are joined without a separator: drop --document-mask"
+            )
+        return tokenizer.separator
+    if text.is_text_source(cfg.data.data):
+        return text.SEPARATOR
+    raise ConfigError(
+        f"--document-mask: token file {cfg.data.data} does not say which token ends a document: give the "
+        "tokenizer it was made with (--tokenizer tokenizer.json), whose end-of-text token separates its documents"
+    )
+
+
 def load_data(cfg: TrainConfig, tokenizer: Optional[text.TextTokenizer], vocab_size: int) -> datalib.TokenData:
     """The run's token stream, checked against the model's vocabulary.
 

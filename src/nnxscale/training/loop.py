@@ -39,7 +39,7 @@ from nnxscale.sharding.devices import peak_flops
 from nnxscale.sharding.mesh import format_mesh, process_findings
 from nnxscale.training.config import ConfigError, TrainConfig
 from nnxscale.training.guards import SkipCounter, StopSignals
-from nnxscale.training.inputs import keep_tokenizer, load_data, pretrained_source, run_tokenizer
+from nnxscale.training.inputs import document_separator, keep_tokenizer, load_data, pretrained_source, run_tokenizer
 from nnxscale.training.optimizer import describe_decay
 from nnxscale.training.rundir import (
     append_metrics, check_run_dir, plot_metrics, repair_metrics, with_saved_schedule_length, write_atomic,
@@ -105,8 +105,9 @@ def train(
     with StopSignals() as stop:
         run_dir = Path(cfg.run_dir)
         cfg = with_saved_schedule_length(cfg, run_dir)
-        s = setup(cfg, mesh, model=model, loss=loss)
-        inputs = _Inputs.load(cfg, s, run_dir, log)
+        tokenizer = run_tokenizer(cfg, run_dir)
+        s = setup(cfg, mesh, model=model, loss=loss, separator=document_separator(cfg, tokenizer))
+        inputs = _Inputs.load(cfg, s, tokenizer, log)
         for finding in process_findings(s.mesh, current().hosts):  # tensor parallelism across hosts
             log(f"lint: {finding}")
         check_run_dir(cfg, run_dir)  # after validating the command itself, before writing anything
@@ -131,8 +132,7 @@ class _Inputs:
     val_batches: list
 
     @classmethod
-    def load(cls, cfg: TrainConfig, s: Setup, run_dir: Path, log: Callable[[str], None]) -> _Inputs:
-        tokenizer = run_tokenizer(cfg, run_dir)
+    def load(cls, cfg: TrainConfig, s: Setup, tokenizer, log: Callable[[str], None]) -> _Inputs:
         tokens = load_data(cfg, tokenizer, s.vocab_size())
         train_tokens, val_tokens = datalib.split(tokens.tokens, cfg.data.val_fraction)
         d = cfg.data
@@ -259,7 +259,8 @@ class _Run:
         if getattr(s.model.config, "attention", None):  # a family's model (your own module picks its own)
             c = s.model.config
             context = s.rules.length_shard_count
-            self.log(attention.describe(c.attention, self.cfg.data.seq_len, c.dtype, s.model.dims.head_width, context))
+            self.log(attention.describe(c.attention, self.cfg.data.seq_len, c.dtype, s.model.dims.head_width, context,
+                                        self.cfg.data.document_mask))
         if s.pipeline is not None:
             self.log(describe_pipeline(s))
             shardings = jax.tree.leaves(s.param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))

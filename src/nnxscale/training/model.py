@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -41,6 +43,7 @@ class RunModel:
     loss: Callable
     family: Optional[ModelFamily] = None
     config: Any = None
+    separator: Optional[int] = None  # --document-mask: the token that ends a document
 
     @property
     def dims(self) -> Optional[ModelDims]:
@@ -80,18 +83,33 @@ def model_architecture(name: str, recorded: Optional[dict] = None) -> tuple[Mode
 
 
 def run_model(
-    cfg: TrainConfig, model: Optional[Callable] = None, loss: Optional[Callable] = None, *, recorded: Optional[dict] = None
+    cfg: TrainConfig,
+    model: Optional[Callable] = None,
+    loss: Optional[Callable] = None,
+    *,
+    recorded: Optional[dict] = None,
+    separator: Optional[int] = None,
 ) -> RunModel:
     """The :class:`RunModel` of ``cfg``: the preset ``cfg.model.name`` (or the architecture of
     the Hugging Face directory ``cfg.model.name``) with ``cfg``'s run options, or, given
     ``model`` (a function ``rngs -> nnx.Module``), that module, named ``cfg.model.name``.
-    ``recorded``: see :func:`model_architecture`.
+    ``recorded``: see :func:`model_architecture`. ``separator``: the token that ends a
+    document, required with ``cfg.data.document_mask`` (the family's loss masks at it).
 
     Raises ConfigError for an unknown preset (listing every family's), a run option the
-    family does not take, or a run option set for your own module (it sets its own).
+    family does not take, a run option set for your own module (it sets its own), or a
+    document mask with your own module or loss (they decide their own masks).
     """
     defaults = TrainConfig()
     changed = {k: getattr(cfg.model, k) for k in RUN_OPTIONS if getattr(cfg.model, k) != getattr(defaults.model, k)}
+    if cfg.data.document_mask:
+        if model is not None or loss is not None:
+            raise ConfigError(
+                "--document-mask is the GPT-2 and Llama families' loss; your own module or loss= decides its own "
+                "masks: leave document_mask off"
+            )
+        if separator is None:
+            raise ConfigError("document_mask: the separator token that ends a document is not known (pass separator=)")
     if model is not None:
         if not callable(model):
             raise ConfigError(f"model= must be a function rngs -> nnx.Module, got {type(model).__name__}")
@@ -104,4 +122,11 @@ def run_model(
         given = ", ".join(f"{flag(k)} {changed[k]}" for k in unsupported)
         raise ConfigError(f"{given}: {cfg.model.name} ({family.name}) has no such option; it takes {', '.join(family.run_options)}")
     config = dataclasses.replace(preset, **{k: getattr(cfg.model, k) for k in family.run_options})
-    return RunModel(cfg.model.name, lambda rngs: family.build(config, rngs=rngs), loss or family.loss, family, config)
+    objective = loss or family.loss
+    if separator is not None and cfg.data.document_mask:
+        if "separator" not in inspect.signature(objective).parameters:
+            raise ConfigError(f"--document-mask: the {family.name} family's loss takes no document mask")
+        objective = functools.partial(objective, separator=separator)
+    else:
+        separator = None
+    return RunModel(cfg.model.name, lambda rngs: family.build(config, rngs=rngs), objective, family, config, separator)

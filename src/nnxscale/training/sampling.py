@@ -37,7 +37,8 @@ def _restore(run_dir, model: Optional[Callable], warn: Callable[[str], None]) ->
         )
     cfg = TrainConfig.from_dict(saved)
     one = make_mesh("data=1", devices=jax.local_devices()[:1])
-    s = setup(with_overrides(cfg, {"parallel.mesh": "data=1", "parallel.microbatches": None, "parallel.pipeline_repeats": 1}), mesh=one, model=model,
+    s = setup(with_overrides(cfg, {"parallel.mesh": "data=1", "parallel.microbatches": None, "parallel.pipeline_repeats": 1,
+                                 "data.document_mask": False}), mesh=one, model=model,
               recorded=recorded)  # fmt: skip
     with Checkpointer(checkpoint_dir(run_dir), async_save=False) as ckpt:
         _, state, _ = ckpt.restore_intact(s.abstract, warn=warn)

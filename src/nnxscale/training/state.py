@@ -212,6 +212,7 @@ def setup(
     model: Optional[Callable] = None,
     loss: Optional[Callable] = None,
     recorded: Optional[dict] = None,
+    separator: Optional[int] = None,
 ) -> Setup:
     """Validate ``cfg`` against the devices and build the sharded plan (no arrays yet).
 
@@ -221,6 +222,8 @@ def setup(
 
     ``model`` and ``loss``: your own module instead of the preset ``cfg.model.name`` (see
     :func:`train`). ``recorded``: a run's record of its model (see :func:`model_architecture`).
+    ``separator``: the token that ends a document, with ``cfg.data.document_mask``
+    (:func:`nnxscale.training.inputs.document_separator`).
     On a mesh with a ``stage`` axis the plan includes the pipeline
     (``Setup.pipeline``), checked against the model's depth and the batch here, before
     anything is allocated.
@@ -228,10 +231,10 @@ def setup(
     cfg.validate()
     mesh = make_mesh(cfg.parallel.mesh) if mesh is None else mesh
     rules = resolve(cfg.parallel.rules, mesh, min_shard_bytes=cfg.parallel.min_shard_bytes)
-    m = run_model(cfg, model, loss, recorded=recorded)
+    m = run_model(cfg, model, loss, recorded=recorded, separator=separator)
     check_shapes(cfg, rules, m)
     if getattr(m.config, "attention", None):  # --attention cudnn where it cannot run: one line, before anything is built
-        attention.resolve(m.config.attention, cfg.data.seq_len, m.config.dtype, m.dims.head_width)
+        attention.resolve(m.config.attention, cfg.data.seq_len, m.config.dtype, m.dims.head_width, cfg.data.document_mask)
     pipe = run_pipeline(cfg, rules)
     d = cfg.data
 

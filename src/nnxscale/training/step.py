@@ -38,7 +38,7 @@ def make_train_step(s: Setup, *, vote: bool = False):
     than the step's own collectives on some device (see docs/multiprocess.md).
     """
     graphdef, tx, schedule, objective = s.graphdef, s.tx, s.schedule, s.model.loss
-    accum = s.cfg.optim.grad_accum
+    accum, separator = s.cfg.optim.grad_accum, s.model.separator
     grad_fn = jax.value_and_grad(lambda p, x, y, k: loss_fn(graphdef, p, x, y, k, objective))
 
     def step(state, batch, votes=None):
@@ -52,14 +52,19 @@ def make_train_step(s: Setup, *, vote: bool = False):
             micro = lambda a: a.reshape(a.shape[0] // accum, accum, a.shape[1]).swapaxes(0, 1)  # noqa: E731
 
             def body(carry, xs):
-                loss_sum, grad_sum = carry
+                loss_sum, grad_sum, weight_sum = carry
                 i, xm, ym = xs
                 loss_i, grads_i = grad_fn(params, xm, ym, jax.random.fold_in(key, i))
-                return (loss_sum + loss_i, jax.tree.map(jnp.add, grad_sum, grads_i)), None
+                # Each micro-batch's loss is a mean over its tokens; a document mask trains
+                # only the tokens whose input is not a separator, so weigh each by its count.
+                w = jnp.float32(1) if separator is None else jnp.sum(xm != separator, dtype=jnp.float32)
+                grads_i = jax.tree.map(lambda g: g * w, grads_i)
+                return (loss_sum + loss_i * w, jax.tree.map(jnp.add, grad_sum, grads_i), weight_sum + w), None
 
             zeros = jax.tree.map(jnp.zeros_like, params)
-            (loss, grads), _ = jax.lax.scan(body, (0.0, zeros), (jnp.arange(accum), micro(x), micro(y)))
-            loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+            carry = (jnp.float32(0), zeros, jnp.float32(0))
+            (loss, grads, total), _ = jax.lax.scan(body, carry, (jnp.arange(accum), micro(x), micro(y)))
+            loss, grads = loss / total, jax.tree.map(lambda g: g / total, grads)
         grads = jax.lax.with_sharding_constraint(grads, s.param_shardings)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_state = {

@@ -13,6 +13,7 @@ from flax import nnx
 from nnxscale.errors import ModelError
 from nnxscale.layers.attention import attention as attend
 from nnxscale.layers.stack import scan_layers, stack_layers
+from nnxscale.models.common.documents import layer_args
 from nnxscale.models.common.dropout import dropout, dropout_keys
 from nnxscale.models.gpt2.config import GPT2Config
 from nnxscale.sharding.activations import constrain
@@ -46,10 +47,11 @@ class CausalSelfAttention(nnx.Module):
             bias_init=logical(_zeros, "embed"), **kw,
         )  # fmt: skip
 
-    def __call__(self, x, positions=None):  # (B, T, C); positions (T,): the tokens' places, when out of order
+    def __call__(self, x, positions=None, segments=None):  # (B, T, C); see GPT2.hidden_states
         qkv = self.c_attn(x)  # (B, T, 3, N, H)
         q, k, v = (constrain(qkv[:, :, i], "batch", "length", "heads", "kv") for i in range(3))  # each (B, T, N, H)
-        y = attend(q, k, v, causal=True, q_positions=positions, k_positions=positions, impl=self.impl)  # (B, T, N, H)
+        y = attend(q, k, v, causal=True, q_positions=positions, k_positions=positions, q_segments=segments,
+                   k_segments=segments, impl=self.impl)  # fmt: skip  (B, T, N, H)
         y = constrain(y, "batch", "length", "heads", "kv")
         return self.c_proj(y)  # (B, T, C)
 
@@ -80,10 +82,10 @@ class Block(nnx.Module):
         self.mlp = MLP(n_embd, proj_std=proj_std, **kw)
         self.dropout = dropout
 
-    def __call__(self, x, positions=None, key=None):  # (B, T, C)
+    def __call__(self, x, positions=None, segments=None, key=None):  # (B, T, C)
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         x = constrain(x, "batch", "length", "embed")  # the residual stream
-        x = x + dropout(self.attn(self.ln_1(x), positions), self.dropout, k1)
+        x = x + dropout(self.attn(self.ln_1(x), positions, segments), self.dropout, k1)
         x = x + dropout(self.mlp(self.ln_2(x)), self.dropout, k2)
         return constrain(x, "batch", "length", "embed")
 
@@ -115,11 +117,13 @@ class GPT2(nnx.Module):
         """
         return self.logits(self.hidden_states(tokens, rngs=rngs))
 
-    def hidden_states(self, tokens, *, rngs: Optional[nnx.Rngs] = None, positions=None):
+    def hidden_states(self, tokens, *, rngs: Optional[nnx.Rngs] = None, positions=None, segments=None):
         """``tokens`` int (B, T) -> the final layer norm's output (B, T, n_embd), before the head.
 
-        ``positions`` (T,) ints: each token's place in the sequence when ``tokens`` are stored
-        out of order (a zigzag layout over a ``context`` axis); default ``0..T-1``.
+        ``positions`` (T,) or (B, T) ints: each token's place in its sequence (default
+        ``0..T-1``): given when ``tokens`` are stored out of order (a zigzag layout over a
+        ``context`` axis) or hold several documents, each starting at 0.
+        ``segments`` (B, T) ints: document ids; a token attends only within its document.
         """
         c = self.config
         T = tokens.shape[1]
@@ -128,8 +132,7 @@ class GPT2(nnx.Module):
         embed_key, block_keys = dropout_keys(rngs, c.dropout, c.n_layer)
         x = self.wte(tokens) + self.wpe(jnp.arange(T) if positions is None else positions)  # (B, T, C)
         x = dropout(constrain(x, "batch", "length", "embed"), c.dropout, embed_key)
-        args = () if positions is None else (positions,)
-        x = scan_layers(self.h, x, *args, keys=block_keys, remat=c.remat)  # (B, T, C)
+        x = scan_layers(self.h, x, *layer_args(positions, segments), keys=block_keys, remat=c.remat)  # (B, T, C)
         return self.ln_f(x)
 
     def logits(self, x):

@@ -12,7 +12,8 @@ from flax import nnx
 
 from nnxscale.errors import ModelError
 from nnxscale.layers.attention import attention as attend
-from nnxscale.layers.stack import scan_layers, stack_layers
+from nnxscale.layers.stack import Rows, scan_layers, stack_layers
+from nnxscale.models.common.documents import layer_args
 from nnxscale.models.common.dropout import dropout, dropout_keys
 from nnxscale.models.llama.config import LlamaConfig, RopeScaling
 from nnxscale.sharding.activations import constrain
@@ -40,7 +41,7 @@ def _rotate(x, cos, sin):
     """Rotary embedding in HF's layout: dimension ``i`` pairs with ``i + H/2`` (``rotate_half``)."""
     x1, x2 = jnp.split(x, 2, axis=-1)  # each (B, T, N, H/2)
     rotated = jnp.concatenate([-x2, x1], axis=-1)  # (B, T, N, H)
-    cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)  # (T, 1, H)
+    cos, sin = cos[..., None, :].astype(x.dtype), sin[..., None, :].astype(x.dtype)  # ([B,] T, 1, H)
     return x * cos + rotated * sin
 
 
@@ -62,12 +63,13 @@ class LlamaAttention(nnx.Module):
         self.v_proj = proj(K, "kv_heads")
         self.o_proj = nnx.Einsum("btnh,nhc->btc", (N, H, C), kernel_init=logical(_normal, "heads", "kv", "embed"), **kw)
 
-    def __call__(self, x, cos, sin, positions=None):  # x (B, T, C); cos, sin (T, H); positions (T,) if out of order
+    def __call__(self, x, cos, sin, positions=None, segments=None):  # x (B, T, C); cos, sin ([B,] T, H); see Llama.hidden_states
         q = constrain(_rotate(self.q_proj(x), cos, sin), "batch", "length", "heads", "kv")  # (B, T, N, H)
         k = constrain(_rotate(self.k_proj(x), cos, sin), "batch", "length", "kv_heads", "kv")  # (B, T, K, H)
         v = constrain(self.v_proj(x), "batch", "length", "kv_heads", "kv")  # (B, T, K, H)
         # grouped-query attention: query head n reads K/V head n // (N // K), as HF's repeat_kv
-        y = attend(q, k, v, causal=True, q_positions=positions, k_positions=positions, impl=self.impl)  # (B, T, N, H)
+        y = attend(q, k, v, causal=True, q_positions=positions, k_positions=positions, q_segments=segments,
+                   k_segments=segments, impl=self.impl)  # fmt: skip  (B, T, N, H)
         y = constrain(y, "batch", "length", "heads", "kv")
         return self.o_proj(y)  # (B, T, C)
 
@@ -95,10 +97,10 @@ class LlamaDecoderLayer(nnx.Module):
         self.mlp = LlamaMLP(c.hidden_size, c.intermediate_size, **kw)
         self.dropout = c.dropout
 
-    def __call__(self, x, cos, sin, positions=None, key=None):  # x (B, T, C)
+    def __call__(self, x, cos, sin, positions=None, segments=None, key=None):  # x (B, T, C)
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         x = constrain(x, "batch", "length", "embed")  # the residual stream
-        x = x + dropout(self.self_attn(self.input_layernorm(x), cos, sin, positions), self.dropout, k1)
+        x = x + dropout(self.self_attn(self.input_layernorm(x), cos, sin, positions, segments), self.dropout, k1)
         x = x + dropout(self.mlp(self.post_attention_layernorm(x)), self.dropout, k2)
         return constrain(x, "batch", "length", "embed")
 
@@ -131,11 +133,13 @@ class Llama(nnx.Module):
         """
         return self.logits(self.hidden_states(tokens, rngs=rngs))
 
-    def hidden_states(self, tokens, *, rngs: Optional[nnx.Rngs] = None, positions=None):
+    def hidden_states(self, tokens, *, rngs: Optional[nnx.Rngs] = None, positions=None, segments=None):
         """``tokens`` int (B, T) -> the final norm's output (B, T, hidden_size), before the head.
 
-        ``positions`` (T,) ints: each token's place in the sequence (for RoPE and the causal
-        mask) when ``tokens`` are stored out of order (a zigzag layout); default ``0..T-1``.
+        ``positions`` (T,) or (B, T) ints: each token's place in its sequence, for RoPE and
+        the causal mask (default ``0..T-1``): given when ``tokens`` are stored out of order
+        (a zigzag layout over a ``context`` axis) or hold several documents, each starting at 0.
+        ``segments`` (B, T) ints: document ids; a token attends only within its document.
         """
         c = self.config
         T = tokens.shape[1]
@@ -144,11 +148,14 @@ class Llama(nnx.Module):
         embed_key, layer_keys = dropout_keys(rngs, c.dropout, c.num_hidden_layers)
         inv_freq = rope_frequencies(c.head_size, c.rope_theta, c.rope_scaling).astype(np.float32)  # (H/2,)
         where = jnp.arange(T) if positions is None else positions
-        angles = where.astype(jnp.float32)[:, None] * inv_freq  # (T, H/2)
-        angles = jnp.concatenate([angles, angles], axis=-1)  # (T, H): HF's rotate_half layout
+        angles = where.astype(jnp.float32)[..., None] * inv_freq  # ([B,] T, H/2)
+        angles = jnp.concatenate([angles, angles], axis=-1)  # ([B,] T, H): HF's rotate_half layout
         x = dropout(constrain(self.embed_tokens(tokens), "batch", "length", "embed"), c.dropout, embed_key)  # (B, T, C)
-        args = () if positions is None else (positions,)
-        x = scan_layers(self.layers, x, jnp.cos(angles), jnp.sin(angles), *args, keys=layer_keys, remat=c.remat)
+        tables = (jnp.cos(angles), jnp.sin(angles))
+        if positions is not None and jnp.ndim(positions) == 2:  # per row: split with the batch in a pipeline
+            tables = tuple(Rows(t) for t in tables)
+        args = (*tables, *layer_args(positions, segments))
+        x = scan_layers(self.layers, x, *args, keys=layer_keys, remat=c.remat)
         return self.norm(x)
 
     def logits(self, x):
