@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -248,6 +249,11 @@ def join(spec: JobSpec = JobSpec()) -> Job:
     return _job
 
 
+#: Whether this process turned the persistent cache off (a CPU job): see
+#: :func:`cache_without_collectives`.
+_cache_turned_off = False
+
+
 def _no_persistent_cache_in_a_cpu_job() -> None:
     """Turn JAX's persistent compilation cache off in a CPU job of several processes.
 
@@ -257,17 +263,44 @@ def _no_persistent_cache_in_a_cpu_job() -> None:
     step. JAX writes entries from process 0 only and lets every process read them; and even
     with a cache per process, process 0's entry (from an earlier job) did not match process
     1's fresh compilation. Programs compiled in the same job always match, so a CPU job
-    compiles everything itself. GPU and TPU jobs keep the cache, as JAX intends.
+    compiles every program with collectives itself (programs without any may use the cache:
+    :func:`cache_without_collectives`). GPU and TPU jobs keep the cache, as JAX intends.
     """
+    global _cache_turned_off
     import jax
 
     if jax.process_count() == 1 or jax.default_backend() != "cpu" or not jax.config.jax_enable_compilation_cache:
         return
     if jax.config.jax_compilation_cache_dir:
-        from jax._src import compilation_cache  # it remembers whether it is in use once asked
+        _set_persistent_cache(False)
+        _cache_turned_off = True
 
-        jax.config.update("jax_enable_compilation_cache", False)
-        compilation_cache.reset_cache()
+
+def _set_persistent_cache(on: bool) -> None:
+    import jax
+    from jax._src import compilation_cache  # it remembers whether it is in use once asked
+
+    jax.config.update("jax_enable_compilation_cache", on)
+    compilation_cache.reset_cache()
+
+
+@contextlib.contextmanager
+def cache_without_collectives():
+    """Within the block, a CPU job's processes use the persistent compilation cache again:
+    for programs that run no collective (the sharded init: every device draws its own
+    shards), where a process's executable cannot go out of step with its peers'. A job's
+    init then compiles once per cache instead of once per process and job (7 to 9 s of a
+    2 x 4-device job's start on 2 cores, measured 2026-11-24). Yields whether the cache was
+    turned on: the caller compiles again outside the block a program that turns out to run
+    collectives. Elsewhere it does nothing and yields False."""
+    if not _cache_turned_off:
+        yield False
+        return
+    _set_persistent_cache(True)
+    try:
+        yield True
+    finally:
+        _set_persistent_cache(False)
 
 
 def _host_names(client, process_id: int, timeout_s: int) -> tuple[str, ...]:

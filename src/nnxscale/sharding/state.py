@@ -256,8 +256,14 @@ def compile_init(factory: Callable[[], nnx.Module], mesh, rules=None, *, group_b
 
         return jax.jit(create, out_shardings=[shardings[i] for i in group])
 
+    from nnxscale.jobs.distributed import cache_without_collectives
+    from nnxscale.planning.hlo import collectives
+
     with jax.set_mesh(mesh):
-        compiled = [program(g).lower().compile() for g in groups]
+        with cache_without_collectives() as cached:  # random draws: every device its own shards
+            compiled = [program(g).lower().compile() for g in groups]
+        if cached and any(collectives(c.as_text()) for c in compiled):  # an init that needs them
+            compiled = [program(g).lower().compile() for g in groups]
     return InitProgram(graphdef, treedef, groups, compiled, mesh)
 
 
