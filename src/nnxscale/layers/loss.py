@@ -61,7 +61,7 @@ def context_order(length: int):
 
 
 def chunked_cross_entropy(
-    hidden, targets, project: Callable, *, weights=None, chunks: Optional[int] = None
+    hidden, targets, project: Callable, *, weights=None, chunks: Optional[int] = None, vocab: Optional[int] = None
 ) -> jax.Array:
     """Mean next-token cross-entropy of ``project(hidden)`` against ``targets``, in chunks.
 
@@ -69,12 +69,14 @@ def chunked_cross_entropy(
     to float32 logits ``(B, t, V)`` (the output head, which constrains its logits' layout:
     a chunk's logits are split like the whole's); ``targets`` ``(B, T)`` ints;
     ``weights`` ``(B, T)`` (optional): each token's weight, the mean is over their sum.
-    ``chunks``: default :func:`chunk_count`.
+    ``chunks``: default :func:`chunk_count`, for ``vocab`` words (default: traced from
+    ``project`` on one token, which records that token's logits among the activations).
     """
     B, T, C = hidden.shape
     w = jnp.ones((B, T), jnp.float32) if weights is None else weights.astype(jnp.float32)
     if chunks is None:
-        vocab = jax.eval_shape(project, jax.ShapeDtypeStruct((B, 1, C), hidden.dtype)).shape[-1]
+        if vocab is None:
+            vocab = jax.eval_shape(project, jax.ShapeDtypeStruct((B, 1, C), hidden.dtype)).shape[-1]
         chunks = chunk_count(B, T, vocab, _token_shards())
     if T % chunks:
         raise ValueError(f"{chunks} chunks do not divide the {T} tokens of a sequence")

@@ -76,7 +76,7 @@ def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Opt
         else:
             positions, segments, weights = positions[:, order], segments[:, order], weights[:, order]
     hidden = model.hidden_states(inputs, rngs=rngs, **_where(positions, segments))
-    return chunked_cross_entropy(hidden, targets, model.logits, weights=weights)
+    return chunked_cross_entropy(hidden, targets, model.logits, weights=weights, vocab=model.config.vocab_size)
 
 
 def _where(positions, segments) -> dict:

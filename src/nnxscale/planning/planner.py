@@ -27,6 +27,7 @@ weights, logits).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -119,6 +120,7 @@ class StepPlan:
     activations: list = dataclasses.field(default_factory=list)  # {names, shape, spec, dropped} per constrained activation
     notes: list = dataclasses.field(default_factory=list)
     pipeline: Optional[dict] = None  # the pipeline's layout and costs (see pipeline_figures); None without one
+    context: Optional[dict] = None  # the ring over a context axis (see context_figures); None without one
     attention: Optional[str] = None  # the attention implementation in use (a family's model; None: your own)
     attention_line: Optional[str] = None  # the run's line about it (nnxscale.layers.attention.describe)
     #: :func:`layout_figures` of the plan (the abstract model, resolved rules, rows): reused by
@@ -178,6 +180,7 @@ class StepPlan:
             "fits": self.fits,
             "estimate": self.estimated,
             "pipeline": self.pipeline,
+            "context": self.context,
             "attention": self.attention,
         }
 
@@ -215,6 +218,8 @@ class StepPlan:
             lines.append(f"  compiled in {self.compile_seconds:.1f} s")
         if self.pipeline:
             lines += [""] + pipeline_lines(self.pipeline, self.source)
+        if self.context:
+            lines += [""] + context_lines(self.context, self.source)
         for note in self.notes:
             lines.append(f"note: {note}")
         if self.device_memory is not None:
@@ -286,7 +291,7 @@ def plan(
         notes += calibration
         return StepPlan(**common, temp_bytes=est["temp_bytes_per_device"], peak_bytes=est["peak_bytes_per_device"],
                         collective_bytes=est["collective_bytes_by_kind"], source="estimate", notes=notes,
-                        pipeline=pipeline_figures(cfg, lay))  # fmt: skip
+                        pipeline=pipeline_figures(cfg, lay), context=context_figures(cfg, lay))  # fmt: skip
     compiled = compiled_figures(cfg, n)
     state_bytes = lay["param_bytes"] + lay["optimizer_bytes"]
     notes = list(calibration)
@@ -303,6 +308,7 @@ def plan(
         activations=compiled["activations"],
         notes=notes,
         pipeline=pipeline_figures(cfg, lay, compiled["collective_bytes"]),
+        context=context_figures(cfg, lay, compiled["collective_bytes"]),
     )
 
 
@@ -360,6 +366,35 @@ def pipeline_lines(p: dict, source: str = "compiler") -> list[str]:
         "per device per step"
     )
     return lines
+
+
+def context_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional[dict] = None) -> Optional[dict]:
+    """The ring of a plan whose mesh splits the sequence (``context``): devices, tokens per
+    device, and the ring's permutes per device and step, by :func:`ring_permute_bytes`
+    and, compiled, the step's collective-permutes. None without a context axis."""
+    n = lay["rules"].length_shard_count
+    if n <= 1:
+        return None
+    return {
+        "devices": n,
+        "tokens_per_device": cfg.data.seq_len // n,
+        "permute_bytes_expected": ring_permute_bytes(cfg, lay),
+        "permute_bytes_per_step": None if compiled_collectives is None else compiled_collectives.get("collective-permute", 0),
+    }
+
+
+def context_lines(c: dict, source: str = "compiler") -> list[str]:
+    """The plan's context section, in lines."""
+    expected = format_bytes(c["permute_bytes_expected"])
+    formula = "L x (2 (n-1) x keys and values + n x their float32 gradients)"
+    head = f"context: the sequence split {c['devices']} ways, {c['tokens_per_device']:,} tokens per device; ring attention"
+    if c["permute_bytes_per_step"] is None:
+        return [head, f"  collective-permute per device per step: {expected} (ring_permute_bytes: {formula}; not compiled)"]
+    return [
+        head,
+        f"  collective-permute per device per step: {format_bytes(c['permute_bytes_per_step'])} ({source}), "
+        f"{expected} expected ({formula})",
+    ]
 
 
 def mesh_sizes(spec, devices: Optional[int] = None) -> dict[str, int]:
@@ -427,7 +462,7 @@ def _split(rows, rules) -> dict[str, float]:
     """Full bytes of the parameters, by how the batch axes treat them, divided by the
     other (tensor-parallel) axes: ``fsdp`` (split over a batch axis: gathered every step)
     and ``replicated`` (whole on every batch shard: its gradient is all-reduced)."""
-    batch = {a for a in rules.batch_axes if rules.sizes[a] > 1}
+    batch = {a for a in (*rules.batch_axes, *rules.length_axes) if rules.sizes[a] > 1}  # context: FSDP-like
     out = {"fsdp": 0.0, "replicated": 0.0}
     for row in rows:
         axes = {a for e in row.spec for a in entry_axes(e)}
@@ -456,20 +491,50 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
         out.append(("data-parallel gradient all-reduce", split["replicated"] / full))
     if split["fsdp"]:
         out.append(("FSDP 2 gathers + reduce-scatter", 3 * split["fsdp"] / full))
-    tensor = math.prod(s for a, s in rules.sizes.items() if a not in rules.batch_axes and a != STAGE)
+    tensor = math.prod(s for a, s in rules.sizes.items() if a not in (*rules.batch_axes, *rules.length_axes, STAGE))
     pipe = lay.get("pipeline")
     layers = dims.layers
     if pipe is not None:  # a stage runs L/S layers, over R*M + S - 1 iterations of R*M microbatches' worth
         layers = dims.layers / pipe.stages * pipe.iterations / (pipe.repeats * pipe.microbatches)
     if tensor > 1:
         d = cfg.data
-        act = d.batch_size / rules.batch_shard_count * d.seq_len * dims.width * (2 if cfg.model.dtype == "bfloat16" else 4)
+        tokens = d.batch_size / rules.batch_shard_count * d.seq_len / rules.length_shard_count
+        act = tokens * dims.width * (2 if cfg.model.dtype == "bfloat16" else 4)
         per_layer = 4 + (2 if cfg.model.remat != "none" else 0)
         out.append(("tensor-parallel activation all-reduces", per_layer * layers * act / full))
     if pipe is not None:
         p = pipeline_figures(cfg, lay)
         out.append(("pipeline permutes and stage boundary", (p["permute_bytes_expected"] + p["boundary_bytes"]) / full))
+    if rules.length_shard_count > 1:
+        out.append(("context ring permutes", ring_permute_bytes(cfg, lay) / full))
     return out
+
+
+def ring_permute_bytes(cfg: TrainConfig, lay: dict) -> int:
+    """What ring attention sends per device and step over a ``context`` axis of ``n`` devices.
+
+    Per layer, with ``kv`` one device's keys and values (``2 b (T/n) K H`` elements in the
+    compute dtype): the forward passes them on ``n - 1`` times; the backward passes them
+    round again (``n - 1``) with their float32 gradients (``n`` times, home after the last):
+    ``L x (2 (n - 1) kv + n kv gradients)``, times the accumulation steps. Compiled
+    (llama-tiny, 2 layers, 2026-11-24) the ring's permutes are exactly this, with
+    ``--remat`` none or full (the ring's residuals are kept, not recomputed) and with
+    ``--document-mask``; the step also moves a few tensors of the zigzag layout outside the
+    layers (0.1% more on ``context=4,fsdp=2``, 13% on ``context=2,fsdp=2,model=2``).
+    """
+    rules, dims, d = lay["rules"], lay["model"].dims, cfg.data
+    n = rules.length_shard_count
+    tokens = d.batch_size / rules.batch_shard_count / cfg.optim.grad_accum * d.seq_len / n
+    kv_heads = dims.kv_heads / _tensor_split(rules, "kv_heads", dims.kv_heads)
+    itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
+    kv = 2 * tokens * kv_heads * dims.head_width
+    per_layer = 2 * (n - 1) * kv * itemsize + n * kv * 4
+    return int(dims.layers * per_layer * cfg.optim.grad_accum)
+
+
+def _tensor_split(rules, name: str, size: int) -> int:
+    """How many ways the activation rules split the logical axis ``name`` (of ``size``)."""
+    return math.prod(rules.sizes[a] for e in rules.activation_spec((name,), (size,)) for a in entry_axes(e))
 
 
 # --------------------------------------------------------------------------------------
@@ -550,13 +615,19 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
     d = cfg.data
     accum = cfg.optim.grad_accum
     b = d.batch_size / rules.batch_shard_count / accum
-    T, C, L, N, V = d.seq_len, dims.width, dims.layers, dims.heads, dims.vocab_size
+    T, C, L, N, V = d.seq_len / rules.length_shard_count, dims.width, dims.layers, dims.heads, dims.vocab_size
     s = 4
-
-    def split(name: str, size: int) -> int:
-        return math.prod(rules.sizes[a] for e in rules.activation_spec((name,), (size,)) for a in entry_axes(e))
-
+    split = functools.partial(_tensor_split, rules)
     tp, tph, tpv = split("mlp", dims.mlp_width), split("heads", N), split("vocab", V)
+    # Scores per query: every key (xla), or one tile of keys at a time (blockwise, the
+    # ring), which the kernel's backward recomputes instead of keeping.
+    from nnxscale.layers.attention import BLOCK
+    from nnxscale.layers.loss import chunk_count
+
+    tiled = attention_figures(cfg, lay["model"], rules)["attention"] in ("blockwise", "ring")
+    keys = min(BLOCK, T) if tiled else d.seq_len
+    shards = rules.batch_shard_count * rules.length_shard_count  # as the families' chunked loss counts them
+    logit_chunks = chunk_count(d.batch_size // accum, d.seq_len, V, shards) if lay["model"].family is not None else 1
     parts = _split(lay["rows"], rules)
     replicated = parts["replicated"] if rules.batch_shard_count > 1 else 0.0
     act = b * T * C * s
@@ -566,11 +637,11 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
     return {
         "saved_res": L * act,
         "saved_tp": L * act / tp,
-        "saved_att": L * b * N * T * T * s / tph,
+        "saved_att": 0.0 if tiled else L * b * N * T * keys * s / tph,
         "work_res": act,
         "work_tp": act / tp,
-        "work_att": b * N * T * T * s / tph,
-        "logits": b * T * V * 4 / tpv,
+        "work_att": b * N * T * keys * s / tph,
+        "logits": b * T * V * 4 / tpv / logit_chunks,
         "grads": lay["gradient_bytes"],
         "grads_sum": lay["gradient_bytes"] if accum > 1 else 0.0,
         "gathered": (parts["fsdp"] / max(L, 1) + V * C * 4 / tpv) if parts["fsdp"] else 0.0,
@@ -592,11 +663,14 @@ def estimate(cfg: TrainConfig, lay: Optional[dict] = None) -> dict[str, Any]:
     temp = int(max(temp, f["grads"] + f["grads_sum"]))
     coll_coef = COEFFICIENTS.get("collectives", {})
     coll = int(sum(coll_coef.get(k, 0.0) * f[k] for k in COLLECTIVE_FEATURES))
+    by_kind = {"all (estimate)": coll}
+    if lay["rules"].length_shard_count > 1:  # the ring's permutes: counted, not fitted
+        by_kind["collective-permute (ring)"] = ring_permute_bytes(cfg, lay)
     return {
         "temp_bytes_per_device": temp,
         "peak_bytes_per_device": int(lay["param_bytes"] + lay["optimizer_bytes"] + lay["batch_bytes"] + temp),
-        "collective_bytes_per_step": coll,
-        "collective_bytes_by_kind": {"all (estimate)": coll},
+        "collective_bytes_per_step": sum(by_kind.values()),
+        "collective_bytes_by_kind": by_kind,
     }
 
 
@@ -719,11 +793,21 @@ def _child_main() -> None:
 # --------------------------------------------------------------------------------------
 
 
-def candidate_meshes(n: int, heads: int) -> list[str]:
+#: From this many tokens per sequence a sweep also proposes meshes that split the sequence.
+SWEEP_CONTEXT_FROM = 8192
+
+
+def candidate_meshes(n: int, heads: int, seq_len: int = 0) -> list[str]:
     """Meshes of ``n`` devices worth comparing: data, fsdp, and either with a model axis
     that divides ``heads`` (query and key/value heads alike: tensor parallelism within at
-    most 8 devices)."""
+    most 8 devices); for sequences of :data:`SWEEP_CONTEXT_FROM` tokens or more, a
+    ``context`` axis alone and beside ``fsdp`` (where it divides the sequence in ``2 x
+    context`` head-tail chunks)."""
     out = [f"data={n}", f"fsdp={n}"]
+    if seq_len >= SWEEP_CONTEXT_FROM:
+        for c in (n, 8, 4, 2):
+            if 1 < c <= n and n % c == 0 and seq_len % (2 * c) == 0:
+                out.append(f"context={n}" if c == n else f"context={c},fsdp={n // c}")
     for tp in (2, 4, 8):
         if n % tp or heads % tp or tp >= n:
             continue
@@ -754,7 +838,7 @@ def sweep(
         raise ConfigError("--sweep plans meshes without a stage axis: plan a pipeline without --sweep (drop --microbatches)")
     dims = run_model(cfg, separator=_separator(cfg)).dims
     plans = []
-    for mesh in candidate_meshes(devices, math.gcd(dims.heads, dims.kv_heads)):
+    for mesh in candidate_meshes(devices, math.gcd(dims.heads, dims.kv_heads), cfg.data.seq_len):
         for remat in remats:
             c = with_overrides(cfg, {"parallel.mesh": mesh, "model.remat": remat})
             try:
