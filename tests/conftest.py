@@ -67,19 +67,3 @@ def bpe_tokenizer(tmp_path_factory, text_data):
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}\n')
     return directory / "tokenizer.json"
-
-
-# The suite runs on 2 xdist workers, each taking whole files in collection order. Taken
-# alphabetically, test_train (about 2 minutes) starts last and the other worker idles
-# while it runs; heaviest first, the two workers finish together (measured 2026-11-24:
-# alphabetically 595 s and 498 s of tests per worker, heaviest first about 547 s each).
-# The order only schedules; every file runs.
-HEAVIEST_FIRST = (
-    "test_distributed.py", "test_long_context.py", "test_train.py", "test_faults.py", "test_pipeline.py",
-    "test_pipeline_train.py", "test_llama.py", "test_llama_train.py", "test_gpt2.py", "test_plan.py",
-)  # fmt: skip
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
