@@ -409,6 +409,17 @@ def test_the_command_line_reads_its_arguments_before_jax_starts():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_cpu_devices_that_come_too_late_are_said_to(capsys):
+    """Called from Python with jax already running on 8 devices, --cpu-devices 4 cannot
+    apply: one line says so; asking for the count jax has says nothing."""
+    plan = ["plan", "--model", "gpt2-tiny", "--compile", "never"]
+    code, _, err = run_main(capsys, [*plan, "--cpu-devices", "4"])
+    assert code == 0 and "nnxscale: note: --cpu-devices 4 has no effect here: jax is already running in this " \
+        "process with 8 CPU devices" in err, err  # fmt: skip
+    code, _, err = run_main(capsys, [*plan, "--cpu-devices", "8"])
+    assert code == 0 and "no effect" not in err, err
+
+
 def test_train_plan_and_init_take_the_same_settings_with_the_same_defaults(tmp_path):
     """One source of truth: the flags come from the config dataclasses, so the same flags
     give the same run in `train`, `plan` and `init` (and no flags, the quick start's)."""

@@ -142,6 +142,14 @@ def test_plan_command_json_sweep_and_errors(capsys):
         peak = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
         assert abs(swept["peak_bytes_per_device"] / peak - 1) < 0.15, (mesh, remat, swept["peak_bytes_per_device"], peak)
 
+    # A candidate that cannot run the configuration is named with the reason, not dropped:
+    # a batch of 4 splits over none of the 8-way meshes.
+    assert main(["plan", "--model", "gpt2-tiny", "--mesh", "data=8", "--batch-size", "4", "--seq-len", "64", "--sweep"]) == 0
+    out = capsys.readouterr().out
+    assert "not planned: data=8: --batch-size 4 must be a multiple of 8" in out, out
+    assert "not planned: fsdp=8: --batch-size 4" in out, out
+    assert any(line.startswith("data=4,model=2 ") for line in out.splitlines()), out  # 4 rows over data=4: planned
+
     assert main(["plan", "--model", "gpt2-tiny", "--device", "tpu-v9"]) == 2
     assert "unknown device 'tpu-v9'" in capsys.readouterr().err
 

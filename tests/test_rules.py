@@ -382,3 +382,20 @@ def test_unannotated_parameters_obey_the_preset():
         specs = nnxscale.state_specs(model, nnxscale.parse_mesh_spec(mesh), rules)
         assert specs["lin"]["kernel"] == kernel, (rules, mesh)
         assert specs["lin"]["bias"] == bias, (rules, mesh)
+
+
+def test_a_run_says_which_tensors_its_mesh_cannot_split():
+    """gpt2's 12 heads on model=8 stay whole: the run's start lines say so (as `plan`'s lint
+    does), once per tensor whatever the depth; on model=4 the heads split and only the
+    50,257-word embedding stays whole."""
+    from nnxscale.training.config import TrainConfig, with_overrides
+    from nnxscale.training.loop import layout_findings
+    from nnxscale.training.state import setup
+
+    cfg = with_overrides(TrainConfig(), {"model.name": "gpt2", "parallel.mesh": "data=1,model=8", "data.batch_size": 8})
+    lines = layout_findings(setup(cfg))
+    assert "[indivisible] h.attn.c_attn.kernel: dim 3 (heads=12) is not divisible by 8 (mesh axes ('model',)): " \
+           "not sharded over 'model'" in lines, lines  # fmt: skip
+    assert len(lines) == len(set(lines)) == 4, lines  # c_attn kernel and bias, c_proj, the 50,257-word embedding
+    four = layout_findings(setup(with_overrides(cfg, {"parallel.mesh": "data=2,model=4"})))  # 12 heads split 4 ways
+    assert [line.split(":")[0] for line in four] == ["[indivisible] wte.embedding"], four

@@ -30,10 +30,13 @@ def configure_cpu_devices(n: Optional[int]) -> None:
     """Ask XLA for ``n`` CPU devices (default: $NNXSCALE_CPU_DEVICES or 8). Call before jax.
 
     Raises ConfigError for a count outside [1, MAX_CPU_DEVICES], from the flag or the
-    environment variable, even when jax is already running (then the count is not applied).
+    environment variable, even when jax is already running. Then the count cannot be
+    applied: a count asked for that differs from the running CPU backend's is one line on
+    stderr, not silence.
     """
     from nnxscale.errors import ConfigError
 
+    asked = n is not None or "NNXSCALE_CPU_DEVICES" in os.environ
     source = "--cpu-devices"
     if n is None and "NNXSCALE_CPU_DEVICES" in os.environ:
         source, text = "NNXSCALE_CPU_DEVICES", os.environ["NNXSCALE_CPU_DEVICES"]
@@ -45,6 +48,7 @@ def configure_cpu_devices(n: Optional[int]) -> None:
     if not 1 <= n <= MAX_CPU_DEVICES:
         raise ConfigError(f"{source} must be in [1, {MAX_CPU_DEVICES}] (simulated CPU devices), got {n}")
     if "jax" in sys.modules:
+        _note_devices_already_set(n, source, asked)
         return
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     flags.append(f"--xla_force_host_platform_device_count={n}")
@@ -59,6 +63,22 @@ PLAN_SETTINGS = (
     "model.attention", "data.document_mask", "model.dropout", "optim.grad_accum", "parallel.microbatches", "parallel.pipeline_repeats", "parallel.min_shard_bytes",
 )  # fmt: skip
 INIT_SETTINGS = ("model.name", "parallel.mesh", "parallel.rules", "parallel.min_shard_bytes", "seed", "run_dir")
+
+
+def _note_devices_already_set(n: int, source: str, asked: bool) -> None:
+    """jax is imported: XLA read its device count when its CPU backend started. Say so when
+    ``n`` was asked for and the running backend has another count (a backend not started
+    yet is left alone: asking would start it, before a job of several processes is joined)."""
+    from jax._src import xla_bridge
+
+    import jax
+
+    if not asked or not xla_bridge.backends_are_initialized() or jax.default_backend() != "cpu":
+        return
+    have = jax.local_device_count()
+    if have != n:
+        print(f"nnxscale: note: {source} {n} has no effect here: jax is already running in this process with {have} "
+              "CPU devices (set it before jax starts: the command line, or NNXSCALE_CPU_DEVICES)", file=sys.stderr)  # fmt: skip
 
 
 def _add_settings(p: argparse.ArgumentParser, paths=None, *, required=()) -> None:
@@ -349,7 +369,7 @@ def _plan(args) -> int:
     import json
 
     from nnxscale.planning import planner as planlib
-    from nnxscale.sharding.state import lint, sharding_table
+    from nnxscale.sharding.state import group_findings, lint, sharding_table
 
     cfg = _config(args)
     memory = planlib.device_memory(args.device_memory, args.device)
@@ -359,10 +379,11 @@ def _plan(args) -> int:
         import math
 
         devices = math.prod(sizes.values())
-        plans = planlib.sweep(cfg, devices, device_memory=memory, compile=args.compile or "never", max_compile_devices=max_devices)
+        plans, skipped = planlib.sweep(cfg, devices, device_memory=memory, compile=args.compile or "never",
+                                       max_compile_devices=max_devices)  # fmt: skip
         print(f"sweep: {cfg.model.name}, {devices} devices, global batch {cfg.data.batch_size} x {cfg.data.seq_len}, "
               f"{cfg.model.dtype} compute, sorted by peak memory per device")  # fmt: skip
-        print(planlib.sweep_table(plans))
+        print(planlib.sweep_table(plans, skipped))
         if args.json:
             print(json.dumps([p.to_dict() for p in plans]))
         return 0
@@ -385,21 +406,6 @@ def _plan(args) -> int:
     if args.json:
         print(json.dumps(step.to_dict()))
     return 0
-
-
-def group_findings(findings) -> list[str]:
-    """One line per distinct finding; the same finding on every layer (h.0 ... h.47) once."""
-    import re
-
-    groups: dict[tuple, list] = {}
-    for f in findings:
-        key = (f.kind, re.sub(r"\.\d+\.", ".N.", f.path), f.message)
-        groups.setdefault(key, []).append(f)
-    lines = []
-    for (kind, path, message), members in groups.items():
-        where = members[0].path if len(members) == 1 else f"{path} ({len(members)} layers)"
-        lines.append(f"[{kind}] {where + ': ' if where else ''}{message}")
-    return lines
 
 
 def _launch(args) -> int:

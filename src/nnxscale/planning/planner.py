@@ -826,31 +826,32 @@ def sweep(
     device_memory: Optional[int] = None,
     compile: str = "never",
     max_compile_devices: int = MAX_COMPILE_DEVICES,
-) -> list[StepPlan]:
+) -> tuple[list[StepPlan], dict[str, str]]:
     """Plan every candidate mesh (with the ``auto`` rules) x remat policy for ``devices``.
 
-    Sorted by peak memory per device. ``compile="never"`` (the default) uses the estimate:
-    quick, and each plan says so; ``"auto"`` compiles each.
+    Returns the plans sorted by peak memory per device, and the candidates that cannot run
+    this configuration (e.g. a batch the mesh cannot split): ``{mesh: the reason}``.
+    ``compile="never"`` (the default) uses the estimate: quick, and each plan says so;
+    ``"auto"`` compiles each.
     """
     from nnxscale.training.model import run_model
 
     if cfg.parallel.microbatches is not None:
         raise ConfigError("--sweep plans meshes without a stage axis: plan a pipeline without --sweep (drop --microbatches)")
     dims = run_model(cfg, separator=_separator(cfg)).dims
-    plans = []
+    plans, skipped = [], {}
     for mesh in candidate_meshes(devices, math.gcd(dims.heads, dims.kv_heads), cfg.data.seq_len):
         for remat in remats:
             c = with_overrides(cfg, {"parallel.mesh": mesh, "model.remat": remat})
             try:
                 plans.append(plan(c, device_memory=device_memory, compile=compile, max_compile_devices=max_compile_devices))
-            except ConfigError as e:  # e.g. a batch the mesh cannot split
-                plans.append(e)
-    ok = sorted((p for p in plans if isinstance(p, StepPlan)), key=lambda p: p.peak_bytes)
-    return ok
+            except ConfigError as e:  # e.g. a batch the mesh cannot split: the same for every remat
+                skipped.setdefault(mesh, str(e))
+    return sorted(plans, key=lambda p: p.peak_bytes), skipped
 
 
-def sweep_table(plans: list[StepPlan]) -> str:
-    """One line per plan, fitting ones marked."""
+def sweep_table(plans: list[StepPlan], skipped: Optional[dict[str, str]] = None) -> str:
+    """One line per plan, fitting ones marked; then one line per candidate mesh that cannot run."""
     header = f"{'mesh':<22}{'remat':<7}{'peak/device':>12}{'collectives':>13}  {'source':<10} fits"
     lines = [header, "-" * len(header)]
     for p in plans:
@@ -859,6 +860,8 @@ def sweep_table(plans: list[StepPlan]) -> str:
             f"{format_mesh(p.mesh):<22}{p.remat:<7}{format_bytes(p.peak_bytes):>12}"
             f"{p.collective_total / max(p.full_param_bytes, 1):>12.2f}x  {p.source.split(' ')[0]:<10} {fits}"
         )
+    for mesh, reason in (skipped or {}).items():
+        lines.append(f"not planned: {mesh}: {reason}")
     return "\n".join(lines)
 
 

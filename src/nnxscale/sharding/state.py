@@ -333,6 +333,26 @@ ACTIVATION_NAMES = ("batch", "length")
 
 
 # One pass over the layouts on purpose (81 lines): each finding kind reads the same rows.
+def group_findings(findings) -> list[str]:
+    """One line per distinct finding; the same finding on every layer (h.0 ... h.47) once."""
+    import re
+
+    groups: dict[tuple, list] = {}
+    for f in findings:
+        key = (f.kind, re.sub(r"\.\d+\.", ".N.", f.path), f.message)
+        groups.setdefault(key, []).append(f)
+    lines = []
+    for (kind, path, message), members in groups.items():
+        where = members[0].path if len(members) == 1 else f"{path} ({len(members)} layers)"
+        lines.append(f"[{kind}] {where + ': ' if where else ''}{message}")
+    return lines
+
+
+#: Lint kinds a training run prints when it starts: the mesh does not split a tensor the
+#: way the rules ask (the run is still correct, but holds more per device than planned).
+LAYOUT_FINDINGS = ("indivisible", "axis-reused")
+
+
 def lint(
     tree, mesh, rules=None, *, replicated_threshold_bytes: int = 1 << 20, activations: Sequence = ()
 ) -> list[Finding]:

@@ -37,6 +37,7 @@ from nnxscale.layers import attention
 from nnxscale.progress import ProgressBar
 from nnxscale.sharding.devices import peak_flops
 from nnxscale.sharding.mesh import format_mesh, process_findings
+from nnxscale.sharding.state import LAYOUT_FINDINGS, group_findings, lint
 from nnxscale.training.config import ConfigError, TrainConfig
 from nnxscale.training.guards import SkipCounter, StopSignals
 from nnxscale.training.inputs import document_separator, keep_tokenizer, load_data, pretrained_source, run_tokenizer
@@ -110,6 +111,8 @@ def train(
         inputs = _Inputs.load(cfg, s, tokenizer, log)
         for finding in process_findings(s.mesh, current().hosts):  # tensor parallelism across hosts
             log(f"lint: {finding}")
+        for line in layout_findings(s):
+            log(f"lint: {line}")
         check_run_dir(cfg, run_dir)  # after validating the command itself, before writing anything
         with _opened(cfg, run_dir, log) as (ckpt, watch):
             run = _Run(cfg, s, inputs, ckpt, watch, stop, log)
@@ -120,6 +123,12 @@ def train(
     if jax.process_index() == 0:
         plot_metrics(run_dir)
     return run.result(run_dir, time.perf_counter() - t_start)
+
+
+def layout_findings(s: Setup) -> list[str]:
+    """The lint lines a run prints when it starts: tensors the mesh cannot split as the rules
+    ask (an axis that does not divide is replicated; ``plan`` says the same)."""
+    return group_findings([f for f in lint(s.model_state, s.mesh, s.rules) if f.kind in LAYOUT_FINDINGS])
 
 
 @dataclasses.dataclass
