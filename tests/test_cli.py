@@ -142,6 +142,8 @@ BAD_FLAGS = [
     (["--log-every", "0"], ["--log-every", "at least 1"]),
     (["--dtype", "float16"], ["--dtype", "'float16'"]),
     (["--run-dir", " "], ["--run-dir", "empty"]),
+    (["--profile-steps", "5:2"], ["--profile-steps '5:2'", "1 <= A <= B"]),
+    (["--profile-steps", "ten"], ["--profile-steps 'ten'", "A:B"]),
     (["--cpu-devices", "0"], ["--cpu-devices", "0"]),
     (["--cpu-devices", "100000"], ["--cpu-devices", "1024", "100000"]),
 ]

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 from fault_injection import can_mount, small_filesystem
-from test_train import PINNED_SCHEDULE, quiet_train, tiny_cfg
+from test_train import PINNED_SCHEDULE, assert_tensorboard_matches_metrics, quiet_train, tiny_cfg
 
 from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
 from nnxscale.cli.commands import main
@@ -289,6 +289,9 @@ def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_pa
     for a, b in zip(got, want):
         for key in ("loss", "grad_norm", "lr"):
             assert a[key] == b[key], f"step {a['step']} {key}: seed {seed}, killed near steps {moments}"
+    # Steps logged after the last checkpoint and trained again are in TensorBoard once too:
+    # each resume purges what followed its checkpoint.
+    assert_tensorboard_matches_metrics(run_dir)
 
 
 # --------------------------------------------------------------------------------------

@@ -363,9 +363,38 @@ def test_gradient_accumulation_matches_one_big_batch(text_data, documents):
 # --------------------------------------------------------------------------------------
 
 
-def test_metrics_plot_and_config_in_the_run_directory(tmp_path, text_data):
+def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` as TensorBoard's own reader sees the run's event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def assert_tensorboard_matches_metrics(run_dir):
+    """Every number of every metrics.jsonl record, and nothing else, is a TensorBoard scalar
+    at its step (float32 in the event file)."""
+    want: dict[str, list] = {}
+    for r in read_metrics(run_dir):
+        for k, v in r.items():
+            if k != "step":
+                want.setdefault(k, []).append((r["step"], v))
+    got = tensorboard_scalars(run_dir)
+    assert got.keys() == want.keys(), (got.keys(), want.keys())
+    for tag, values in want.items():
+        assert [step for step, _ in got[tag]] == [step for step, _ in values], tag
+        np.testing.assert_allclose([v for _, v in got[tag]], [v for _, v in values], rtol=1e-6, err_msg=tag)
+
+
+def test_metrics_plot_tensorboard_profile_and_config_in_the_run_directory(tmp_path, text_data):
+    """Also: TensorBoard's reader sees metrics.jsonl's scalars; --profile-steps 2:3 records a
+    trace whose step annotations are exactly steps 2 and 3."""
+    import glob
+    import gzip
+
     run_dir = tmp_path / "run"
-    cfg = tiny_cfg(run_dir, text_data, steps=6, log_every=4, eval_every=3)
+    cfg = tiny_cfg(run_dir, text_data, steps=6, log_every=4, eval_every=3, logging__profile_steps="2:3")
     result = quiet_train(cfg)
 
     records = read_metrics(run_dir)
@@ -388,6 +417,16 @@ def test_metrics_plot_and_config_in_the_run_directory(tmp_path, text_data):
     resolved["optim"]["decay_steps"] = cfg.steps  # the schedule length is fixed by the first command
     assert saved["train"] == resolved
     assert saved["model"]["n_layer"] == 2 and saved["model"]["vocab_size"] == 256
+
+    assert_tensorboard_matches_metrics(run_dir)
+    (trace,) = glob.glob(str(run_dir / "profile" / "plugins" / "profile" / "*" / "perfetto_trace.json.gz"))
+    events = json.load(gzip.open(trace))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    steps = [e for e in events if e.get("name") == "train"]  # one annotation per traced step
+    assert sorted(int(e["args"]["step_num"]) for e in steps) == [2, 3]
+    start, end = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
+    dispatches = [e for e in events if e.get("name") == "PjitFunction(step)"]  # the training step's
+    assert dispatches and all(start <= e["ts"] <= end for e in dispatches)
 
 
 # --------------------------------------------------------------------------------------

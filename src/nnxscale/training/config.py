@@ -124,6 +124,10 @@ class LoggingConfig:
 
     log_every: int = setting(10, "--log-every", "log metrics every N steps (metrics.jsonl holds that step's own loss)")
     eval_every: int = setting(100, "--eval-every", "validation loss every N steps (0: never)")
+    tensorboard: bool = setting(True, "--tensorboard", "write every logged metric as a TensorBoard scalar into "
+                                "RUN_DIR/tensorboard (--no-tensorboard: only metrics.jsonl)")  # fmt: skip
+    profile_steps: Optional[str] = setting(None, "--profile-steps", "record a jax.profiler trace of steps A:B "
+                                           "(inclusive) into RUN_DIR/profile, for TensorBoard's profiler or Perfetto")  # fmt: skip
 
 
 #: Flat field names of releases up to 0.1 -> their place in the sections. Accepted in config
@@ -250,6 +254,9 @@ class TrainConfig:
             raise ConfigError(
                 f"{_label('model.attention')} must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, got {self.model.attention!r}"
             )
+        from nnxscale.training.observe import parse_profile_steps
+
+        parse_profile_steps(self.logging.profile_steps)
         self._validate_pipeline()
 
     def _validate_pipeline(self) -> None:
@@ -423,7 +430,8 @@ def _typed(path: str, value, hint, *, strict: bool):
 RESUMABLE_FIELDS = frozenset(
     {"steps", "parallel.mesh", "parallel.rules", "run_dir", "logging.log_every", "logging.eval_every",
      "checkpoint.save_every", "checkpoint.keep", "model.remat", "model.attention", "model.init_from", "parallel.min_shard_bytes",
-     "max_bad_steps", "hang_timeout", "data.eval_batches", "parallel.microbatches", "parallel.pipeline_repeats"}
+     "max_bad_steps", "hang_timeout", "data.eval_batches", "parallel.microbatches", "parallel.pipeline_repeats",
+     "logging.tensorboard", "logging.profile_steps"}
 )
 
 

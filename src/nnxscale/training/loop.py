@@ -41,6 +41,7 @@ from nnxscale.sharding.state import LAYOUT_FINDINGS, group_findings, lint
 from nnxscale.training.config import ConfigError, TrainConfig
 from nnxscale.training.guards import SkipCounter, StopSignals
 from nnxscale.training.inputs import document_separator, keep_tokenizer, load_data, pretrained_source, run_tokenizer
+from nnxscale.training.observe import ProfileWindow, Scalars, parse_profile_steps
 from nnxscale.training.optimizer import describe_decay
 from nnxscale.training.rundir import (
     append_metrics, check_run_dir, plot_metrics, repair_metrics, with_saved_schedule_length, write_atomic,
@@ -222,6 +223,8 @@ class _Run:
         peak = peak_flops(jax.devices()[0])
         self.peak_total = peak * jax.device_count() if peak else None
         self.skips: Optional[SkipCounter] = None
+        self.scalars: Optional[Scalars] = None  # TensorBoard, opened at the first record (after a resume's start is known)
+        self.profile = ProfileWindow(parse_profile_steps(cfg.logging.profile_steps), cfg.run_dir)
 
     # -- before the first step ----------------------------------------------------------
 
@@ -301,6 +304,9 @@ class _Run:
                     self.t_last = time.perf_counter()  # the host-side part of a save is not step time
         finally:
             bar.close()
+            self.profile.stop(self.state)  # a run that ends inside the window keeps what it traced
+            if self.scalars is not None:
+                self.scalars.close()
             self.watch.phase("writing the last checkpoint", kind="save")
             self.ckpt.wait()
 
@@ -308,12 +314,13 @@ class _Run:
         """Start the next step on the devices; account for the oldest beyond MAX_IN_FLIGHT."""
         s = self.s
         batch = datalib.to_global(next(self.inputs.train_it), s.batch_sharding)
-        with jax.set_mesh(s.mesh):
+        with jax.set_mesh(s.mesh), self.profile.step(self.step + 1):
             if self.vote.needed:
                 self.state, metrics = self.step_fn(self.state, batch, self.vote.ballot(self.stop.signal))
             else:
                 self.state, metrics = self.step_fn(self.state, batch)
         self.step += 1
+        self.profile.after(self.step, self.state)
         self.in_flight.append((self.step, metrics))
         if len(self.in_flight) > MAX_IN_FLIGHT:
             self.account()
@@ -360,6 +367,10 @@ class _Run:
         self.last_loss = m["loss"]
         if self.is_main:
             append_metrics(self.metrics_path, record)
+            if self.cfg.logging.tensorboard:
+                if self.scalars is None:
+                    self.scalars = Scalars(self.cfg.run_dir, self.start)
+                self.scalars.write(record)
         return record
 
     def evaluate(self) -> Optional[float]:
