@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnxscale import make_mesh
 from nnxscale.checkpoint import integrity as integrity
-from nnxscale.checkpoint.checkpointer import CheckpointError, Checkpointer, _key_text, checkpoint_dir
+from nnxscale.checkpoint.checkpointer import CheckpointError, Checkpointer, DamagedCheckpointError, _key_text, checkpoint_dir
 
 # Saved layout on data=8, and the layout a data=2,model=4 run restores into.
 SAVE_SPECS = {
@@ -511,3 +511,37 @@ def test_a_missing_process_checksum_file_is_damage(tmp_path, mesh8):
     with Checkpointer(directory) as ckpt:
         with pytest.raises(CheckpointError, match=r"checksums of process 1 of 2 are missing"):
             ckpt.restore(abstract(host_state(0), SAVE_SPECS, mesh8))
+
+
+@pytest.mark.parametrize(
+    "error, named",
+    [
+        (PermissionError(13, "Permission denied", "state/manifest.ocdbt"), "PermissionError"),
+        (OSError(5, "Input/output error"), "Input/output error"),
+        (MemoryError("out of memory restoring"), "MemoryError"),
+        (ValueError("RESOURCE_EXHAUSTED: Error reading chunk: out of memory"), "RESOURCE_EXHAUSTED"),
+        (RuntimeError("a bug in the restore"), "a bug in the restore"),
+    ],
+    ids=["permission", "io-error", "memory", "tensorstore-resources", "anything-else"],
+)
+def test_a_restore_that_fails_for_another_reason_than_damage_renames_nothing(tmp_path, mesh8, error, named):
+    """Only missing or undecodable data is damage (the cases above). Permissions, I/O errors,
+    memory or a bug stop the restore with one error naming the cause: the newest step is
+    neither skipped for an older one nor set aside."""
+    directory = checkpoint_dir(tmp_path)
+    _save_steps(directory, mesh8, (1, 2))
+    before = files_under(directory)
+    target = abstract(host_state(0), SAVE_SPECS, mesh8)
+    with Checkpointer(directory) as ckpt:
+
+        def fails(*args, **kwargs):
+            raise ValueError("Encountered error while reading array index") from error
+
+        ckpt._manager.restore = fails
+        with pytest.raises(CheckpointError) as err:
+            ckpt.restore_intact(target, warn=pytest.fail, set_aside=True)
+    assert not isinstance(err.value, DamagedCheckpointError)
+    message = str(err.value)
+    assert f"reading checkpoint step 2 at {directory / '2'} failed" in message and named in message, message
+    assert "neither skipped nor renamed" in message
+    assert files_under(directory) == before

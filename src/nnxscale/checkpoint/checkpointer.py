@@ -557,7 +557,15 @@ class Checkpointer:
         )
 
     def _unreadable(self, step: int, available: Sequence[int], error: BaseException) -> CheckpointError:
-        return self._damaged(step, available, f"it cannot be read ({_cause(error)})")
+        """A restore that raised: damage (data missing or that cannot be decoded, which
+        :meth:`restore_intact` may skip), or anything else (permissions, I/O, memory, a bug),
+        which is no reason to give up on the step: one error naming it, nothing skipped."""
+        if is_damage(error):
+            return self._damaged(step, available, f"it cannot be read ({_cause(error)})")
+        return CheckpointError(
+            f"reading checkpoint step {step} at {self._step_dir(step)} failed ({_cause(error)}); that is not damage "
+            "to its files, so it was neither skipped nor renamed: fix the cause (permissions, memory, the disk) and re-run"
+        )
 
     def _damaged(self, step: int, available: Sequence[int], what: str) -> DamagedCheckpointError:
         older = [s for s in available if s < step]
@@ -744,6 +752,34 @@ def _more(n: int) -> str:
 
 def _steps_text(steps: Sequence[int]) -> str:
     return ", ".join(str(s) for s in steps) if steps else "none"
+
+
+#: TensorStore's statuses for data that is missing or cannot be decoded (it reports errors
+#: as ``ValueError("STATUS: ...")``): a truncated chunk is OUT_OF_RANGE, a deleted manifest
+#: NOT_FOUND, a chunk that no longer decompresses FAILED_PRECONDITION ("ZSTD_decompressStream()
+#: failed: Data corruption detected"; measured 2026-11-24, Orbax 0.12.8). PERMISSION_DENIED,
+#: RESOURCE_EXHAUSTED, UNAVAILABLE and the rest are not damage.
+_DAMAGE_STATUSES = ("OUT_OF_RANGE:", "NOT_FOUND:", "DATA_LOSS:", "INVALID_ARGUMENT:", "FAILED_PRECONDITION:")
+
+
+def is_damage(error: BaseException) -> bool:
+    """Whether a restore's ``error`` says the checkpoint's files are damaged: a file of it is
+    missing, or its data cannot be decoded. An error that also says the machine is at fault
+    (out of memory, an ``OSError`` such as a permission or I/O error) is not, and neither
+    is anything unrecognised (a bug must not cost a checkpoint)."""
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    if any(isinstance(e, MemoryError) or (isinstance(e, OSError) and not isinstance(e, FileNotFoundError)) for e in chain):
+        return False
+    for e in chain:
+        if isinstance(e, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError)):
+            return True
+        if isinstance(e, ValueError) and str(e).lstrip().startswith(_DAMAGE_STATUSES):
+            return True
+    return False
 
 
 def _cause(error: BaseException) -> str:
