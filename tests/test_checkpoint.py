@@ -459,7 +459,8 @@ def test_damaged_data_is_found_and_the_newest_intact_step_restored(tmp_path, mes
 
 
 def test_a_checkpoint_saved_without_checksums_still_restores(tmp_path, mesh8):
-    """Checkpoints from before checksums (no checksums item, no entry in the extras) load unverified."""
+    """Checkpoints from before checksums (no checksums item, no entry in the extras) load
+    unverified, with a warning naming the step (a Python warning, or the ``warn`` line)."""
     directory = checkpoint_dir(tmp_path)
     _save_steps(directory, mesh8, (5,))
     record = json.loads((directory / "5" / "checksums" / "process_0.json").read_text())
@@ -470,9 +471,13 @@ def test_a_checkpoint_saved_without_checksums_still_restores(tmp_path, mesh8):
     assert record["algorithm"] == integrity.ALGORITHM and record["processes"] == 1
     shutil.rmtree(directory / "5" / "checksums")
     with Checkpointer(directory) as ckpt:
-        state, extras = ckpt.restore(abstract(host_state(0), SAVE_SPECS, mesh8))
+        with pytest.warns(UserWarning, match=r"checkpoint step 5 at .* has no checksums .*: restored unverified"):
+            state, extras = ckpt.restore(abstract(host_state(0), SAVE_SPECS, mesh8))
+        lines = []
+        ckpt.restore_intact(abstract(host_state(0), SAVE_SPECS, mesh8), warn=lines.append)
     assert_bit_equal(state, host_state(5))
     assert extras == {"step": 5}
+    assert len(lines) == 1 and lines[0].startswith("warning: checkpoint step 5 at ") and "restored unverified" in lines[0]
 
 
 def test_checksums_kept_in_the_extras_by_earlier_versions_are_verified(tmp_path, mesh8):
@@ -509,7 +514,7 @@ def test_a_missing_process_checksum_file_is_damage(tmp_path, mesh8):
     record["processes"] = 2  # as if saved by 2 processes, and process 1's file lost
     (directory / "2" / "checksums" / "process_0.json").write_text(json.dumps(record))
     with Checkpointer(directory) as ckpt:
-        with pytest.raises(CheckpointError, match=r"checksums of process 1 of 2 are missing"):
+        with pytest.raises(DamagedCheckpointError, match=r"checksums of process 1 of 2 are missing"):
             ckpt.restore(abstract(host_state(0), SAVE_SPECS, mesh8))
 
 

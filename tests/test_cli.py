@@ -244,6 +244,23 @@ def test_bad_resume_settings_keep_the_run(saved_run, text_data, capsys, extra, w
 # A chunk that no longer decompresses makes Orbax abandon its other reads, whose coroutines
 # Python reports as "exception ignored" once they are garbage collected.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_checkpoint_without_checksums_or_data_fingerprint_restores_with_a_warning(saved_run, text_data, tmp_path, capsys):
+    """As saved by an nnxscale that recorded neither: the run resumes, and says what it could
+    not check (a line each, naming the step), instead of trusting it silently."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_run, run_dir)
+    step = checkpoint_dir(run_dir) / "4"
+    shutil.rmtree(step / "checksums")
+    extras = step / "extras" / "metadata"
+    extras.write_text(json.dumps({k: v for k, v in json.loads(extras.read_text()).items() if k != "data_fingerprint"}))
+    code, out, err = run_main(capsys, train_args(run_dir, text_data, "--steps", "5"))
+    assert code == 0, err
+    assert f"warning: checkpoint step 4 at {step} has no checksums (saved before nnxscale recorded them): " \
+           "restored unverified" in out, out  # fmt: skip
+    assert "warning: checkpoint step 4 records no data fingerprint" in out, out
+    assert "resumed" in out and "from step 4" in out, out
+
+
 def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(saved_run, text_data, tmp_path, capsys):
     """Flipped bytes in step 4's data: sample and train warn and use step 2; train sets step 4
     aside and trains on; with every step damaged, train refuses in one line and touches nothing."""

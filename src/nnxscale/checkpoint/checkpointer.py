@@ -54,6 +54,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -104,6 +105,10 @@ class _ChecksumRestore(ocp.args.CheckpointArgs):
     pass
 
 
+class ChecksumFilesDamaged(ValueError):
+    """A step's checksum files are missing or do not agree with each other: damage."""
+
+
 class _ChecksumHandler(ocp.handlers.AsyncCheckpointHandler):
     """The ``checksums`` item: every process writes ``process_<i>.json``, its part of each sum.
 
@@ -127,15 +132,15 @@ class _ChecksumHandler(ocp.handlers.AsyncCheckpointHandler):
         """``{"algorithm", "arrays": {path: checksum}}``: every process's part, added up."""
         records = [json.loads(f.read_text()) for f in sorted(directory.glob("process_*.json"))]
         if not records:
-            raise ValueError(f"no process_<i>.json in {directory}")
+            raise ChecksumFilesDamaged(f"no process_<i>.json in {directory}")
         expected = records[0]["processes"]
         found = sorted(r["process"] for r in records)
         if found != list(range(expected)):
             missing = sorted(set(range(expected)) - set(found))
-            raise ValueError(f"the checksums of process {missing[0] if missing else '?'} of {expected} are missing")
+            raise ChecksumFilesDamaged(f"the checksums of process {missing[0] if missing else '?'} of {expected} are missing")
         paths = list(records[0]["arrays"])
         if any(list(r["arrays"]) != paths or r["algorithm"] != records[0]["algorithm"] for r in records):
-            raise ValueError("the processes' checksum files list different arrays")
+            raise ChecksumFilesDamaged("the processes' checksum files list different arrays")
         total = integrity.add([integrity.from_hex(list(r["arrays"].values())) for r in records])
         return {"algorithm": records[0]["algorithm"], "arrays": dict(zip(paths, integrity.to_hex(total)))}
 
@@ -357,7 +362,7 @@ class Checkpointer:
 
     # -- restoring ------------------------------------------------------------------------
 
-    def restore(self, target, *, step: Optional[int] = None) -> tuple[Any, dict]:
+    def restore(self, target, *, step: Optional[int] = None, warn: Optional[Callable[[str], None]] = None) -> tuple[Any, dict]:
         """Read checkpoint ``step`` (default: the latest) into the layout of ``target``.
 
         Args:
@@ -416,7 +421,15 @@ class Checkpointer:
             succeeded()
         state, extras = restored[_STATE], dict(restored[_EXTRAS])
         recorded = extras.pop(_CHECKSUMS, None)  # where nnxscale kept them before the checksums item
-        self._verify(step, available, state, restored[_CHECKSUM_ITEM] if has_checksums else recorded)
+        checksums = restored[_CHECKSUM_ITEM] if has_checksums else recorded
+        if checksums is None:
+            line = (f"checkpoint step {step} at {self._step_dir(step)} has no checksums (saved before nnxscale "
+                    "recorded them): restored unverified")  # fmt: skip
+            if warn is None:
+                warnings.warn(line, stacklevel=2)
+            else:
+                warn(f"warning: {line}")
+        self._verify(step, available, state, checksums)
         return state, extras
 
     def restore_intact(
@@ -437,7 +450,7 @@ class Checkpointer:
         damaged: list[DamagedCheckpointError] = []
         for step in reversed(self.steps()):
             try:
-                state, extras = self.restore(target, step=step)
+                state, extras = self.restore(target, step=step, warn=warn)
             except DamagedCheckpointError as e:
                 damaged.append(e)
                 continue
@@ -775,7 +788,7 @@ def is_damage(error: BaseException) -> bool:
     if any(isinstance(e, MemoryError) or (isinstance(e, OSError) and not isinstance(e, FileNotFoundError)) for e in chain):
         return False
     for e in chain:
-        if isinstance(e, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError)):
+        if isinstance(e, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, ChecksumFilesDamaged)):
             return True
         if isinstance(e, ValueError) and str(e).lstrip().startswith(_DAMAGE_STATUSES):
             return True

@@ -239,7 +239,10 @@ class _Run:
             self.state = run_order(s, state)  # checkpoints hold layer order
             ckpt.remove_surplus()
             self.inputs.train_it.set_state(extras["data"])
-            if extras.get("data_fingerprint") not in (None, self.inputs.tokens.fingerprint):
+            if extras.get("data_fingerprint") is None:
+                self.log(f"warning: checkpoint step {start} records no data fingerprint (saved before nnxscale recorded "
+                         "one): that the data is the same as when it was saved cannot be checked")  # fmt: skip
+            elif extras["data_fingerprint"] != self.inputs.tokens.fingerprint:
                 raise ConfigError(f"the data in {self.inputs.tokens.description} changed since this run was saved")
             skipped_before = extras.get("skipped_steps", 0)
             if self.is_main:
