@@ -7,6 +7,7 @@ import json
 import shutil
 
 import numpy as np
+import pytest
 from flax import nnx
 from model_testing import greedy_by_hand
 from test_cli import assert_one_error_line, run_main, train_args
@@ -14,6 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 import nnxscale
 from nnxscale.data import text as text
+from nnxscale.errors import DataError
 from nnxscale.models import gpt2
 
 
@@ -117,3 +119,79 @@ def test_fine_tune_a_hugging_face_directory_on_text_and_sample_words(tmp_path, t
     code, out, err = run_main(capsys, ["sample", "--run-dir", str(run_dir), "--prompt", prompt,
                                        "--max-new-tokens", str(n), "--temperature", "0"])  # fmt: skip
     assert code == 0 and out == got + "\n", err
+
+
+# --------------------------------------------------------------------------------------
+# JSON Lines and Parquet corpora
+# --------------------------------------------------------------------------------------
+
+
+def _documents():
+    import argparse
+    import inspect
+
+    source = inspect.getsource(argparse)
+    return [source[i : i + 2000] for i in range(0, 40_000, 2000)] + ["naïve café ☕ — unicode survives"]
+
+
+def test_json_lines_and_parquet_give_the_tokens_of_their_documents_encoded_one_by_one(tmp_path, bpe_tokenizer, capsys):
+    """Each row is a document: the token stream equals encoding the documents one at a time,
+    joined by the end-of-text token, for .jsonl, .jsonl.gz (another field), .parquet (small
+    row groups: read one at a time), alone and in a directory; `nnxscale tokenize` writes
+    the same tokens."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nnxscale.data import tokens as datalib
+
+    docs = _documents()
+    tok = text.load_tokenizer(bpe_tokenizer)
+    want = []
+    for i, d in enumerate(docs):
+        want += ([tok.separator] if i else []) + tok.encode(d)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"text": d, "n": i}) + "\n" for i, d in enumerate(docs)))
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"body": d}) + "\n" for d in docs)
+    pq.write_table(pa.table({"text": docs, "n": list(range(len(docs)))}), tmp_path / "c.parquet", row_group_size=4)
+
+    cases = [(corpus / "a.jsonl", text.Records()), (tmp_path / "b.jsonl.gz", text.Records("body")),
+             (tmp_path / "c.parquet", text.Records()), (corpus, text.Records())]  # fmt: skip
+    for source, records in cases:
+        got = datalib.load_tokens(source, tokenizer=bpe_tokenizer, records=records)
+        assert got.tokens.tolist() == want, source
+    code, out, err = run_main(capsys, ["tokenize", "--tokenizer", str(bpe_tokenizer), "--data", str(tmp_path / "c.parquet"),
+                                       "--out", str(tmp_path / "c.npy"), "--no-progress"])  # fmt: skip
+    assert code == 0, err
+    assert np.load(tmp_path / "c.npy").tolist() == want and f"from {len(docs)} documents" in out, out
+
+
+def test_bad_rows_are_one_line_naming_the_file_and_row_or_are_skipped_and_counted(tmp_path, bpe_tokenizer, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nnxscale.data import tokens as datalib
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "first"}) + "\n{not json\n" + json.dumps({"text": 3}) + "\n"
+                   + json.dumps({"title": "x"}) + "\n" + json.dumps({"text": "last"}) + "\n")  # fmt: skip
+    out = tmp_path / "bad.npy"
+    tokenize = ["tokenize", "--tokenizer", str(bpe_tokenizer), "--data", str(bad), "--out", str(out), "--no-progress"]
+    code, _, err = run_main(capsys, tokenize)
+    assert_one_error_line(code, err, f"{bad}: row 2: not JSON", "--skip-bad-rows")
+    assert not out.exists() and not list(tmp_path.glob("*.tmp"))  # nothing half-written
+    code, stdout, err = run_main(capsys, [*tokenize, "--skip-bad-rows"])
+    assert code == 0 and "from 2 documents (3 bad rows skipped)" in stdout, (stdout, err)
+    tok = text.load_tokenizer(bpe_tokenizer)
+    assert np.load(out).tolist() == tok.encode("first") + [tok.separator] + tok.encode("last")
+
+    three = tmp_path / "three.jsonl"  # byte-level, through train's loader
+    three.write_text("".join(json.dumps({"text": v}) + "\n" for v in ("a", "b", 3)))
+    with pytest.raises(DataError, match=r"three.jsonl: row 3: 'text' is int, not text"):
+        datalib.load_tokens(three)
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "p.parquet")
+    with pytest.raises(DataError, match=r"p.parquet: no column 'text' \(columns: body\): choose one with --text-field"):
+        datalib.load_tokens(tmp_path / "p.parquet")

@@ -240,11 +240,16 @@ def _tokenize_parser(sub) -> None:
         help="encode a text corpus once into a token file train reads (.bin uint16 or .npy)",
         description="Encode a text corpus (a file, a directory of text files, or stdlib) with a tokenizer.json into "
         "a token file that nnxscale train --data reads: FILE.bin (uint16, vocabularies up to 65,536) or FILE.npy "
-        "(uint16, or int32 for larger vocabularies). Each file is one document, documents joined by the "
+        "(uint16, or int32 for larger vocabularies). Each file is one document (each row of a JSON Lines or Parquet "
+        "file), documents joined by the "
         "tokenizer's end-of-text token; groups of files are encoded in parallel on every core.",
     )
     tk.add_argument("--tokenizer", required=True, help="tokenizer.json, or a directory holding one (read locally)")
-    tk.add_argument("--data", default="stdlib", help="text file or directory (default: Python's stdlib source)")
+    tk.add_argument("--data", default="stdlib", help="text, JSON Lines (.jsonl, .jsonl.gz, .json) or Parquet file, or a "
+                    "directory of them (default: Python's stdlib source)")  # fmt: skip
+    tk.add_argument("--text-field", default="text", help="the field of each JSON Lines or Parquet row holding its text (default: text)")
+    tk.add_argument("--skip-bad-rows", action="store_true", help="skip and count rows without text in --text-field "
+                    "(default: stop at the first, naming its file and row)")  # fmt: skip
     tk.add_argument("--out", required=True, help="token file to write: FILE.bin or FILE.npy")
     tk.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -329,11 +334,14 @@ def _sample(args) -> int:
 
 
 def _tokenize(args) -> int:
-    from nnxscale.data.text import tokenize
+    from nnxscale.data.text import Records, tokenize
     from nnxscale.sharding.layout import format_bytes
 
-    info = tokenize(args.tokenizer, args.data, args.out, progress=not args.no_progress)
+    records = Records(args.text_field, args.skip_bad_rows)
+    info = tokenize(args.tokenizer, args.data, args.out, progress=not args.no_progress, records=records)
     skipped = f" ({info['skipped']} empty or binary files skipped)" if info["skipped"] else ""
+    if info["bad_rows"]:
+        skipped += f" ({info['bad_rows']} bad rows skipped)"
     print(
         f"{info['path']}: {info['tokens']:,} tokens ({info['dtype']}, vocab {info['vocab_size']:,}) from "
         f"{info['documents']:,} documents{skipped}, {format_bytes(info['bytes'])} of text in {info['seconds']:.1f} s; "

@@ -7,8 +7,12 @@ Corpora (:func:`read_corpus`):
   and ``__pycache__``), about 30 MB of real text on every machine, nothing downloaded.
 - a text file, or a directory (every regular file recursively, in path order; empty files
   and files containing a NUL byte, taken for binary, are skipped).
+- JSON Lines (``.jsonl``, ``.jsonl.gz``, ``.json``: one JSON object per line) and Parquet
+  (``.parquet``, read with ``pyarrow``) files, alone or in a directory: each row is a
+  document, its text in a field (:class:`Records`; ``text`` by default). Read a row group or
+  a line at a time: memory stays bounded whatever the file's size.
 
-Each file is one document. Tokenizers (:func:`load_tokenizer`), one interface:
+Each other file is one document. Tokenizers (:func:`load_tokenizer`), one interface:
 
 - :class:`ByteTokenizer`: the bytes are the tokens (vocabulary 256), documents joined by
   byte 0 (:data:`SEPARATOR`), which never occurs in text. Byte-level models' text.
@@ -30,6 +34,7 @@ tokenize`` needs no devices.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 import sysconfig
@@ -179,6 +184,77 @@ def _first_line(error: BaseException) -> str:
 # corpora
 
 
+#: File suffixes read as records (one document per row) rather than as one text document.
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
+
+
+@dataclasses.dataclass(frozen=True)
+class Records:
+    """How JSON Lines and Parquet files give their documents: the text of each row is in
+    ``text_field``; a bad row (not JSON, no such field, not a string) is an error naming the
+    file and row, or with ``skip_bad_rows`` is skipped and counted."""
+
+    text_field: str = "text"
+    skip_bad_rows: bool = False
+
+
+def is_record_file(path: Path) -> bool:
+    return path.name.lower().endswith(RECORD_SUFFIXES)
+
+
+def _record_documents(path: Path, records: Records, stats: "EncodeStats") -> Iterator[bytes]:
+    """The documents of one JSON Lines or Parquet file, a row at a time, as UTF-8 bytes."""
+    field = records.text_field
+
+    def bad(row: int, what: str) -> None:
+        if not records.skip_bad_rows:
+            raise DataError(f"{path}: row {row}: {what}: fix the row, or pass --skip-bad-rows to skip and count bad rows")
+        stats.bad_rows += 1
+
+    if path.name.lower().endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow (or nnxscale[parquet])") from None
+        try:
+            table = pq.ParquetFile(path)
+        except Exception as e:
+            raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+        if field not in table.schema_arrow.names:
+            raise DataError(f"{path}: no column {field!r} (columns: {', '.join(table.schema_arrow.names)}): "
+                            "choose one with --text-field")  # fmt: skip
+        row = 0
+        for batch in table.iter_batches(columns=[field], batch_size=1024):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                if isinstance(value, str):
+                    yield value.encode("utf-8")
+                else:
+                    bad(row, f"{field!r} is {type(value).__name__}, not text")
+        return
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for row, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)
+                except ValueError as e:
+                    bad(row, f"not JSON ({e})")
+                    continue
+                if not isinstance(value, dict) or field not in value:
+                    bad(row, f"no field {field!r} (choose one with --text-field)")
+                elif not isinstance(value[field], str):
+                    bad(row, f"{field!r} is {type(value[field]).__name__}, not text")
+                else:
+                    yield value[field].encode("utf-8")
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
+        raise DataError(f"{path}: cannot be read as UTF-8 JSON Lines ({type(e).__name__}: {e})") from None
+    except OSError as e:
+        raise storage_error("reading", path, e) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Corpus:
     """Text files read as documents, in this order.
@@ -194,6 +270,7 @@ class Corpus:
     unit: str
     empty: str
     single: bool = False
+    records: Records = Records()
 
     def total_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.files)
@@ -221,8 +298,9 @@ def is_text_source(source: TextSource) -> bool:
     return source is None or source == STDLIB or Path(source).suffix.lower() not in (".bin", ".npy")
 
 
-def read_corpus(source: TextSource) -> Corpus:
+def read_corpus(source: TextSource, records: Records = Records()) -> Corpus:
     """The documents of a text source (see the module docstring); nothing is read yet.
+    ``records``: how JSON Lines and Parquet files give their documents.
 
     Raises DataError for a path that does not exist.
     """
@@ -235,6 +313,9 @@ def read_corpus(source: TextSource) -> Corpus:
     if not path.exists():
         raise DataError(f"data source {str(path)!r} does not exist: give an existing file or directory, or 'stdlib'")
     if not path.is_dir():
+        if is_record_file(path):
+            return Corpus((path,), f"file {path}", "rows", f"{str(path)!r} has no row with text in {records.text_field!r}",
+                          records=records)  # fmt: skip
         return Corpus((path,), f"text file {path}", "", f"text file {str(path)!r} is empty: give a file with text in it",
                       single=True)  # fmt: skip
     files = []
@@ -247,7 +328,8 @@ def read_corpus(source: TextSource) -> Corpus:
     files.sort(key=lambda p: p.relative_to(path).as_posix())
     empty = (f"directory {str(path)!r} has no usable text file ({len(files)} files, all empty or binary): "
              "put text files in it, or pass a .bin/.npy token file")  # fmt: skip
-    return Corpus(tuple(files), f"directory {path}", "text files", empty)
+    unit = "documents" if any(is_record_file(f) for f in files) else "text files"  # rows count as documents
+    return Corpus(tuple(files), f"directory {path}", unit, empty, records=records)
 
 
 @dataclasses.dataclass
@@ -256,6 +338,7 @@ class EncodeStats:
 
     used: int = 0  # documents encoded
     skipped: int = 0  # empty or binary files
+    bad_rows: int = 0  # JSON Lines or Parquet rows skipped (--skip-bad-rows)
     text_bytes: int = 0  # bytes of the documents encoded
     read_bytes: int = 0  # bytes read, skipped files included
     tokens: int = 0
@@ -265,6 +348,8 @@ class EncodeStats:
         if corpus.single:
             return ""
         skipped = f" ({self.skipped} empty or binary skipped)" if self.skipped else ""
+        if self.bad_rows:
+            skipped += f" ({self.bad_rows} bad rows skipped)"
         return f": {self.used} {corpus.unit}{skipped}"
 
 
@@ -294,6 +379,18 @@ def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, stats: EncodeStats) -> I
 
     size = 0
     for path in corpus.files:
+        if is_record_file(path):
+            for data in _record_documents(path, corpus.records, stats):
+                stats.read_bytes += len(data)
+                if not data:
+                    continue
+                pending.append(data)
+                stats.text_bytes += len(data)
+                size += len(data)
+                if size >= tokenizer.group_bytes:
+                    yield encoded()
+                    size = 0
+            continue
         try:
             data = path.read_bytes()
         except OSError as e:
@@ -325,7 +422,7 @@ def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, stats: EncodeStats) -> I
 # nnxscale tokenize
 
 
-def tokenize(tokenizer, source: TextSource, out, *, progress: bool = True) -> dict:
+def tokenize(tokenizer, source: TextSource, out, *, progress: bool = True, records: Records = Records()) -> dict:
     """Encode a text corpus once into a token file that ``train`` reads.
 
     Args:
@@ -335,9 +432,11 @@ def tokenize(tokenizer, source: TextSource, out, *, progress: bool = True) -> di
         vocabulary fits, else int32). Written whole or not at all (a temporary file, then a
         rename); an existing file is replaced.
       progress: draw a progress bar (bytes read, tokens, speed).
+      records: how JSON Lines and Parquet files give their documents (:class:`Records`).
 
-    Returns ``{"path", "tokens", "documents", "skipped", "bytes", "dtype", "vocab_size",
-    "seconds"}``.
+    Returns ``{"path", "tokens", "documents", "skipped", "bad_rows", "bytes", "dtype",
+    "vocab_size", "seconds"}``. A bad row (without ``records.skip_bad_rows``) stops it with
+    nothing written.
 
     Raises DataError for a vocabulary the format cannot hold, an unknown suffix, or a
     corpus with no text.
@@ -356,7 +455,7 @@ def tokenize(tokenizer, source: TextSource, out, *, progress: bool = True) -> di
         dtype = np.dtype(np.uint16) if tok.vocab_size <= UINT16_VOCAB else np.dtype(np.int32)
     else:
         raise DataError(f"--out {out}: a token file is .bin (uint16) or .npy (uint16 or int32)")
-    corpus = read_corpus(source)
+    corpus = read_corpus(source, records)
     total = corpus.total_bytes()
     if not out.parent.is_dir():
         raise DataError(f"--out {out}: directory {out.parent} does not exist")
@@ -382,7 +481,7 @@ def tokenize(tokenizer, source: TextSource, out, *, progress: bool = True) -> di
         bar.close()
         raw.unlink(missing_ok=True)
     seconds = time.perf_counter() - started
-    return {"path": str(out), "tokens": stats.tokens, "documents": stats.used, "skipped": stats.skipped,
+    return {"path": str(out), "tokens": stats.tokens, "documents": stats.used, "skipped": stats.skipped, "bad_rows": stats.bad_rows,
             "bytes": stats.text_bytes, "dtype": str(dtype), "vocab_size": tok.vocab_size,
             "seconds": seconds}  # fmt: skip
 

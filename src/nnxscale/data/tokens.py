@@ -86,6 +86,7 @@ def load_tokens(
     max_tokens: Optional[int] = None,
     vocab_size: Optional[int] = None,
     tokenizer=None,
+    records: Optional[text.Records] = None,
 ) -> TokenData:
     """Read a source into one 1-D token stream.
 
@@ -99,6 +100,8 @@ def load_tokens(
         BPE); default: largest token + 1.
       tokenizer: for text: a ``tokenizer.json`` (or a directory holding one, or a loaded
         ``TextTokenizer``); ``None`` reads bytes (vocabulary 256). Token files ignore it.
+      records: how JSON Lines and Parquet files give their documents
+        (:class:`nnxscale.data.text.Records`: the text field, whether to skip bad rows).
 
     Raises:
       DataError: missing path, a directory with no usable text file, an empty file, a
@@ -112,7 +115,7 @@ def load_tokens(
         if not path.exists():
             raise DataError(f"data source {str(path)!r} does not exist: give an existing file or directory, or 'stdlib'")
         return _load_token_file(path, max_tokens, vocab_size)
-    corpus = text.read_corpus(source)
+    corpus = text.read_corpus(source, records or text.Records())
     tok = text.ByteTokenizer() if tokenizer is None else text.load_tokenizer(tokenizer)
     stats = text.EncodeStats()
     pieces, count = [], 0

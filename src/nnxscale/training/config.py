@@ -99,6 +99,9 @@ class DataConfig:
 
     data: Optional[str] = setting(None, "--data", "text file or directory, .bin (uint16) or .npy token file; default: "
                                   "Python's stdlib source")  # fmt: skip
+    text_field: str = setting("text", "--text-field", "the field of each JSON Lines or Parquet row that holds its text")
+    skip_bad_rows: bool = setting(False, "--skip-bad-rows", "skip (and count) JSON Lines or Parquet rows without text in "
+                                  "--text-field, instead of stopping at the first with its file and row")  # fmt: skip
     tokenizer: Optional[str] = setting(None, "--tokenizer", "tokenizer.json (or a directory holding one) for text data; "
                                        "default: bytes, or the one in an --init-from Hugging Face directory")  # fmt: skip
     seq_len: int = setting(128, "--seq-len", "tokens per sequence (at most the model's context)")

@@ -88,7 +88,8 @@ def load_data(cfg: TrainConfig, tokenizer: Optional[text.TextTokenizer], vocab_s
             f"{model} has a vocabulary of {vocab_size:,}, not bytes ({text.BYTE_VOCAB}): text data needs its "
             "tokenizer (--tokenizer tokenizer.json), or tokenize it once with nnxscale tokenize"
         )
-    tokens = datalib.load_tokens(source, tokenizer=tokenizer if is_text else None)
+    records = text.Records(cfg.data.text_field, cfg.data.skip_bad_rows)
+    tokens = datalib.load_tokens(source, tokenizer=tokenizer if is_text else None, records=records)
     if tokens.vocab_size > vocab_size:
         raise ConfigError(
             f"data {source} holds token id {tokens.vocab_size - 1:,}, outside {model}'s vocabulary of {vocab_size:,} "
