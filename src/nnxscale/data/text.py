@@ -377,35 +377,34 @@ def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, stats: EncodeStats) -> I
         stats.tokens += len(out)
         return out
 
+    def documents() -> Iterator[bytes]:
+        """Every usable document, in order: each row of a record file, each other file whole."""
+        for path in corpus.files:
+            if is_record_file(path):
+                for data in _record_documents(path, corpus.records, stats):
+                    stats.read_bytes += len(data)
+                    if data:
+                        yield data
+                continue
+            try:
+                data = path.read_bytes()
+            except OSError as e:
+                raise storage_error("reading", path, e) from None
+            stats.read_bytes += len(data)
+            if not data or b"\0" in data:
+                if corpus.single and not data:
+                    raise DataError(corpus.empty)
+                if corpus.single:
+                    raise DataError(
+                        f"file {str(path)!r} contains NUL bytes, so it is not text: "
+                        "save tokens as .bin (uint16) or .npy, or pass a text file"
+                    )
+                stats.skipped += 1
+                continue
+            yield data
+
     size = 0
-    for path in corpus.files:
-        if is_record_file(path):
-            for data in _record_documents(path, corpus.records, stats):
-                stats.read_bytes += len(data)
-                if not data:
-                    continue
-                pending.append(data)
-                stats.text_bytes += len(data)
-                size += len(data)
-                if size >= tokenizer.group_bytes:
-                    yield encoded()
-                    size = 0
-            continue
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise storage_error("reading", path, e) from None
-        stats.read_bytes += len(data)
-        if not data or b"\0" in data:
-            if corpus.single and not data:
-                raise DataError(corpus.empty)
-            if corpus.single:
-                raise DataError(
-                    f"file {str(path)!r} contains NUL bytes, so it is not text: "
-                    "save tokens as .bin (uint16) or .npy, or pass a text file"
-                )
-            stats.skipped += 1
-            continue
+    for data in documents():
         pending.append(data)
         stats.text_bytes += len(data)
         size += len(data)
