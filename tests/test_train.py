@@ -493,3 +493,40 @@ def test_sample_continues_the_prompt(ref_run):
     assert isinstance(text, str) and text.startswith(prompt)
     low, high = _utf8_byte_bounds(text)
     assert low <= len(prompt.encode()) + n <= high, repr(text)
+
+
+def test_wandb_logs_the_metrics_records_and_is_never_required(tmp_path, text_data, monkeypatch):
+    """With --wandb and the package importable (a stand-in module here: wandb is never a
+    dependency), every metrics.jsonl record is logged at its step, in one W&B run that a
+    resume continues; without the package, --wandb is one line before anything is written."""
+    import sys
+    import types
+
+    from nnxscale.errors import ConfigError
+
+    calls = []
+
+    class Run:
+        def log(self, values, step):
+            calls.append(("log", step, values))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.util = types.SimpleNamespace(generate_id=lambda: "abc123")
+    fake.init = lambda **kw: calls.append(("init", kw)) or Run()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run_dir = tmp_path / "run"
+    quiet_train(tiny_cfg(run_dir, text_data, steps=3, save_every=2, logging__wandb="proj"))
+    quiet_train(tiny_cfg(run_dir, text_data, steps=4, save_every=2, logging__wandb="proj"))  # resumes from step 3
+    inits = [c[1] for c in calls if c[0] == "init"]
+    assert [(kw["project"], kw["id"], kw["resume"]) for kw in inits] == [("proj", "abc123", "allow")] * 2
+    logged = [(c[1], c[2]["loss"]) for c in calls if c[0] == "log"]
+    assert logged == [(r["step"], r["loss"]) for r in read_metrics(run_dir)]
+    assert [c[0] for c in calls].count("finish") == 2
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    with pytest.raises(ConfigError, match="--wandb proj: the wandb package is not installed: pip install wandb"):
+        quiet_train(tiny_cfg(tmp_path / "other", text_data, steps=2, logging__wandb="proj"))
+    assert not (tmp_path / "other").exists()

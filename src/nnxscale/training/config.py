@@ -129,6 +129,8 @@ class LoggingConfig:
     eval_every: int = setting(100, "--eval-every", "validation loss every N steps (0: never)")
     tensorboard: bool = setting(True, "--tensorboard", "write every logged metric as a TensorBoard scalar into "
                                 "RUN_DIR/tensorboard (--no-tensorboard: only metrics.jsonl)")  # fmt: skip
+    wandb: Optional[str] = setting(None, "--wandb", "also log every metric to Weights & Biases, in this project "
+                                   "(needs the wandb package installed and logged in; never installed by nnxscale)")  # fmt: skip
     profile_steps: Optional[str] = setting(None, "--profile-steps", "record a jax.profiler trace of steps A:B "
                                            "(inclusive) into RUN_DIR/profile, for TensorBoard's profiler or Perfetto")  # fmt: skip
 
@@ -434,7 +436,7 @@ RESUMABLE_FIELDS = frozenset(
     {"steps", "parallel.mesh", "parallel.rules", "run_dir", "logging.log_every", "logging.eval_every",
      "checkpoint.save_every", "checkpoint.keep", "model.remat", "model.attention", "model.init_from", "parallel.min_shard_bytes",
      "max_bad_steps", "hang_timeout", "data.eval_batches", "parallel.microbatches", "parallel.pipeline_repeats",
-     "logging.tensorboard", "logging.profile_steps"}
+     "logging.tensorboard", "logging.profile_steps", "logging.wandb"}
 )
 
 

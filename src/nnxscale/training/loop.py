@@ -41,7 +41,7 @@ from nnxscale.sharding.state import LAYOUT_FINDINGS, group_findings, lint
 from nnxscale.training.config import ConfigError, TrainConfig
 from nnxscale.training.guards import SkipCounter, StopSignals
 from nnxscale.training.inputs import document_separator, keep_tokenizer, load_data, pretrained_source, run_tokenizer
-from nnxscale.training.observe import ProfileWindow, Scalars, parse_profile_steps
+from nnxscale.training.observe import ProfileWindow, Scalars, WandbRun, parse_profile_steps
 from nnxscale.training.optimizer import describe_decay
 from nnxscale.training.rundir import (
     append_metrics, check_run_dir, plot_metrics, repair_metrics, with_saved_schedule_length, write_atomic,
@@ -107,6 +107,7 @@ def train(
     with StopSignals() as stop:
         run_dir = Path(cfg.run_dir)
         cfg = with_saved_schedule_length(cfg, run_dir)
+        WandbRun.check(cfg.logging.wandb)
         tokenizer = run_tokenizer(cfg, run_dir)
         s = setup(cfg, mesh, model=model, loss=loss, separator=document_separator(cfg, tokenizer))
         inputs = _Inputs.load(cfg, s, tokenizer, log)
@@ -224,6 +225,7 @@ class _Run:
         self.peak_total = peak * jax.device_count() if peak else None
         self.skips: Optional[SkipCounter] = None
         self.scalars: Optional[Scalars] = None  # TensorBoard, opened at the first record (after a resume's start is known)
+        self.wandb: Optional[WandbRun] = None
         self.profile = ProfileWindow(parse_profile_steps(cfg.logging.profile_steps), cfg.run_dir)
 
     # -- before the first step ----------------------------------------------------------
@@ -308,8 +310,9 @@ class _Run:
         finally:
             bar.close()
             self.profile.stop(self.state)  # a run that ends inside the window keeps what it traced
-            if self.scalars is not None:
-                self.scalars.close()
+            for writer in (self.scalars, self.wandb):
+                if writer is not None:
+                    writer.close()
             self.watch.phase("writing the last checkpoint", kind="save")
             self.ckpt.wait()
 
@@ -374,6 +377,10 @@ class _Run:
                 if self.scalars is None:
                     self.scalars = Scalars(self.cfg.run_dir, self.start)
                 self.scalars.write(record)
+            if self.cfg.logging.wandb:
+                if self.wandb is None:
+                    self.wandb = WandbRun(self.cfg.logging.wandb, self.cfg.run_dir, self.cfg.to_dict())
+                self.wandb.write(record)
         return record
 
     def evaluate(self) -> Optional[float]:

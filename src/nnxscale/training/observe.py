@@ -5,6 +5,8 @@
   resumed run starts its events with a purge at its first step, so the steps it trains
   again after an interruption replace the ones logged before, in TensorBoard as in
   ``metrics.jsonl``. Process 0 writes.
+- :class:`WandbRun`: the same records in Weights & Biases with ``--wandb PROJECT``, when
+  ``wandb`` is installed (it is never a dependency).
 - :class:`ProfileWindow`: ``--profile-steps A:B`` records a ``jax.profiler`` trace of
   steps ``A`` to ``B`` (inclusive) under ``RUN_DIR/profile``, each step annotated
   (``StepTraceAnnotation("train", step_num=step)``), viewable in TensorBoard's profile
@@ -43,6 +45,39 @@ class Scalars:
 
     def close(self) -> None:
         self._writer.close()
+
+
+class WandbRun:
+    """Weights & Biases, when ``--wandb PROJECT`` asks for it: one W&B run per run directory
+    (its id kept in ``RUN_DIR/wandb_id``, so a resume continues the same W&B run), every
+    metrics record logged at its step. ``wandb`` is never a dependency of nnxscale."""
+
+    @staticmethod
+    def check(project: Optional[str]) -> None:
+        """Before anything is written: ``--wandb`` without the package is one line."""
+        if project is None:
+            return
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"--wandb {project}: the wandb package is not installed: pip install wandb (and wandb login)") from None
+
+    def __init__(self, project: str, run_dir, config: dict):
+        import wandb
+
+        run_dir = Path(run_dir)
+        id_file = run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        self._run = wandb.init(project=project, id=run_id, resume="allow", name=run_dir.name, dir=str(run_dir),
+                               config=config)  # fmt: skip
+        if not id_file.exists():
+            id_file.write_text(run_id + "\n")
+
+    def write(self, record: dict) -> None:
+        self._run.log({k: v for k, v in record.items() if k != "step"}, step=int(record["step"]))
+
+    def close(self) -> None:
+        self._run.finish()
 
 
 def parse_profile_steps(text: Optional[str]) -> Optional[tuple[int, int]]:
