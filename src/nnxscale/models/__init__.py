@@ -75,14 +75,8 @@ def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Opt
             positions = jnp.asarray(order, jnp.int32)
         else:
             positions, segments, weights = positions[:, order], segments[:, order], weights[:, order]
-    hidden = model.hidden_states(inputs, rngs=rngs, **_where(positions, segments))
+    hidden = model.hidden_states(inputs, rngs=rngs, positions=positions, segments=segments)
     return chunked_cross_entropy(hidden, targets, model.logits, weights=weights, vocab=model.config.vocab_size)
-
-
-def _where(positions, segments) -> dict:
-    """``hidden_states`` keywords: only those given (a model without document masks takes none)."""
-    given = {"positions": positions, "segments": segments}
-    return {k: v for k, v in given.items() if v is not None}
 
 
 @dataclasses.dataclass(frozen=True)

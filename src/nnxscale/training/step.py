@@ -55,15 +55,17 @@ def make_train_step(s: Setup, *, vote: bool = False):
                 loss_sum, grad_sum, weight_sum = carry
                 i, xm, ym = xs
                 loss_i, grads_i = grad_fn(params, xm, ym, jax.random.fold_in(key, i))
-                # Each micro-batch's loss is a mean over its tokens; a document mask trains
-                # only the tokens whose input is not a separator, so weigh each by its count.
-                w = jnp.float32(1) if separator is None else jnp.sum(xm != separator, dtype=jnp.float32)
-                grads_i = jax.tree.map(lambda g: g * w, grads_i)
-                return (loss_sum + loss_i * w, jax.tree.map(jnp.add, grad_sum, grads_i), weight_sum + w), None
+                if separator is not None:
+                    # Each micro-batch's loss is a mean over the tokens it trains; a document
+                    # mask trains those whose input is not a separator: weigh by their count.
+                    w = jnp.sum(xm != separator, dtype=jnp.float32)
+                    loss_i, grads_i, weight_sum = loss_i * w, jax.tree.map(lambda g: g * w, grads_i), weight_sum + w
+                return (loss_sum + loss_i, jax.tree.map(jnp.add, grad_sum, grads_i), weight_sum), None
 
             zeros = jax.tree.map(jnp.zeros_like, params)
             carry = (jnp.float32(0), zeros, jnp.float32(0))
             (loss, grads, total), _ = jax.lax.scan(body, carry, (jnp.arange(accum), micro(x), micro(y)))
+            total = accum if separator is None else total
             loss, grads = loss / total, jax.tree.map(lambda g: g / total, grads)
         grads = jax.lax.with_sharding_constraint(grads, s.param_shardings)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
