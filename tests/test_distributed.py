@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -519,3 +520,33 @@ def test_tensor_parallelism_across_hosts_is_a_finding():
     assert process_findings(one_each, hosts=["a"] * 8 + ["b"] * 8) == []  # each model row on one host
     (finding,) = process_findings(one_each, hosts=["a", "a", "b", "b"] * 4)
     assert finding.startswith("[slow interconnect] mesh axis model=4 spans 2 hosts")
+
+
+def test_a_failure_that_cannot_be_recorded_is_said(monkeypatch, capsys):
+    """The coordination service refuses the failure record (not because another process
+    failed first): the process says that its peers were not told, instead of nothing."""
+
+    class Refusing:
+        def key_value_set(self, key, value):
+            raise RuntimeError("UNAVAILABLE: failed to connect to the coordination service")
+
+    exits = []
+    monkeypatch.setattr(distributed, "_job", distributed.Job(process_id=1, num_processes=2))
+    monkeypatch.setattr(distributed, "_client", Refusing)
+    monkeypatch.setattr(distributed, "_acknowledge", lambda client: None)
+    monkeypatch.setattr(distributed, "_exit", exits.append)
+    monkeypatch.setattr(distributed, "_leaving", threading.Lock())
+    distributed.leave(3, "boom")
+    err = capsys.readouterr().err
+    assert exits == [3]
+    assert "nnxscale: error: process 1 could not tell the other processes of its failure (RuntimeError: UNAVAILABLE" in err
+    assert "--heartbeat-timeout" in err
+
+    class Taken:  # another process recorded its failure first: nothing to say
+        def key_value_set(self, key, value):
+            raise RuntimeError("ALREADY_EXISTS: key nnxscale_failed")
+
+    monkeypatch.setattr(distributed, "_client", Taken)
+    monkeypatch.setattr(distributed, "_leaving", threading.Lock())
+    distributed.leave(3, "boom")
+    assert capsys.readouterr().err == "" and exits == [3, 3]

@@ -478,8 +478,11 @@ def leave(code: int, reason: str) -> int:
     failure = json.dumps({"process": job.process_id, "code": code, "reason": reason})
     try:
         client.key_value_set(_FAILED_KEY, failure)
-    except Exception:  # ALREADY_EXISTS: another process failed first, and the others know it
-        pass
+    except Exception as e:
+        if "ALREADY_EXISTS" not in str(e):  # not just another process having failed first: say so
+            _say(f"nnxscale: error: process {job.process_id} could not tell the other processes of its failure "
+                 f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); they end when their "
+                 "heartbeat to the coordinator times out (--heartbeat-timeout)")  # fmt: skip
     _acknowledge(client)
     _exit(code)
 
