@@ -39,6 +39,22 @@ def test_a_checkpointer_opened_from_python_leaves_logging_alone(tmp_path):
     assert not owns_process()
 
 
+def test_only_the_echoes_of_a_failed_save_are_held_back():
+    """Orbax's own error lines are shown unless they repeat a failed save's error (which
+    Checkpointer.wait reports in one line; the full-disk run in test_faults checks that)."""
+    orbax_file = os.path.join(os.sep, "site-packages", "orbax", "checkpoint", "async_checkpointer.py")
+
+    def record(message, level=logging.ERROR, path=orbax_file):
+        return logging.LogRecord("absl", level, path, 1, message, None, None)
+
+    shown = _quiet_orbax_errors.filter
+    assert not shown(record("[process=0][thread=array_type_handler] _SignalingThread.run() raised an exception: RESOURCE_EXHAUSTED"))
+    assert not shown(record("[process=0][step=4][wait_until_finished] Save Finalize thread (save_finalize) failed."))
+    assert shown(record("Failed to read the checkpoint metadata: PERMISSION_DENIED"))  # anything else Orbax says
+    assert shown(record("_SignalingThread.run() raised an exception", path=__file__))  # not Orbax's
+    assert shown(record("Save Finalize thread (save_finalize) failed.", level=logging.WARNING))
+
+
 _SCRIPT = """
 import logging, signal, sys
 from pathlib import Path

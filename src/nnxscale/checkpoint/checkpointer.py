@@ -616,6 +616,16 @@ def _sync(name: str) -> None:
 _FILTERED_LOGGERS = ("absl", "asyncio", "concurrent.futures")
 
 
+#: What Orbax's threads log (absl, ERROR) when an asynchronous save fails, each also raised
+#: by ``Checkpointer.wait`` and reported there in one line (seen 2026-11-24 with a full
+#: disk, Orbax 0.12.8). Any other error Orbax logs reaches the user.
+_SAVE_FAILURE_ECHOES = (
+    "_SignalingThread.run() raised an exception",
+    "Save Finalize thread",
+    "Handler Commit operations or the Commit callback in background save thread",
+)
+
+
 class _QuietOrbaxErrors(logging.Filter):
     """Hold back the echoes of a failed save while a Checkpointer is open.
 
@@ -624,7 +634,9 @@ class _QuietOrbaxErrors(logging.Filter):
     retrieved" (asyncio), and their late callbacks raise "Event loop is closed" into a loop
     that is gone (reported through ``sys.unraisablehook``): hundreds of lines in all. The
     error itself is raised again by :meth:`Checkpointer.wait`, which reports it in one
-    line, so these are dropped. ``NNXSCALE_DEBUG=1`` lets them through.
+    line, so these are dropped: Orbax's by their message (:data:`_SAVE_FAILURE_ECHOES`;
+    any other error Orbax logs is shown), asyncio's and the loop's by what they name.
+    ``NNXSCALE_DEBUG=1`` lets them through.
     """
 
     def __init__(self):
@@ -640,7 +652,9 @@ class _QuietOrbaxErrors(logging.Filter):
             return not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed")
         if record.name == "asyncio":  # an abandoned write: its future names orbax's coroutine
             return "orbax" not in record.getMessage()
-        return f"{os.sep}orbax{os.sep}" not in record.pathname
+        if f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        return not any(echo in record.getMessage() for echo in _SAVE_FAILURE_ECHOES)  # other orbax errors: shown
 
     def _unraisable(self, info) -> None:
         closed = isinstance(info.exc_value, RuntimeError) and str(info.exc_value) == "Event loop is closed"
