@@ -8,21 +8,25 @@ import subprocess
 import tempfile
 
 
-def flip_bytes(step_dir, count: int = 256) -> str:
-    """Invert ``count`` bytes in the middle of a checkpoint step's largest data file.
+def flip_bytes(step_dir, count: int = 256, *, every: bool = False) -> str:
+    """Invert ``count`` bytes in the middle of a checkpoint step's largest data file (with
+    ``every``: of each of its data files, so the parameters are hit too, not only the
+    optimizer state, whatever file Orbax put them in).
 
     The file keeps its size, so Orbax reads it without any error: only checksums notice.
-    Returns the file's path.
+    Returns the (largest) file's path.
     """
     files = [os.path.join(root, f) for root, _, names in os.walk(os.path.join(step_dir, "state")) for f in names]
     path = max(files, key=os.path.getsize)
-    size = os.path.getsize(path)
-    assert size > 4 * count, f"{path} has {size} bytes: too small to damage in the middle"
-    with open(path, "r+b") as f:
-        f.seek(size // 2)
-        data = f.read(count)
-        f.seek(size // 2)
-        f.write(bytes(b ^ 0xFF for b in data))
+    data_files = [f for f in files if os.sep + "d" + os.sep in f and os.path.getsize(f) > 4 * count] if every else [path]
+    for name in data_files:
+        size = os.path.getsize(name)
+        assert size > 4 * count, f"{name} has {size} bytes: too small to damage in the middle"
+        with open(name, "r+b") as f:
+            f.seek(size // 2)
+            data = f.read(count)
+            f.seek(size // 2)
+            f.write(bytes(b ^ 0xFF for b in data))
     return path
 
 

@@ -262,12 +262,13 @@ def test_a_checkpoint_without_checksums_or_data_fingerprint_restores_with_a_warn
 
 
 def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(saved_run, text_data, tmp_path, capsys):
-    """Flipped bytes in step 4's data: sample and train warn and use step 2; train sets step 4
-    aside and trains on; with every step damaged, train refuses in one line and touches nothing."""
+    """Flipped bytes in step 4's data files: sample (which reads the parameters only) and
+    train warn and use step 2; train sets step 4 aside and trains on; with every step
+    damaged, train refuses in one line and touches nothing."""
     run_dir = tmp_path / "run"
     shutil.copytree(saved_run, run_dir)
     root = checkpoint_dir(run_dir)
-    flip_bytes(root / "4")
+    flip_bytes(root / "4", every=True)
 
     code, out, err = run_main(capsys, ["sample", "--run-dir", str(run_dir), "--prompt", "def ", "--max-new-tokens", "8"])
     assert code == 0, err
@@ -292,6 +293,40 @@ def test_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(saved_run
     assert_one_error_line(proc.returncode, proc.stderr, f"every checkpoint in {root} is damaged (steps 2, 4, 6")
     assert snapshot(run_dir) == before  # refused: nothing renamed, deleted or rewritten
     gc.collect()  # the ignored exceptions surface here, under this test's filter
+
+
+def test_sample_decodes_a_batch_of_prompts_on_the_runs_mesh(saved_run, tmp_path, capsys):
+    """--prompt twice and --prompts-file: one batch, a block per prompt; greedy text is the
+    same decoded alone, in a batch, from Python, and recomputed without the cache."""
+    from nnxscale.training.sampling import sample
+
+    (tmp_path / "prompts.txt").write_text("class \n\nimport os\n")
+    argv = ["sample", "--run-dir", str(saved_run), "--prompt", "def ", "--prompt", "x = ", "--prompts-file",
+            str(tmp_path / "prompts.txt"), "--max-new-tokens", "12", "--temperature", "0"]  # fmt: skip
+    code, out, err = run_main(capsys, argv)
+    assert code == 0 and err == "", err
+    prompts = ["def ", "x = ", "class ", "import os"]
+    texts = sample(saved_run, prompts, max_new_tokens=12, temperature=0)
+    assert out == "".join(f"--- {i + 1} of 4 ---\n{t}\n" for i, t in enumerate(texts))
+    assert all(t.startswith(p) and len(t) > len(p) for t, p in zip(texts, prompts))
+    assert sample(saved_run, "x = ", max_new_tokens=12, temperature=0) == texts[1]
+    code, again, err = run_main(capsys, [*argv, "--no-cache", "--mesh", "model=2,data=4"])
+    assert code == 0 and again == out, err
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--top-p", "1.5"], ["--top-p", "(0, 1]", "1.5"]),
+        (["--temperature", "-1"], ["--temperature", "-1.0"]),
+        (["--max-new-tokens", "0"], ["--max-new-tokens", "0"]),
+        (["--prompts-file", "no-such-file.txt"], ["--prompts-file no-such-file.txt", "cannot read"]),
+        (["--mesh", "data=3"], ["data=3", "8"]),
+    ],
+)
+def test_sample_refuses_bad_options_in_one_line(saved_run, capsys, extra, words):
+    code, _, err = run_main(capsys, ["sample", "--run-dir", str(saved_run), "--prompt", "def ", *extra])
+    assert_one_error_line(code, err, *words)
 
 
 def test_init_refuses_a_run_directory_with_checkpoints(saved_run, capsys):

@@ -188,13 +188,24 @@ def _train_parser(sub) -> None:
 
 
 def _sample_parser(sub) -> None:
-    s = sub.add_parser("sample", help="generate text from a run's latest checkpoint")
+    s = sub.add_parser(
+        "sample",
+        help="generate text from a run's latest checkpoint",
+        description="Continue prompts with a run's model, restored onto the run's mesh (or --mesh) in its layout. "
+        "GPT-2 and Llama decode with a KV cache: each new token costs one position's work. Several prompts "
+        "(--prompt repeated, or --prompts-file) are decoded together as a batch; each stops at the end-of-text token "
+        "or after --max-new-tokens.",
+    )
     s.add_argument("--run-dir", required=True, help="run directory written by nnxscale train")
-    s.add_argument("--prompt", default="", help="text to continue")
-    s.add_argument("--max-new-tokens", type=int, default=200)
-    s.add_argument("--temperature", type=float, default=0.8)
-    s.add_argument("--top-k", type=int, default=40)
+    s.add_argument("--prompt", action="append", help="text to continue; repeat for a batch (default: one empty prompt, a new document)")
+    s.add_argument("--prompts-file", help="a file of prompts, one per line (a batch)")
+    s.add_argument("--max-new-tokens", type=int, default=200, help="at most this many new tokens per prompt (default: 200)")
+    s.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default: 0.8)")
+    s.add_argument("--top-k", type=int, default=40, help="draw from the K most likely tokens; 0: all (default: 40)")
+    s.add_argument("--top-p", type=float, default=1.0, help="draw from the smallest set of probability P (default: 1, all)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--mesh", help="mesh to sample on (default: the run's, its stage and context axes as data)")
+    s.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token (the baseline)")
     s.add_argument("--tokenizer", help="tokenizer.json to decode with (default: the run's own, or bytes)")
     _add_common(s)
 
@@ -317,19 +328,37 @@ def _merge(base: dict, override: dict) -> dict:
 
 
 def _sample(args) -> int:
+    from pathlib import Path
+
+    from nnxscale.errors import ConfigError
     from nnxscale.training.sampling import sample
 
-    text = sample(
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            lines = Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--prompts-file {args.prompts_file}: cannot read it as UTF-8 text ({e})") from None
+        prompts += [line for line in lines if line.strip()]
+        if not lines or not any(line.strip() for line in lines):
+            raise ConfigError(f"--prompts-file {args.prompts_file} has no prompt (one per line)")
+    texts = sample(
         args.run_dir,
-        args.prompt,
+        prompts or [""],
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
+        top_p=args.top_p,
         seed=args.seed,
         tokenizer=args.tokenizer,
+        mesh=args.mesh,
+        cache=False if args.no_cache else None,
         warn=lambda line: print(line, file=sys.stderr),  # stdout is the text alone
     )
-    print(text)
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- {i + 1} of {len(texts)} ---")
+        print(text)
     return 0
 
 

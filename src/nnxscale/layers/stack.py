@@ -118,7 +118,7 @@ def _unwrap(args: tuple) -> tuple:
     return tuple(a.value if isinstance(a, Rows) else a for a in args)
 
 
-def scan_layers(layers: nnx.Module, x, *args, keys=None, remat: Union[str, bool, None] = "none"):
+def scan_layers(layers: nnx.Module, x, *args, keys=None, remat: Union[str, bool, None] = "none", cache=None):
     """Run stacked ``layers`` in order: ``x = layer_i(x, *args)`` (``key=keys[i]`` when given).
 
     Args:
@@ -129,6 +129,9 @@ def scan_layers(layers: nnx.Module, x, *args, keys=None, remat: Union[str, bool,
         per batch row (``(B, ...)``: per-example positions and document ids).
       keys: ``None``, or per-layer PRNG keys ``(n, ...)`` passed as ``key=``.
       remat: a policy of :data:`REMAT_POLICIES` (or ``True`` for ``"full"``).
+      cache: ``None``, or a decoding cache (:mod:`nnxscale.layers.kv_cache`): a pytree whose
+        leaves have a leading ``(n,)`` axis. Then layer ``i`` is called with ``cache=`` its
+        slice and returns ``(x, its new cache)``, and ``scan_layers`` returns ``(x, new cache)``.
 
     The scan's state is one layer's input, so ``remat="full"`` keeps ``n`` residual-stream
     tensors for the backward pass and recomputes everything else one layer at a time.
@@ -138,10 +141,28 @@ def scan_layers(layers: nnx.Module, x, *args, keys=None, remat: Union[str, bool,
     same arguments: model code does not change.
     """
     runner = _RUNNER.get()
+    if cache is not None:
+        if runner is not None:
+            raise ConfigError("decoding with a cache runs the layers in one scan, not as a pipeline: sample on a mesh "
+                              "without a stage axis")  # fmt: skip
+        return _scan_cached(layers, x, _unwrap(args), keys, cache)
     if runner is not None:
         return runner(layers, x, *args, keys=keys, remat=remat)
     graphdef, state = nnx.split(layers)
     return scan_state(graphdef, state, x, *_unwrap(args), keys=keys, remat=remat)
+
+
+def _scan_cached(layers: nnx.Module, x, args: tuple, keys, cache):
+    """:func:`scan_layers` with a decoding cache: each layer's slice of it goes in and comes out."""
+    graphdef, state = nnx.split(layers)
+
+    def body(h, xs):
+        layer_state, key, layer_cache = xs
+        layer = nnx.merge(graphdef, layer_state)
+        kw = {"cache": layer_cache} if keys is None else {"cache": layer_cache, "key": key}
+        return layer(h, *args, **kw)
+
+    return jax.lax.scan(body, x, (state, keys, cache))
 
 
 _MOVES = frozenset(

@@ -5,25 +5,52 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
 from nnxscale.data import text as text
-from nnxscale.sharding.mesh import make_mesh
-from nnxscale.training.config import MAX_SEED, ConfigError, TrainConfig, with_overrides
+from nnxscale.errors import NnxscaleError
+from nnxscale.models.common.generate import Sampling, generate
+from nnxscale.sharding.axes import BATCH_AXES, CONTEXT, DATA, STAGE
+from nnxscale.sharding.mesh import format_mesh, make_mesh, resolve_mesh_shape
+from nnxscale.training.config import ConfigError, TrainConfig, with_overrides
 from nnxscale.training.inputs import TOKENIZER_FILE
 from nnxscale.training.rundir import saved_config
 from nnxscale.training.state import Setup, setup
 
 
-def _restore(run_dir, model: Optional[Callable], warn: Callable[[str], None]) -> tuple[Setup, nnx.Module]:
-    """The setup of a run, on one device (of this process, in a job), and the model of its
-    newest intact checkpoint. Damaged newer checkpoints are skipped, each with a ``warn`` line."""
+def sampling_mesh(run_dir, mesh=None, *, note: Callable[[str], None] = print):
+    """The mesh ``sample`` runs on: ``mesh`` (a spec or a ``jax.sharding.Mesh``) when given,
+    else the run's own mesh with its ``stage`` and ``context`` axes folded into ``data``
+    (decoding runs the layers in one scan and the sequence whole), else, when this job does
+    not have the devices that takes, one device, said through ``note``."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh
+    if mesh is not None:
+        return make_mesh(mesh)
+    saved = saved_config(Path(run_dir)) or {}
+    spec = (saved.get("parallel") or {}).get("mesh") or "data=1"
+    try:
+        axes = resolve_mesh_shape(spec, jax.device_count())
+    except NnxscaleError:
+        note(f"sampling on one device: the run's mesh {spec} does not fit the {jax.device_count()} devices here "
+             "(--mesh to choose one)")  # fmt: skip
+        return make_mesh("data=1", devices=jax.local_devices()[:1])
+    folded = {a: n for a, n in axes.items() if a not in (STAGE, CONTEXT)}
+    moved = math.prod(n for a, n in axes.items() if a in (STAGE, CONTEXT))
+    if moved > 1:
+        folded = {DATA: folded.pop(DATA, 1) * moved, **folded}
+        note(f"sampling on mesh {format_mesh(folded)}: the run's {format_mesh(axes)} with its stage and context axes as data")
+    return make_mesh(folded)
+
+
+def _restore(run_dir, model: Optional[Callable], warn: Callable[[str], None], mesh=None) -> tuple[Setup, nnx.Module]:
+    """The setup of a run on ``mesh`` (default: one device of this process), and the model of
+    its newest intact checkpoint laid out on it. Damaged newer checkpoints are skipped, each
+    with a ``warn`` line."""
     run_dir = Path(run_dir)
     saved = saved_config(run_dir)
     if saved is None:
@@ -36,22 +63,27 @@ def _restore(run_dir, model: Optional[Callable], warn: Callable[[str], None]) ->
             "nnxscale.sample(run_dir, prompt, model=factory)"
         )
     cfg = TrainConfig.from_dict(saved)
-    one = make_mesh("data=1", devices=jax.local_devices()[:1])
-    s = setup(with_overrides(cfg, {"parallel.mesh": "data=1", "parallel.microbatches": None, "parallel.pipeline_repeats": 1,
-                                 "data.document_mask": False}), mesh=one, model=model,
-              recorded=recorded)  # fmt: skip
+    mesh = make_mesh("data=1", devices=jax.local_devices()[:1]) if mesh is None else mesh
+    # the batch of the setup is one row per batch shard: sampling sizes its own batches
+    rows = math.prod(n for a, n in zip(mesh.axis_names, mesh.devices.shape) if a in BATCH_AXES)
+    s = setup(with_overrides(cfg, {"parallel.mesh": format_mesh(dict(zip(mesh.axis_names, mesh.devices.shape))),
+                                 "parallel.microbatches": None, "parallel.pipeline_repeats": 1,
+                                 "data.document_mask": False, "data.batch_size": rows, "optim.grad_accum": 1}),
+              mesh=mesh, model=model, recorded=recorded)  # fmt: skip
     with Checkpointer(checkpoint_dir(run_dir), async_save=False) as ckpt:
-        _, state, _ = ckpt.restore_intact(s.abstract, warn=warn)
+        _, state, _ = ckpt.restore_intact({"params": s.abstract["params"]}, warn=warn, part=True)
     return s, nnx.merge(s.graphdef, state["params"])
 
 
-def load_model(run_dir, *, model: Optional[Callable] = None, warn: Callable[[str], None] = print) -> nnx.Module:
-    """The model of a run's newest intact checkpoint, on one device (of this process, in a job).
+def load_model(run_dir, *, model: Optional[Callable] = None, mesh=None, warn: Callable[[str], None] = print) -> nnx.Module:
+    """The model of a run's newest intact checkpoint, on one device (of this process, in a
+    job), or laid out by the run's rules on ``mesh`` (a spec or a ``jax.sharding.Mesh``).
 
     ``model``: the factory of your own module, for a run trained with ``train(cfg, model=...)``.
     Damaged newer checkpoints are skipped, each with a ``warn`` line.
     """
-    return _restore(run_dir, model, warn)[1]
+    mesh = None if mesh is None else sampling_mesh(run_dir, mesh)
+    return _restore(run_dir, model, warn, mesh)[1]
 
 
 def run_decoder(run_dir, vocab_size: int, tokenizer=None):
@@ -74,53 +106,47 @@ def run_decoder(run_dir, vocab_size: int, tokenizer=None):
 
 
 def sample(
-    run_dir, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
-    tokenizer=None, model: Optional[Callable] = None, warn: Callable[[str], None] = print,
-) -> str:  # fmt: skip
-    """Continue ``prompt`` with ``max_new_tokens`` sampled tokens; returns prompt + continuation.
+    run_dir, prompt: Union[str, Sequence[str]], *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40,
+    top_p: float = 1.0, seed: int = 0, tokenizer=None, model: Optional[Callable] = None, mesh=None,
+    cache: Optional[bool] = None, warn: Callable[[str], None] = print,
+) -> Union[str, list[str]]:  # fmt: skip
+    """Continue ``prompt`` (one text, or a list of them, decoded together as a batch) with up
+    to ``max_new_tokens`` tokens each; returns prompt + continuation (a list for a list).
 
-    The prompt is encoded and the tokens decoded with the run's tokenizer (see
+    Each continuation ends at the tokenizer's end-of-text token (not printed) or after
+    ``max_new_tokens``. ``temperature`` 0 is greedy; otherwise the logits are cut to the
+    ``top_k`` most likely (0: all) and the smallest set of probability ``top_p``, and drawn
+    with ``seed``. The prompt is encoded and the tokens decoded with the run's tokenizer (see
     :func:`run_decoder`); an empty prompt starts a new document (the tokenizer's separator).
-    The context is the model's (its family's), or the run's sequence length for your own
-    module (``model``: its factory).
+
+    The model is restored onto ``mesh`` (default: the run's own, see :func:`sampling_mesh`)
+    in the run's layout, so a model that needs tensor parallelism to fit samples with it.
+    GPT-2 and Llama decode with a KV cache; your own module (``model``: its factory) decodes
+    with one if it has ``init_cache`` (see :mod:`nnxscale.models.common.generate`), else by
+    recomputation, said once through ``warn``; ``cache=False`` recomputes always. The
+    context is the model's (its family's), or the run's sequence length for your own module.
     """
-    if max_new_tokens < 1 or not 0 <= temperature < math.inf or top_k < 0 or not 0 <= seed <= MAX_SEED:
-        raise ConfigError(
-            f"--max-new-tokens must be positive (got {max_new_tokens}), --temperature finite and non-negative "
-            f"(got {temperature}), --top-k non-negative (got {top_k}), --seed in [0, {MAX_SEED}] (got {seed})"
-        )
-    s, net = _restore(run_dir, model, warn)
+    sampling = Sampling(temperature, top_k, top_p, seed).check()
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be a positive integer (got {max_new_tokens})")
+    texts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise ConfigError("prompt: give a text, or a non-empty list of texts")
+    s, net = _restore(run_dir, model, warn, sampling_mesh(run_dir, mesh, note=warn))
     vocab = s.vocab_size()
     decoder = run_decoder(run_dir, vocab, tokenizer)
     if decoder.vocab_size > vocab:
         raise ConfigError(f"tokenizer {decoder.path} has {decoder.vocab_size:,} tokens, more than the model's {vocab:,}")
     context = s.model.dims.context if s.model.dims is not None else s.cfg.data.seq_len
-    graphdef, params = nnx.split(net)
-
-    @jax.jit
-    def next_logits(params, window, length):
-        logits = nnx.merge(graphdef, params)(window[None, :])[0]  # (T, V)
-        return logits[length - 1]
-
-    prompt_ids = decoder.encode(prompt)
-    tokens = list(prompt_ids) or [decoder.separator or 0]
-    key = jax.random.key(seed)
-    for _ in range(max_new_tokens):
-        ctx = tokens[-context:]
-        window = np.zeros(context, np.int32)
-        window[: len(ctx)] = ctx
-        logits = next_logits(params, jnp.asarray(window), jnp.int32(len(ctx)))
-        if temperature == 0:
-            nxt = int(jnp.argmax(logits))
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = jnp.sort(logits)[-min(top_k, logits.shape[-1])]
-                logits = jnp.where(logits < kth, -jnp.inf, logits)
-            key, sub = jax.random.split(key)
-            nxt = int(jax.random.categorical(sub, logits))
-        tokens.append(nxt)
-    new = tokens[len(tokens) - max_new_tokens :]
-    # Decoded with the prompt before it (a word's leading space depends on what precedes it).
-    head, whole = decoder.decode(prompt_ids), decoder.decode(list(prompt_ids) + new)
-    return prompt + (whole[len(head) :] if whole.startswith(head) else decoder.decode(new))
+    encoded = [decoder.encode(t) for t in texts]
+    start = [list(ids) or [decoder.separator or 0] for ids in encoded]
+    stop = decoder.separator
+    new = generate(net, start, max_new_tokens=max_new_tokens, context=context, sampling=sampling, stop=stop,
+                   rules=s.rules, cache=cache, vocab=decoder.vocab_size, note=warn)  # fmt: skip
+    out = []
+    for text_in, ids, more in zip(texts, encoded, new):
+        more = more[:-1] if more and more[-1] == stop else more
+        # Decoded with the prompt before it (a word's leading space depends on what precedes it).
+        head, whole = decoder.decode(ids), decoder.decode(list(ids) + more)
+        out.append(text_in + (whole[len(head):] if whole.startswith(head) else decoder.decode(more)))
+    return out[0] if isinstance(prompt, str) else out

@@ -376,5 +376,5 @@ def load_init_params(s: Setup, source: str, *, warn: Callable[[str], None] = pri
             "nor an nnxscale run directory with checkpoints"
         )
     with Checkpointer(ckpt_root, async_save=False) as ckpt:
-        _, restored, _ = ckpt.restore_intact({"params": s.abstract["params"]}, warn=warn)
+        _, restored, _ = ckpt.restore_intact({"params": s.abstract["params"]}, warn=warn, part=True)
     return restored["params"]

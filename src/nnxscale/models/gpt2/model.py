@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxscale.errors import ModelError
+from nnxscale.layers import kv_cache
 from nnxscale.layers.attention import attention as attend
 from nnxscale.layers.stack import scan_layers, stack_layers
 from nnxscale.models.common.documents import layer_args
@@ -47,9 +48,13 @@ class CausalSelfAttention(nnx.Module):
             bias_init=logical(_zeros, "embed"), **kw,
         )  # fmt: skip
 
-    def __call__(self, x, positions=None, segments=None):  # (B, T, C); see GPT2.hidden_states
+    def __call__(self, x, positions=None, segments=None, cache=None):  # (B, T, C); see GPT2.hidden_states
         qkv = self.c_attn(x)  # (B, T, 3, N, H)
         q, k, v = (constrain(qkv[:, :, i], "batch", "length", "heads", "kv") for i in range(3))  # each (B, T, N, H)
+        if cache is not None:  # decoding: positions (B, T) index the cache (nnxscale.layers.kv_cache)
+            k, v, cache = kv_cache.write(cache, k, v, positions)
+            y = constrain(kv_cache.attend(q, k, v, positions, impl=self.impl), "batch", "length", "heads", "kv")
+            return self.c_proj(y), cache
         y = attend(q, k, v, causal=True, q_positions=positions, k_positions=positions, q_segments=segments,
                    k_segments=segments, impl=self.impl)  # fmt: skip  (B, T, N, H)
         y = constrain(y, "batch", "length", "heads", "kv")
@@ -82,7 +87,12 @@ class Block(nnx.Module):
         self.mlp = MLP(n_embd, proj_std=proj_std, **kw)
         self.dropout = dropout
 
-    def __call__(self, x, positions=None, segments=None, key=None):  # (B, T, C)
+    def __call__(self, x, positions=None, segments=None, key=None, cache=None):  # (B, T, C)
+        if cache is not None:  # decoding (no dropout): returns (x, cache)
+            x = constrain(x, "batch", "length", "embed")
+            a, cache = self.attn(self.ln_1(x), positions, cache=cache)
+            x = x + a
+            return constrain(x + self.mlp(self.ln_2(x)), "batch", "length", "embed"), cache
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         x = constrain(x, "batch", "length", "embed")  # the residual stream
         x = x + dropout(self.attn(self.ln_1(x), positions, segments), self.dropout, k1)
@@ -117,23 +127,35 @@ class GPT2(nnx.Module):
         """
         return self.logits(self.hidden_states(tokens, rngs=rngs))
 
-    def hidden_states(self, tokens, *, rngs: Optional[nnx.Rngs] = None, positions=None, segments=None):
+    def hidden_states(self, tokens, *, rngs: Optional[nnx.Rngs] = None, positions=None, segments=None, cache=None):
         """``tokens`` int (B, T) -> the final layer norm's output (B, T, n_embd), before the head.
 
         ``positions`` (T,) or (B, T) ints: each token's place in its sequence (default
         ``0..T-1``): given when ``tokens`` are stored out of order (a zigzag layout over a
         ``context`` axis) or hold several documents, each starting at 0.
         ``segments`` (B, T) ints: document ids; a token attends only within its document.
+        ``cache``: decoding (no dropout): a cache from :meth:`init_cache`, ``positions``
+        ``(B, T)`` contiguous in each row; returns ``(hidden states, updated cache)``.
         """
         c = self.config
         T = tokens.shape[1]
         if T > c.n_positions:
             raise ModelError(f"sequence length {T} exceeds the context n_positions={c.n_positions}")
+        if cache is not None:
+            x = constrain(self.wte(tokens) + self.wpe(positions), "batch", "length", "embed")
+            x, cache = scan_layers(self.h, x, positions, cache=cache)
+            return self.ln_f(x), cache
         embed_key, block_keys = dropout_keys(rngs, c.dropout, c.n_layer)
         x = self.wte(tokens) + self.wpe(jnp.arange(T) if positions is None else positions)  # (B, T, C)
         x = dropout(constrain(x, "batch", "length", "embed"), c.dropout, embed_key)
         x = scan_layers(self.h, x, *layer_args(positions, segments), keys=block_keys, remat=c.remat)  # (B, T, C)
         return self.ln_f(x)
+
+    def init_cache(self, batch: int, length: int) -> dict:
+        """An empty decoding cache for ``batch`` rows of up to ``length`` positions (at most
+        ``n_positions``), laid out by the activation rules in force."""
+        c = self.config
+        return kv_cache.empty(c.n_layer, batch, length, c.n_head, c.n_embd // c.n_head, jnp.dtype(c.dtype), "heads")
 
     def logits(self, x):
         """The output head, tied to the token embedding: (B, T, C) -> float32 logits (B, T, V)."""

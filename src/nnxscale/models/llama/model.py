@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from nnxscale.errors import ModelError
+from nnxscale.layers import kv_cache
 from nnxscale.layers.attention import attention as attend
 from nnxscale.layers.stack import Rows, scan_layers, stack_layers
 from nnxscale.models.common.documents import layer_args
@@ -63,10 +64,14 @@ class LlamaAttention(nnx.Module):
         self.v_proj = proj(K, "kv_heads")
         self.o_proj = nnx.Einsum("btnh,nhc->btc", (N, H, C), kernel_init=logical(_normal, "heads", "kv", "embed"), **kw)
 
-    def __call__(self, x, cos, sin, positions=None, segments=None):  # x (B, T, C); cos, sin ([B,] T, H); see Llama.hidden_states
+    def __call__(self, x, cos, sin, positions=None, segments=None, cache=None):  # x (B, T, C); cos, sin ([B,] T, H); see Llama.hidden_states
         q = constrain(_rotate(self.q_proj(x), cos, sin), "batch", "length", "heads", "kv")  # (B, T, N, H)
         k = constrain(_rotate(self.k_proj(x), cos, sin), "batch", "length", "kv_heads", "kv")  # (B, T, K, H)
         v = constrain(self.v_proj(x), "batch", "length", "kv_heads", "kv")  # (B, T, K, H)
+        if cache is not None:  # decoding: positions (B, T) index the cache (nnxscale.layers.kv_cache)
+            k, v, cache = kv_cache.write(cache, k, v, positions)
+            y = constrain(kv_cache.attend(q, k, v, positions, impl=self.impl), "batch", "length", "heads", "kv")
+            return self.o_proj(y), cache
         # grouped-query attention: query head n reads K/V head n // (N // K), as HF's repeat_kv
         y = attend(q, k, v, causal=True, q_positions=positions, k_positions=positions, q_segments=segments,
                    k_segments=segments, impl=self.impl)  # fmt: skip  (B, T, N, H)
@@ -97,7 +102,12 @@ class LlamaDecoderLayer(nnx.Module):
         self.mlp = LlamaMLP(c.hidden_size, c.intermediate_size, **kw)
         self.dropout = c.dropout
 
-    def __call__(self, x, cos, sin, positions=None, segments=None, key=None):  # x (B, T, C)
+    def __call__(self, x, cos, sin, positions=None, segments=None, key=None, cache=None):  # x (B, T, C)
+        if cache is not None:  # decoding (no dropout): returns (x, cache)
+            x = constrain(x, "batch", "length", "embed")
+            a, cache = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache=cache)
+            x = x + a
+            return constrain(x + self.mlp(self.post_attention_layernorm(x)), "batch", "length", "embed"), cache
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         x = constrain(x, "batch", "length", "embed")  # the residual stream
         x = x + dropout(self.self_attn(self.input_layernorm(x), cos, sin, positions, segments), self.dropout, k1)
@@ -133,13 +143,15 @@ class Llama(nnx.Module):
         """
         return self.logits(self.hidden_states(tokens, rngs=rngs))
 
-    def hidden_states(self, tokens, *, rngs: Optional[nnx.Rngs] = None, positions=None, segments=None):
+    def hidden_states(self, tokens, *, rngs: Optional[nnx.Rngs] = None, positions=None, segments=None, cache=None):
         """``tokens`` int (B, T) -> the final norm's output (B, T, hidden_size), before the head.
 
         ``positions`` (T,) or (B, T) ints: each token's place in its sequence, for RoPE and
         the causal mask (default ``0..T-1``): given when ``tokens`` are stored out of order
         (a zigzag layout over a ``context`` axis) or hold several documents, each starting at 0.
         ``segments`` (B, T) ints: document ids; a token attends only within its document.
+        ``cache``: decoding (no dropout): a cache from :meth:`init_cache`, ``positions``
+        ``(B, T)`` contiguous in each row; returns ``(hidden states, updated cache)``.
         """
         c = self.config
         T = tokens.shape[1]
@@ -150,13 +162,23 @@ class Llama(nnx.Module):
         where = jnp.arange(T) if positions is None else positions
         angles = where.astype(jnp.float32)[..., None] * inv_freq  # ([B,] T, H/2)
         angles = jnp.concatenate([angles, angles], axis=-1)  # ([B,] T, H): HF's rotate_half layout
-        x = dropout(constrain(self.embed_tokens(tokens), "batch", "length", "embed"), c.dropout, embed_key)  # (B, T, C)
         tables = (jnp.cos(angles), jnp.sin(angles))
+        if cache is not None:
+            x = constrain(self.embed_tokens(tokens), "batch", "length", "embed")
+            x, cache = scan_layers(self.layers, x, *tables, positions, cache=cache)
+            return self.norm(x), cache
+        x = dropout(constrain(self.embed_tokens(tokens), "batch", "length", "embed"), c.dropout, embed_key)  # (B, T, C)
         if positions is not None and jnp.ndim(positions) == 2:  # per row: split with the batch in a pipeline
             tables = tuple(Rows(t) for t in tables)
         args = (*tables, *layer_args(positions, segments))
         x = scan_layers(self.layers, x, *args, keys=layer_keys, remat=c.remat)
         return self.norm(x)
+
+    def init_cache(self, batch: int, length: int) -> dict:
+        """An empty decoding cache for ``batch`` rows of up to ``length`` positions (at most
+        ``max_position_embeddings``), laid out by the activation rules in force."""
+        c = self.config
+        return kv_cache.empty(c.num_hidden_layers, batch, length, c.num_key_value_heads, c.head_size, jnp.dtype(c.dtype))
 
     def logits(self, x):
         """The output head: (B, T, hidden_size) -> float32 logits (B, T, vocab_size)."""
