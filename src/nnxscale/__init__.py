@@ -121,6 +121,9 @@ _EXPORTS = {
     # sampling
     "sample": "nnxscale.training.sampling",
     "load_model": "nnxscale.training.sampling",
+    "generate": "nnxscale.models.common.generate",
+    "Generator": "nnxscale.models.common.generate",
+    "Sampling": "nnxscale.models.common.generate",
     # planning: memory per device and collectives per step
     "plan": "nnxscale.planning.planner",
     "sweep": "nnxscale.planning.planner",
