@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 
+import jax.numpy as jnp
 
 from nnxscale.checkpoint.checkpointer import Checkpointer, _FILTERED_LOGGERS, _quiet_orbax_errors, checkpoint_dir
 from nnxscale.jobs.process import owned_by_command, owns_process
@@ -27,15 +28,22 @@ def installed_filters() -> list:
 
 
 def test_a_checkpointer_opened_from_python_leaves_logging_alone(tmp_path):
+    """From Python, nothing is filtered; under the command, Orbax's echoes of a failed save
+    are held back only while a save is in flight."""
     hook = sys.unraisablehook
     with Checkpointer(tmp_path / "a"):
         assert not installed_filters() and sys.unraisablehook is hook
     assert not owns_process()
     with owned_by_command():
         assert owns_process()
-        with Checkpointer(tmp_path / "b"):
+        with Checkpointer(tmp_path / "b") as ckpt:
+            assert not installed_filters() and sys.unraisablehook is hook  # only while a save is in flight
+            ckpt.save(1, {"x": jnp.arange(4.0)}, {})
             assert len(installed_filters()) == len(_FILTERED_LOGGERS) and sys.unraisablehook is not hook
-        assert not installed_filters() and sys.unraisablehook is hook  # put back when it closes
+            ckpt.wait()
+            assert not installed_filters() and sys.unraisablehook is hook  # put back once it succeeded
+            ckpt.save(2, {"x": jnp.arange(4.0)}, {})
+        assert not installed_filters() and sys.unraisablehook is hook  # and when it closes
     assert not owns_process()
 
 

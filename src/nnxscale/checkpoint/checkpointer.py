@@ -244,16 +244,11 @@ class Checkpointer:
             multiprocessing_options=multiprocessing,
             create=processes is None,
         )
-        # The command holds back the echoes of errors it reports itself; a library call leaves logging alone.
+        # The command holds back the echoes of a failed save, which it reports itself, while a save is
+        # in flight (from save() until wait() sees it succeed, or close()); a library call leaves logging alone.
         self._quiet = owns_process()
-        if self._quiet:
-            _quiet_orbax_errors.acquire()
-        try:
-            self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
-        except BaseException:
-            if self._quiet:
-                _quiet_orbax_errors.release()
-            raise
+        self._holding = False
+        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         # The manager's own step naming (no prefix, no padding), used to list finalized steps.
         self._names = ocp.step.standard_name_format()
         self._pending: Optional[int] = None
@@ -300,9 +295,11 @@ class Checkpointer:
             **{_STATE: ocp.args.StandardSave(state), _EXTRAS: ocp.args.JsonSave(dict(extras)),
                _CHECKSUM_ITEM: _ChecksumSave(pending)}  # fmt: skip
         )
+        self._hold_echoes(True)
         try:
             started = self._manager.save(step, args=args, force=force)
         except StepAlreadyExistsError:
+            self._hold_echoes(False)
             raise CheckpointError(
                 f"step {step} already has a checkpoint at {self._step_dir(step)}, which is never "
                 "overwritten: save under a new step, or move that directory aside if it is damaged"
@@ -311,7 +308,15 @@ class Checkpointer:
             raise self._save_failed(step, e) from e
         if started:
             self._pending = step
+        else:
+            self._hold_echoes(False)
         return started
+
+    def _hold_echoes(self, hold: bool) -> None:
+        """Hold back (or again let through) the echoes of a failed save (:class:`_QuietOrbaxErrors`)."""
+        if self._quiet and hold != self._holding:
+            (_quiet_orbax_errors.acquire if hold else _quiet_orbax_errors.release)()
+            self._holding = hold
 
     def wait(self) -> None:
         """Block until the pending save, if any, is complete on disk.
@@ -322,8 +327,9 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         try:
             self._manager.wait_until_finished()
-        except Exception as e:
+        except Exception as e:  # its echoes may go on until close()
             raise self._save_failed(pending, e) from e
+        self._hold_echoes(False)
 
     def close(self) -> None:
         """Wait for the pending save, then release orbax's threads and files."""
@@ -336,8 +342,7 @@ class Checkpointer:
             try:
                 self._manager.close()
             finally:
-                if self._quiet:
-                    _quiet_orbax_errors.release()
+                self._hold_echoes(False)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -637,7 +642,7 @@ _SAVE_FAILURE_ECHOES = (
 
 
 class _QuietOrbaxErrors(logging.Filter):
-    """Hold back the echoes of a failed save while a Checkpointer is open.
+    """Hold back the echoes of a failed save while a save is in flight.
 
     When an asynchronous save fails (a full disk), Orbax's background threads each log the
     error with a traceback (absl), its abandoned writes log "Task exception was never
