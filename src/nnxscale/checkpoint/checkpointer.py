@@ -244,8 +244,9 @@ class Checkpointer:
             multiprocessing_options=multiprocessing,
             create=processes is None,
         )
-        # The command holds back the echoes of a failed save, which it reports itself, while a save is
-        # in flight (from save() until wait() sees it succeed, or close()); a library call leaves logging alone.
+        # The command holds back the echoes of a failed save or restore, which it reports itself: while a
+        # save is in flight (from save() until wait() sees it succeed, or close()), and after a failed
+        # restore for the rest of the command. A library call leaves logging alone.
         self._quiet = owns_process()
         self._holding = False
         self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
@@ -431,6 +432,8 @@ class Checkpointer:
             try:
                 restored = self._manager.restore(step, args=ocp.args.Composite(**items))
             except Exception as e:
+                if self._quiet:  # its abandoned reads echo it when garbage collected, until the command exits
+                    _quiet_orbax_errors.acquire()
                 raise self._unreadable(step, available, e) from e
             succeeded()
         state, extras = restored[_STATE], dict(restored[_EXTRAS])
@@ -642,7 +645,7 @@ _SAVE_FAILURE_ECHOES = (
 
 
 class _QuietOrbaxErrors(logging.Filter):
-    """Hold back the echoes of a failed save while a save is in flight.
+    """Hold back the echoes of a failed save while a save is in flight (and of a failed restore).
 
     When an asynchronous save fails (a full disk), Orbax's background threads each log the
     error with a traceback (absl), its abandoned writes log "Task exception was never
