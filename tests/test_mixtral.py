@@ -1,11 +1,20 @@
-"""The Mixtral config: the published 8x7B shape's exact parameter count, active parameters
-per token, and clear errors for impossible routing."""
+"""Mixtral: the config's counts (the published 8x7B's exact parameters), dropless routing
+equal to a dense reference, Hugging Face safetensors in and out straight into an expert
+layout, and training with the same losses on data, expert and expert x tensor meshes."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
+import nnxscale
+from model_testing import randomize
 from nnxscale.errors import ModelError
-from nnxscale.models import llama
+from nnxscale.layers.moe import grouped_swiglu, route, route_stats
+from nnxscale.models import llama, mixtral
 from nnxscale.models.mixtral import PRESETS, preset
+from test_train import quiet_train, tiny_cfg
 
 
 def test_mixtral_8x7b_has_its_published_parameter_counts():
@@ -36,3 +45,68 @@ def test_impossible_routing_is_one_clear_error(overrides, words):
     with pytest.raises(ModelError) as e:
         preset("mixtral-tiny", **overrides)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_grouped_experts_equal_every_expert_run_densely():
+    """Dropless: each token's output is the router-weighted sum of its k experts, exactly as
+    running every expert on every token and keeping the chosen ones; gradients too."""
+    rng = np.random.default_rng(0)
+    N, C, F, E, k = 40, 16, 24, 8, 2
+    x = jnp.asarray(rng.normal(size=(N, C)), jnp.float32)
+    logits = jnp.asarray(rng.normal(size=(N, E)) * 3, jnp.float32)
+    w1, w3 = (jnp.asarray(rng.normal(size=(E, C, F)) / 4, jnp.float32) for _ in range(2))
+    w2 = jnp.asarray(rng.normal(size=(E, F, C)) / 4, jnp.float32)
+    weights, experts = route(logits, k)
+    assert np.allclose(np.asarray(weights).sum(-1), 1.0)
+    probs = np.asarray(jax.nn.softmax(logits))
+    assert (np.sort(np.argsort(-probs, axis=1)[:, :k], 1) == np.sort(np.asarray(experts), 1)).all()
+
+    def dense(x, w1, w3, w2):
+        every = jnp.einsum("ecf,nc->nef", w1, x)
+        every = jax.nn.silu(every) * jnp.einsum("ecf,nc->nef", w3, x)
+        every = jnp.einsum("efc,nef->nec", w2, every)  # (N, E, C): every expert on every token
+        chosen = jnp.take_along_axis(every, experts[:, :, None], axis=1)  # (N, k, C)
+        return jnp.einsum("nkc,nk->nc", chosen, weights)
+
+    grouped = lambda *a: grouped_swiglu(a[0], experts, weights, *a[1:])  # noqa: E731
+    np.testing.assert_allclose(grouped(x, w1, w3, w2), dense(x, w1, w3, w2), rtol=1e-5, atol=1e-5)
+    g_grouped = jax.grad(lambda *a: jnp.sum(grouped(*a) ** 2), argnums=(0, 1, 2, 3))(x, w1, w3, w2)
+    g_dense = jax.grad(lambda *a: jnp.sum(dense(*a) ** 2), argnums=(0, 1, 2, 3))(x, w1, w3, w2)
+    for a, b in zip(g_grouped, g_dense):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+    even = route_stats(jnp.zeros((N, E)), jnp.asarray(np.arange(N * k).reshape(N, k) % E, jnp.int32), E)
+    assert float(even.aux_loss) == pytest.approx(k) and np.allclose(even.load, 1 / E)  # a perfectly even router
+    skewed = route_stats(logits, jnp.zeros((N, k), jnp.int32), E)
+    assert float(skewed.aux_loss) > k and float(skewed.load[0]) == 1.0
+
+
+def test_hugging_face_weights_in_and_out_on_an_expert_mesh(tmp_path):
+    """Saved as HF's MixtralForCausalLM names (one tensor per layer and expert), read back
+    straight into expert=4,model=2: experts split over expert, their width over model."""
+    model = randomize(mixtral.Mixtral(PRESETS["mixtral-tiny"], rngs=nnx.Rngs(0)))
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(model))) == PRESETS["mixtral-tiny"].num_params()
+    mixtral.save_pretrained(model, tmp_path / "hf")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="numpy") as f:
+        w2 = f.get_tensor("model.layers.1.block_sparse_moe.experts.5.w2.weight")
+        gate = f.get_tensor("model.layers.0.block_sparse_moe.gate.weight")
+    np.testing.assert_array_equal(w2, np.asarray(model.layers.block_sparse_moe.w2[...])[1, 5].T)  # HF (out, in)
+    assert gate.shape == (8, 64)
+    mesh = nnxscale.make_mesh("expert=4,model=2")
+    back = mixtral.from_pretrained(tmp_path / "hf", mesh=mesh, rules=nnxscale.resolve(None, mesh, min_shard_bytes=0))
+    w1 = back.layers.block_sparse_moe.w1[...]
+    assert w1.shape == (2, 8, 64, 128) and w1.sharding.shard_shape(w1.shape) == (2, 2, 64, 64)
+    tokens = jnp.asarray(np.arange(64).reshape(2, 32) % 256)
+    np.testing.assert_allclose(np.asarray(back(tokens)), np.asarray(model(tokens)), rtol=1e-5, atol=1e-5)
+
+
+def test_training_gives_the_same_losses_on_data_expert_and_expert_tensor_meshes(tmp_path, text_data):
+    losses = {}
+    for mesh in ("data=8", "expert=4,model=2"):
+        result = quiet_train(tiny_cfg(tmp_path / mesh, text_data, model="mixtral-tiny", mesh=mesh, steps=3))
+        losses[mesh] = [r["loss"] for r in nnxscale.read_metrics(tmp_path / mesh)]
+        assert result.final_step == 3
+    np.testing.assert_allclose(losses["expert=4,model=2"], losses["data=8"], rtol=1e-5)
+    assert losses["data=8"][-1] < losses["data=8"][0]

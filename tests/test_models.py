@@ -37,7 +37,8 @@ def test_every_preset_of_every_family_builds_with_its_dimensions():
             dims = family.dims(config)
             assert isinstance(dims, ModelDims) and min(dataclasses.astuple(dims)) > 0, name
             assert dims.heads % dims.kv_heads == 0 and dims.width % dims.heads == 0, name
-            assert family.flops_per_token(config, dims.context) >= 4 * config.num_params(), name
+            active = config.active_params() if hasattr(config, "active_params") else config.num_params()  # a mixture: per token
+            assert family.flops_per_token(config, dims.context) >= 4 * active, name
             assert set(family.run_options) <= {f.name for f in dataclasses.fields(config)}, name
         # Weight decay from the metadata: the matrices decay, vectors (norm scales, biases) do not.
         smallest = min(family.presets.values(), key=lambda c: c.num_params())

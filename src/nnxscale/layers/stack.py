@@ -118,7 +118,8 @@ def _unwrap(args: tuple) -> tuple:
     return tuple(a.value if isinstance(a, Rows) else a for a in args)
 
 
-def scan_layers(layers: nnx.Module, x, *args, keys=None, remat: Union[str, bool, None] = "none", cache=None):
+def scan_layers(layers: nnx.Module, x, *args, keys=None, remat: Union[str, bool, None] = "none", cache=None,
+                aux: bool = False):  # fmt: skip
     """Run stacked ``layers`` in order: ``x = layer_i(x, *args)`` (``key=keys[i]`` when given).
 
     Args:
@@ -132,6 +133,8 @@ def scan_layers(layers: nnx.Module, x, *args, keys=None, remat: Union[str, bool,
       cache: ``None``, or a decoding cache (:mod:`nnxscale.layers.kv_cache`): a pytree whose
         leaves have a leading ``(n,)`` axis. Then layer ``i`` is called with ``cache=`` its
         slice and returns ``(x, its new cache)``, and ``scan_layers`` returns ``(x, new cache)``.
+      aux: every layer returns ``(x, aux)``, ``aux`` a pytree of its own (a mixture's router
+        statistics); ``scan_layers`` returns ``(x, aux stacked over the layers)``.
 
     The scan's state is one layer's input, so ``remat="full"`` keeps ``n`` residual-stream
     tensors for the backward pass and recomputes everything else one layer at a time.
@@ -147,9 +150,12 @@ def scan_layers(layers: nnx.Module, x, *args, keys=None, remat: Union[str, bool,
                               "without a stage axis")  # fmt: skip
         return _scan_cached(layers, x, _unwrap(args), keys, cache)
     if runner is not None:
+        if aux:
+            raise ConfigError("layers that return statistics (a mixture of experts) do not run as a pipeline yet: "
+                              "train on a mesh without a stage axis")  # fmt: skip
         return runner(layers, x, *args, keys=keys, remat=remat)
     graphdef, state = nnx.split(layers)
-    return scan_state(graphdef, state, x, *_unwrap(args), keys=keys, remat=remat)
+    return scan_state(graphdef, state, x, *_unwrap(args), keys=keys, remat=remat, aux=aux)
 
 
 def _scan_cached(layers: nnx.Module, x, args: tuple, keys, cache):
@@ -178,7 +184,8 @@ def _all_but_moves(prim, *_, **__) -> bool:
     return prim not in _MOVES
 
 
-def scan_state(graphdef, state, x, *args, keys=None, remat: Union[str, bool, None] = "none", pick=None):
+def scan_state(graphdef, state, x, *args, keys=None, remat: Union[str, bool, None] = "none", pick=None,
+               aux: bool = False):  # fmt: skip
     """:func:`scan_layers` on a split stack: ``state`` holds the layers' stacked values.
 
     The one scan every stacked run goes through, whole (:func:`scan_layers`) or one
@@ -187,6 +194,7 @@ def scan_state(graphdef, state, x, *args, keys=None, remat: Union[str, bool, Non
     layer, of which layer ``i`` uses ``[i, pick]``. The choice is made inside the
     rematerialized body and is recomputed, not saved, for the backward pass, so the
     chosen layers are never copied per call: a pipeline stage picks its repeat this way.
+    ``aux``: see :func:`scan_layers`.
     """
     policy = REMAT_POLICIES[remat_policy(remat)]
     if pick is not None and policy is None:
@@ -198,9 +206,9 @@ def scan_state(graphdef, state, x, *args, keys=None, remat: Union[str, bool, Non
             layer_state = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, pick, keepdims=False), layer_state)
         layer = nnx.merge(graphdef, layer_state)
         out = layer(h, *args) if keys is None else layer(h, *args, key=key)
-        return out, None
+        return out if aux else (out, None)
 
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    out, _ = jax.lax.scan(body, x, (state, keys))
-    return out
+    out, stats = jax.lax.scan(body, x, (state, keys))
+    return (out, stats) if aux else out

@@ -28,7 +28,7 @@ import optax
 
 from nnxscale.errors import ModelError
 from nnxscale.layers.loss import chunked_cross_entropy, context_order
-from nnxscale.models import gpt2, llama
+from nnxscale.models import gpt2, llama, mixtral
 from nnxscale.models.common.documents import document_layout
 
 
@@ -56,7 +56,10 @@ def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Opt
     The model's ``hidden_states`` go through its ``logits`` head a chunk of tokens at a
     time (:func:`nnxscale.layers.loss.chunked_cross_entropy`); the value and gradients are
     those of :func:`next_token_loss`. With the sequence split over a ``context`` axis, the
-    tokens are laid out in :func:`nnxscale.layers.attention.zigzag` order first.
+    tokens are laid out in :func:`nnxscale.layers.attention.zigzag` order first. For a
+    mixture of experts (Mixtral) the router's load-balancing loss and z-loss, averaged over
+    the layers and weighted by the config's ``router_aux_loss_coef`` and
+    ``router_z_loss_coef``, are added.
 
     ``separator`` (``--document-mask``): the token that ends each document of a packed row.
     Attention stops at document boundaries, positions restart at each document, and the
@@ -75,8 +78,14 @@ def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Opt
             positions = jnp.asarray(order, jnp.int32)
         else:
             positions, segments, weights = positions[:, order], segments[:, order], weights[:, order]
-    hidden = model.hidden_states(inputs, rngs=rngs, positions=positions, segments=segments)
-    return chunked_cross_entropy(hidden, targets, model.logits, weights=weights, vocab=model.config.vocab_size)
+    if getattr(model, "routed", False):  # a mixture of experts: its router's losses join the objective
+        hidden, stats = model.hidden_states(inputs, rngs=rngs, positions=positions, segments=segments, with_stats=True)
+        c = model.config
+        router = c.router_aux_loss_coef * jnp.mean(stats.aux_loss) + c.router_z_loss_coef * jnp.mean(stats.z_loss)
+    else:
+        hidden = model.hidden_states(inputs, rngs=rngs, positions=positions, segments=segments)
+        router = 0.0
+    return chunked_cross_entropy(hidden, targets, model.logits, weights=weights, vocab=model.config.vocab_size) + router
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +160,10 @@ def _llama_dims(c: llama.LlamaConfig) -> ModelDims:
                      context=c.max_position_embeddings, head_dim=c.head_size)  # fmt: skip
 
 
+def _mixtral_dims(c: mixtral.MixtralConfig) -> ModelDims:
+    return dataclasses.replace(_llama_dims(c), mlp_width=c.num_experts_per_tok * c.intermediate_size)
+
+
 #: Every registered family, by name.
 FAMILIES: dict[str, ModelFamily] = {
     "gpt2": ModelFamily(
@@ -173,6 +186,17 @@ FAMILIES: dict[str, ModelFamily] = {
         save_pretrained=llama.save_pretrained,
         pretrained_config=llama.pretrained_config,
         hf_model_types=("llama",),
+        loss=chunked_next_token_loss,
+    ),
+    "mixtral": ModelFamily(
+        name="mixtral",
+        presets=mixtral.PRESETS,
+        build=mixtral.Mixtral,
+        dims=_mixtral_dims,
+        from_pretrained=mixtral.from_pretrained,
+        save_pretrained=mixtral.save_pretrained,
+        pretrained_config=mixtral.pretrained_config,
+        hf_model_types=("mixtral",),
         loss=chunked_next_token_loss,
     ),
 }
@@ -242,6 +266,7 @@ __all__ = [
     "gpt2",
     "is_pretrained_dir",
     "llama",
+    "mixtral",
     "next_token_loss",
     "pretrained_family",
     "preset_names",

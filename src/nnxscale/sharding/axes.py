@@ -7,7 +7,9 @@ A mesh may name any axes; these are the ones presets, the trainer and the planne
 - ``MODEL`` and ``TENSOR`` split matrices within a layer (tensor parallelism);
 - ``STAGE`` holds pipeline stages (:mod:`nnxscale.layers.pipeline`);
 - ``CONTEXT`` splits the sequence (``length``) of activations, and the parameters like
-  FSDP (ring attention: :mod:`nnxscale.layers.attention`).
+  FSDP (ring attention: :mod:`nnxscale.layers.attention`);
+- ``EXPERT`` holds a share of a mixture's experts (``expert``: :mod:`nnxscale.layers.moe`)
+  and, like ``DATA``, splits the batch.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ MODEL = "model"
 TENSOR = "tensor"
 STAGE = "stage"
 CONTEXT = "context"
+EXPERT = "expert"
 
-#: Axes that split the batch (every data-like axis).
-BATCH_AXES = (DATA, BATCH, FSDP)
+#: Axes that split the batch (every data-like axis; the expert axis's devices hold
+#: different experts and different tokens).
+BATCH_AXES = (DATA, BATCH, FSDP, EXPERT)
 #: Axes that split matrices within a layer.
 TENSOR_PARALLEL_AXES = (MODEL, TENSOR)
 

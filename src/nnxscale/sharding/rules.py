@@ -54,7 +54,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import RulesError
-from nnxscale.sharding.axes import BATCH_AXES, CONTEXT, STAGE, entry_axes
+from nnxscale.sharding.axes import BATCH_AXES, CONTEXT, EXPERT, STAGE, entry_axes
 from nnxscale.sharding.layout import itemsize
 from nnxscale.sharding.mesh import TENSOR_PARALLEL_AXES, mesh_axis_sizes
 
@@ -67,8 +67,8 @@ LOGICAL_KEY = "logical_axes"
 #: The logical axis names nnxscale's own models use. ``layers`` is the leading axis of
 #: stacked (scanned) layers; ``length`` the sequence; ``kv`` the width of one attention
 #: head; ``kv_heads`` the key/value heads of grouped-query attention (Llama), fewer than
-#: the query ``heads``.
-LOGICAL_NAMES = ("batch", "length", "layers", "embed", "mlp", "heads", "kv_heads", "kv", "vocab")
+#: the query ``heads``; ``expert`` the experts of a mixture (:mod:`nnxscale.layers.moe`).
+LOGICAL_NAMES = ("batch", "length", "layers", "embed", "mlp", "heads", "kv_heads", "kv", "vocab", "expert")
 
 #: Parameters smaller than this are not split over FSDP axes (see the module docstring).
 MIN_SHARD_BYTES = 1 << 20
@@ -86,7 +86,7 @@ _TENSOR: Table = (
 # ZeRO-3: parameters split along their embedding, over fsdp and over the context axis (whose
 # devices hold different tokens of the same rows: as MaxText, they share the weights' memory too)
 _FSDP_PARAMS: Table = (("embed", ("fsdp", CONTEXT)),)
-_STAGES: Table = (("layers", STAGE),)  # pipeline stages: each holds its own stacked layers
+_STAGES: Table = (("layers", STAGE), ("expert", EXPERT))  # pipeline stages hold their own stacked layers, expert devices their own experts
 _CONTEXT: Table = (("length", CONTEXT),)  # context parallelism: activations split along the sequence
 
 
@@ -135,7 +135,8 @@ def _preset(params: Table, activations: Table) -> AxisRules:
 #: does not shard are replicated explicitly. On a mesh with a ``stage`` axis every preset
 #: splits stacked layers (``layers``) over it, so each pipeline stage holds only its own; on
 #: one with a ``context`` axis every preset splits the activations' ``length`` over it (the
-#: FSDP presets also split the parameters over it).
+#: FSDP presets also split the parameters over it); on one with an ``expert`` axis every
+#: preset splits a mixture's experts over it (and the batch, as a data axis).
 PRESETS: dict[str, AxisRules] = {
     "auto": _preset(_BATCH + _TENSOR + _FSDP_PARAMS + _STAGES, _BATCH + _CONTEXT + _TENSOR),
     "dp": _preset(_BATCH + _STAGES, _BATCH + _CONTEXT),

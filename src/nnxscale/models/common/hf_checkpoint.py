@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import json
 import math
 import re
@@ -86,11 +88,14 @@ class HFLayout:
 @dataclasses.dataclass(frozen=True)
 class HFParam:
     """The HF tensor(s) of one parameter: one name, or for stacked layers one per layer
-    (our leading ``layers`` axis); ``layout`` relates each of them to ours."""
+    (our leading ``layers`` axis), or with ``depth`` 2 one per layer and expert (leading
+    ``(layers, experts)`` axes, keys in that order, row-major); ``layout`` relates each of
+    them to ours."""
 
     keys: tuple[str, ...]
     layout: HFLayout
     stacked: bool = False
+    depth: int = 1  # how many leading axes are stacked, when stacked
 
 
 def key_part(k) -> str:
@@ -215,8 +220,8 @@ def load_state(
         shape, dtype = v.get_value().shape, v.get_value().dtype
         param = params[tuple(path)]
         readers = [reader(k, param.layout, dtype) for k in param.keys]
-        if param.stacked:  # this device's layers, each read in its own slice
-            read = lambda index: np.stack([readers[i](index[1:]) for i in range(shape[0])[index[0]]])  # noqa: E731
+        if param.stacked:  # this device's layers (and experts), each read in its own slice
+            read = functools.partial(_read_stacked, readers, shape[: param.depth])
         else:
             read = readers[0]
         cache: dict = {}
@@ -230,6 +235,14 @@ def load_state(
         return v.replace(jax.make_array_from_callback(shape, sharding, callback))
 
     return jax.tree_util.tree_map_with_path(load, abstract, shardings, is_leaf=is_variable)
+
+
+def _read_stacked(readers: list, stack: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+    """``ours[index]`` of a parameter stacked over the leading axes ``stack``, one HF tensor each."""
+    d = len(stack)
+    ranges = [range(n)[i] for n, i in zip(stack, index[:d])]
+    blocks = [readers[int(np.ravel_multi_index(ix, stack))](index[d:]) for ix in itertools.product(*ranges)]
+    return np.stack(blocks).reshape([len(r) for r in ranges] + list(blocks[0].shape))
 
 
 def load_module(files: SafetensorsFiles, factory: Callable[[], nnx.Module], hf_param, names, *, mesh, rules, model_name: str):
@@ -259,7 +272,8 @@ def hf_tensors(model, hf_param: Callable[[tuple, tuple[int, ...]], HFParam]) -> 
         param = hf_param(p, tuple(value.shape))
         nbytes = math.prod(param.layout.hf_shape) * value.dtype.itemsize
         for i, key in enumerate(param.keys):
-            layer = (lambda value=value, i=i: value[i]) if param.stacked else (lambda value=value: value)
+            at = np.unravel_index(i, value.shape[: param.depth]) if param.stacked else ()
+            layer = lambda value=value, at=tuple(int(j) for j in at): value[at]  # noqa: E731
             yield key, (lambda layer=layer, layout=param.layout: layout.to_hf(np.asarray(jax.device_get(layer())))), nbytes
 
 

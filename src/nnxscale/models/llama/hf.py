@@ -154,18 +154,25 @@ def from_pretrained(path, *, mesh=None, rules=None, dtype: Optional[str] = None)
     With ``mesh``, every array is created directly in the layout ``rules`` give on it:
     each device reads only its own slice from the files, no device holds a full tensor.
     """
+    return load_pretrained(path, "Llama", _config_from_hf, Llama, _hf_param, mesh=mesh, rules=rules, dtype=dtype)
+
+
+def load_pretrained(path, family: str, config_from_hf, build, hf_param, *, mesh, rules, dtype: Optional[str]):
+    """An HF directory of a Llama-like family (``family`` names it in errors) as ``build(config)``:
+    ``config_from_hf(hf config, param dtype, dtype, where)`` reads its architecture,
+    ``hf_param`` names each parameter's tensors (see :func:`from_pretrained`)."""
     path = Path(path)
-    hf, cfg_file = read_config(path, "Llama"), path / "config.json"
+    hf, cfg_file = read_config(path, family), path / "config.json"
     with SafetensorsFiles(path) as files:
         names = {}  # HF name -> key in the files
         for key in files.keys():
             if not key.endswith(_IGNORED_SUFFIXES):
                 names[key if key.startswith("model.") or key == "lm_head.weight" else f"model.{key}"] = key
         embed = names.get("model.embed_tokens.weight")
-        config = _config_from_hf(hf, files.param_dtype(embed) if embed else "float32", dtype, cfg_file)
+        config = config_from_hf(hf, files.param_dtype(embed) if embed else "float32", dtype, cfg_file)
         tied = names.pop("lm_head.weight", None) if config.tie_word_embeddings else None
-        factory = lambda: Llama(config, rngs=nnx.Rngs(0))  # noqa: E731
-        model = load_module(files, factory, _hf_param, names, mesh=mesh, rules=rules, model_name="Llama")
+        factory = lambda: build(config, rngs=nnx.Rngs(0))  # noqa: E731
+        model = load_module(files, factory, hf_param, names, mesh=mesh, rules=rules, model_name=family)
         if tied is not None and not np.array_equal(files.tensor(tied), files.tensor(embed)):
             raise ModelError(
                 f"{files.where}: 'lm_head.weight' differs from the token embedding, but config.json says "

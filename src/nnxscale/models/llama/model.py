@@ -123,11 +123,16 @@ class Llama(nnx.Module):
     ``rngs`` argument of each call.
     """
 
+    #: The decoder layer; a layer returning ``(x, router statistics)`` sets :attr:`routed`.
+    layer_type = LlamaDecoderLayer
+    #: Whether every layer routes tokens to experts and returns its statistics (Mixtral).
+    routed = False
+
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         c = self.config = config
         kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype), rngs=rngs)
         self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, embedding_init=logical(_normal, "vocab", "embed"), **kw)
-        layer = partial(LlamaDecoderLayer, c)
+        layer = partial(self.layer_type, c)
         self.layers = stack_layers(lambda rngs: layer(**(kw | {"rngs": rngs})), c.num_hidden_layers, rngs=rngs)
         self.norm = _rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
         if not c.tie_word_embeddings:
@@ -143,7 +148,8 @@ class Llama(nnx.Module):
         """
         return self.logits(self.hidden_states(tokens, rngs=rngs))
 
-    def hidden_states(self, tokens, *, rngs: Optional[nnx.Rngs] = None, positions=None, segments=None, cache=None):
+    def hidden_states(self, tokens, *, rngs: Optional[nnx.Rngs] = None, positions=None, segments=None, cache=None,
+                      with_stats: bool = False):  # fmt: skip
         """``tokens`` int (B, T) -> the final norm's output (B, T, hidden_size), before the head.
 
         ``positions`` (T,) or (B, T) ints: each token's place in its sequence, for RoPE and
@@ -152,6 +158,8 @@ class Llama(nnx.Module):
         ``segments`` (B, T) ints: document ids; a token attends only within its document.
         ``cache``: decoding (no dropout): a cache from :meth:`init_cache`, ``positions``
         ``(B, T)`` contiguous in each row; returns ``(hidden states, updated cache)``.
+        ``with_stats`` (a routed model): returns ``(hidden states, router statistics of every
+        layer)`` (:class:`nnxscale.layers.moe.RouterStats`, each field with a leading layers axis).
         """
         c = self.config
         T = tokens.shape[1]
@@ -171,7 +179,10 @@ class Llama(nnx.Module):
         if positions is not None and jnp.ndim(positions) == 2:  # per row: split with the batch in a pipeline
             tables = tuple(Rows(t) for t in tables)
         args = (*tables, *layer_args(positions, segments))
-        x = scan_layers(self.layers, x, *args, keys=layer_keys, remat=c.remat)
+        x = scan_layers(self.layers, x, *args, keys=layer_keys, remat=c.remat, aux=self.routed)
+        if self.routed:
+            x, stats = x
+            return (self.norm(x), stats) if with_stats else self.norm(x)
         return self.norm(x)
 
     def init_cache(self, batch: int, length: int) -> dict:

@@ -1,0 +1,111 @@
+"""A mixture of SwiGLU experts with a top-k router, dropless: every token reaches its experts.
+
+Routing as Mixtral's (Hugging Face's ``MixtralSparseMoeBlock``): the router's logits over the
+``E`` experts go through a softmax, each token takes its ``k`` most likely experts, and their
+weights are renormalized over the ``k``. Nothing is dropped, however uneven the load.
+
+The experts' work is grouped, not dense: the ``N * k`` (token, expert) assignments are sorted
+by expert and each expert multiplies exactly its own tokens (``jax.lax.ragged_dot``, a
+grouped matmul), so a step costs ``k`` experts' FLOPs per token, not ``E`` (a one-hot einsum
+over every expert costs ``E / k`` times more).
+
+Besides its output, :class:`MoE` returns what training needs to keep the router balanced,
+per layer (:class:`RouterStats`): the Switch Transformer's load-balancing loss, the router
+z-loss (ST-MoE), and each expert's share of the assignments.
+
+Parameters carry logical names: the experts' leading axis is ``expert`` (the rules place it
+on an ``expert`` mesh axis, or FSDP's), their widths ``embed`` and ``mlp`` as a dense MLP's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nnxscale.sharding.activations import constrain
+from nnxscale.sharding.rules import LOGICAL_KEY, logical
+
+_normal = nnx.initializers.normal(0.02)
+
+
+class RouterStats(NamedTuple):
+    """What one MoE layer's routing did, for the objective and the metrics."""
+
+    aux_loss: jax.Array  # the Switch Transformer's load-balancing loss (route_stats)
+    z_loss: jax.Array  # mean over tokens of logsumexp(router logits)^2
+    load: jax.Array  # (E,) each expert's share of the N * k assignments (sums to 1)
+
+
+def route(logits, k: int):
+    """``(weights (N, k) float32, experts (N, k) int32)`` of router ``logits (N, E)``: the
+    ``k`` most likely experts of each token, their softmax probabilities renormalized over them."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    return weights / jnp.sum(weights, axis=-1, keepdims=True), experts.astype(jnp.int32)
+
+
+def route_stats(logits, experts, num_experts: int) -> RouterStats:
+    """The balance of one layer's routing. ``aux_loss`` is Hugging Face Mixtral's
+    ``load_balancing_loss_func`` for one layer: ``E * sum_e f_e * P_e`` with ``f_e`` the
+    fraction of tokens sending one of their ``k`` assignments to ``e`` (summing to ``k``)
+    and ``P_e`` the mean router probability of ``e``; ``k`` for a perfectly even router."""
+    logits = logits.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    counts = jnp.zeros((num_experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
+    n = logits.shape[0]
+    aux = num_experts * jnp.sum((counts / n) * jnp.mean(probs, axis=0))
+    z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    return RouterStats(aux, z, counts / jnp.sum(counts))
+
+
+def grouped_swiglu(x, experts, weights, w_gate, w_up, w_down):
+    """``sum_j weights[:, j] * expert_{experts[:, j]}(x)`` for ``x (N, C)``, dropless.
+
+    ``w_gate, w_up (E, C, F)`` and ``w_down (E, F, C)``: each expert is
+    ``down(silu(x @ gate) * (x @ up))``. The assignments are sorted by expert and each
+    group is multiplied by its own expert's weights (``jax.lax.ragged_dot``)."""
+    N, k = experts.shape
+    E = w_gate.shape[0]
+    flat = experts.reshape(-1)  # (N * k,)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
+    xs = x[order // k]  # the token of each assignment, grouped by expert
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)  # (N * k, F)
+    out = jax.lax.ragged_dot(h.astype(x.dtype), w_down, sizes)  # (N * k, C)
+    out = jnp.zeros_like(out).at[order].set(out)  # back to (token, choice) order
+    return jnp.einsum("nkc,nk->nc", out.reshape(N, k, -1).astype(jnp.float32), weights).astype(x.dtype)
+
+
+class MoE(nnx.Module):
+    """``num_experts`` SwiGLU experts of width ``intermediate`` and a router choosing ``top_k``
+    per token. Names follow Hugging Face's Mixtral: ``gate`` is the router; the experts are
+    held stacked, ``w1`` (gate projection), ``w3`` (up) ``(E, C, F)`` and ``w2`` (down)
+    ``(E, F, C)``.
+
+    ``__call__(x (B, T, C))`` returns ``(y (B, T, C), RouterStats)``.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *, dtype, param_dtype,
+                 rngs: nnx.Rngs):  # fmt: skip
+        C, F, E = hidden, intermediate, num_experts
+        self.top_k = top_k
+        self.dtype = dtype
+        self.gate = nnx.Linear(C, E, use_bias=False, dtype=jnp.float32, param_dtype=param_dtype,
+                               kernel_init=logical(_normal, "embed", None), rngs=rngs)  # fmt: skip
+        init = lambda names, shape: nnx.Param(_normal(rngs.params(), shape, param_dtype), **{LOGICAL_KEY: names})  # noqa: E731
+        self.w1 = init(("expert", "embed", "mlp"), (E, C, F))
+        self.w3 = init(("expert", "embed", "mlp"), (E, C, F))
+        self.w2 = init(("expert", "mlp", "embed"), (E, F, C))
+
+    def __call__(self, x):
+        B, T, C = x.shape
+        tokens = x.reshape(B * T, C)
+        logits = self.gate(tokens.astype(jnp.float32))  # (N, E), float32 as HF's router
+        weights, experts = route(logits, self.top_k)
+        cast = lambda w: w[...].astype(self.dtype)  # noqa: E731
+        y = grouped_swiglu(tokens.astype(self.dtype), experts, weights, cast(self.w1), cast(self.w3), cast(self.w2))
+        stats = route_stats(logits, experts, self.w1.shape[0])
+        return constrain(y.reshape(B, T, C), "batch", "length", "embed"), stats
