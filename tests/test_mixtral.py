@@ -110,3 +110,17 @@ def test_training_gives_the_same_losses_on_data_expert_and_expert_tensor_meshes(
         assert result.final_step == 3
     np.testing.assert_allclose(losses["expert=4,model=2"], losses["data=8"], rtol=1e-5)
     assert losses["data=8"][-1] < losses["data=8"][0]
+
+
+def test_on_an_expert_axis_tokens_travel_to_their_experts_not_the_experts_to_the_tokens(text_data):
+    """The compiled step on expert=8: each device holds 1/8 of the experts; the tokens go to
+    them and back with all-to-all, and nothing gathers the experts' weights (all-gathers are
+    a small fraction of one layer's experts)."""
+    cfg = tiny_cfg("unused", text_data, model="mixtral-tiny", mesh="expert=8")
+    plan = nnxscale.plan(cfg, compile="always")
+    c = PRESETS["mixtral-tiny"]
+    one_layer_experts = 3 * c.num_local_experts * c.hidden_size * c.intermediate_size * 4  # bytes, float32
+    experts_per_device = c.num_hidden_layers * one_layer_experts // 8
+    assert plan.param_bytes < (c.num_params() * 4 - c.num_hidden_layers * one_layer_experts) + experts_per_device + 1
+    assert plan.collective_bytes.get("all-to-all", 0) > 0
+    assert plan.collective_bytes.get("all-gather", 0) < one_layer_experts / 8, plan.collective_bytes
