@@ -110,6 +110,21 @@ def test_training_gives_the_same_losses_on_data_expert_and_expert_tensor_meshes(
         assert result.final_step == 3
     np.testing.assert_allclose(losses["expert=4,model=2"], losses["data=8"], rtol=1e-5)
     assert losses["data=8"][-1] < losses["data=8"][0]
+    # the router's losses and each expert's share of the assignments are in the records
+    for r in nnxscale.read_metrics(tmp_path / "data=8"):
+        assert len(r["expert_load"]) == 8 and sum(r["expert_load"]) == pytest.approx(1.0, abs=1e-4)
+        assert r["expert_load_max_over_mean"] == pytest.approx(max(r["expert_load"]) * 8, rel=1e-3)
+        assert r["router_aux_loss"] > 0 and r["router_z_loss"] > 0
+
+
+def test_an_expert_axis_the_model_cannot_use_is_one_clear_error(text_data, monkeypatch):
+    from nnxscale.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="has none: name that axis data"):
+        nnxscale.setup(tiny_cfg("unused", text_data, model="gpt2-tiny", mesh="expert=8"))
+    monkeypatch.setitem(PRESETS, "mixtral-tiny", preset("mixtral-tiny", num_local_experts=6))
+    with pytest.raises(ConfigError, match="expert=4 does not divide mixtral-tiny's 6 experts.*2, 3, 6"):
+        nnxscale.setup(tiny_cfg("unused", text_data, model="mixtral-tiny", mesh="expert=4,data=2"))
 
 
 def test_on_an_expert_axis_tokens_travel_to_their_experts_not_the_experts_to_the_tokens(text_data):

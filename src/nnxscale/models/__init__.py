@@ -59,7 +59,9 @@ def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Opt
     tokens are laid out in :func:`nnxscale.layers.attention.zigzag` order first. For a
     mixture of experts (Mixtral) the router's load-balancing loss and z-loss, averaged over
     the layers and weighted by the config's ``router_aux_loss_coef`` and
-    ``router_z_loss_coef``, are added.
+    ``router_z_loss_coef``, are added, and it returns ``(loss, extras)``: the two router
+    losses, each expert's share of the assignments (``expert_load``, averaged over the
+    layers) and its max over its mean, which the step reports in ``metrics.jsonl``.
 
     ``separator`` (``--document-mask``): the token that ends each document of a packed row.
     Attention stops at document boundaries, positions restart at each document, and the
@@ -78,14 +80,17 @@ def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Opt
             positions = jnp.asarray(order, jnp.int32)
         else:
             positions, segments, weights = positions[:, order], segments[:, order], weights[:, order]
-    if getattr(model, "routed", False):  # a mixture of experts: its router's losses join the objective
-        hidden, stats = model.hidden_states(inputs, rngs=rngs, positions=positions, segments=segments, with_stats=True)
-        c = model.config
-        router = c.router_aux_loss_coef * jnp.mean(stats.aux_loss) + c.router_z_loss_coef * jnp.mean(stats.z_loss)
-    else:
+    if not getattr(model, "routed", False):
         hidden = model.hidden_states(inputs, rngs=rngs, positions=positions, segments=segments)
-        router = 0.0
-    return chunked_cross_entropy(hidden, targets, model.logits, weights=weights, vocab=model.config.vocab_size) + router
+        return chunked_cross_entropy(hidden, targets, model.logits, weights=weights, vocab=model.config.vocab_size)
+    # A mixture of experts: its router's losses join the objective, and the step reports them.
+    hidden, stats = model.hidden_states(inputs, rngs=rngs, positions=positions, segments=segments, with_stats=True)
+    c = model.config
+    aux, z, load = jnp.mean(stats.aux_loss), jnp.mean(stats.z_loss), jnp.mean(stats.load, axis=0)  # over the layers
+    ce = chunked_cross_entropy(hidden, targets, model.logits, weights=weights, vocab=c.vocab_size)
+    extras = {"router_aux_loss": aux, "router_z_loss": z, "expert_load": load,
+              "expert_load_max_over_mean": jnp.max(load) / jnp.mean(load)}  # fmt: skip
+    return ce + c.router_aux_loss_coef * aux + c.router_z_loss_coef * z, extras
 
 
 @dataclasses.dataclass(frozen=True)

@@ -356,7 +356,8 @@ class _Run:
         self.settle()
         if self.vote.needed and self.agreed:
             self.stopping = self.agreed[0]
-        m = {k: float(v) for k, v in jax.device_get(metrics).items() if k not in ("skipped", "stop")}
+        m = {k: float(v) if np.ndim(v) == 0 else [round(float(x), 6) for x in np.ravel(v)]  # a vector: a list
+             for k, v in jax.device_get(metrics).items() if k not in ("skipped", "stop")}  # fmt: skip
         now, step, d = time.perf_counter(), self.step, self.cfg.data
         record = {"step": step, **m, "skipped_steps": self.skips.total}
         if step > self.s_last:

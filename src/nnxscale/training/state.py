@@ -34,7 +34,7 @@ from nnxscale.models import (
     pretrained_family,
 )  # fmt: skip
 from nnxscale.sharding.activations import use_rules
-from nnxscale.sharding.axes import STAGE, entry_axes
+from nnxscale.sharding.axes import DATA, EXPERT, STAGE, entry_axes
 from nnxscale.sharding.mesh import format_mesh, make_mesh
 from nnxscale.sharding.rules import MeshRules, resolve
 from nnxscale.sharding.state import abstract_state, is_variable, sharded_init
@@ -117,6 +117,21 @@ def check_shapes(cfg: TrainConfig, rules: MeshRules, model: RunModel) -> None:
             )
         if rules.sizes.get(STAGE, 1) > 1:
             raise ConfigError(f"a context axis ({axes}) beside a stage axis is not supported yet: use one of them")
+    n = rules.sizes.get(EXPERT, 1)
+    if n > 1 and model.family is not None:
+        experts = getattr(model.config, "num_local_experts", None)
+        mesh = format_mesh(rules.sizes)
+        if experts is None:
+            raise ConfigError(
+                f"mesh {mesh} has an '{EXPERT}' axis of {n}, which splits a mixture's experts, but {cfg.model.name} "
+                f"({model.family.name}) has none: name that axis data (e.g. --mesh {mesh.replace(EXPERT + '=', DATA + '=')})"
+            )
+        if experts % n:
+            fits = [d for d in range(2, experts + 1) if experts % d == 0]
+            raise ConfigError(
+                f"mesh axis {EXPERT}={n} does not divide {cfg.model.name}'s {experts} experts: each device holds "
+                f"experts / {EXPERT} of them; choose {EXPERT} among {', '.join(map(str, fits))}"
+            )
     shards = rules.batch_shard_count
     accum = cfg.optim.grad_accum
     if d.batch_size % (shards * accum):

@@ -24,9 +24,14 @@ from nnxscale.training.state import Setup
 
 
 def loss_fn(graphdef, params, inputs, targets, key, loss: Callable):
-    """``loss`` of one (micro-)batch; ``key`` seeds dropout (``None``: evaluation)."""
+    """``(loss, extras)`` of one (micro-)batch; ``key`` seeds dropout (``None``: evaluation).
+
+    ``loss`` returns a scalar, or ``(scalar, extras)``: a dict of arrays the step reports
+    beside the loss (a mixture's router losses and expert load), averaged over micro-batches.
+    """
     model = nnx.merge(graphdef, params)
-    return loss(model, inputs, targets, rngs=None if key is None else nnx.Rngs(dropout=key))
+    out = loss(model, inputs, targets, rngs=None if key is None else nnx.Rngs(dropout=key))
+    return out if isinstance(out, tuple) else (out, {})
 
 
 def make_train_step(s: Setup, *, vote: bool = False):
@@ -39,14 +44,14 @@ def make_train_step(s: Setup, *, vote: bool = False):
     """
     graphdef, tx, schedule, objective = s.graphdef, s.tx, s.schedule, s.model.loss
     accum, separator = s.cfg.optim.grad_accum, s.model.separator
-    grad_fn = jax.value_and_grad(lambda p, x, y, k: loss_fn(graphdef, p, x, y, k, objective))
+    grad_fn = jax.value_and_grad(lambda p, x, y, k: loss_fn(graphdef, p, x, y, k, objective), has_aux=True)
 
     def step(state, batch, votes=None):
         params = state["params"]
         key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), state["step"])
         x, y = batch["inputs"], batch["targets"]  # (B, T) int32
         if accum == 1:
-            loss, grads = grad_fn(params, x, y, key)
+            (loss, extras), grads = grad_fn(params, x, y, key)
         else:
             # Strided micro-batches keep every micro-batch spread over all batch shards.
             micro = lambda a: a.reshape(a.shape[0] // accum, accum, a.shape[1]).swapaxes(0, 1)  # noqa: E731
@@ -54,19 +59,20 @@ def make_train_step(s: Setup, *, vote: bool = False):
             def body(carry, xs):
                 loss_sum, grad_sum, weight_sum = carry
                 i, xm, ym = xs
-                loss_i, grads_i = grad_fn(params, xm, ym, jax.random.fold_in(key, i))
+                (loss_i, extras_i), grads_i = grad_fn(params, xm, ym, jax.random.fold_in(key, i))
                 if separator is not None:
                     # Each micro-batch's loss is a mean over the tokens it trains; a document
                     # mask trains those whose input is not a separator: weigh by their count.
                     w = jnp.sum(xm != separator, dtype=jnp.float32)
                     loss_i, grads_i, weight_sum = loss_i * w, jax.tree.map(lambda g: g * w, grads_i), weight_sum + w
-                return (loss_sum + loss_i, jax.tree.map(jnp.add, grad_sum, grads_i), weight_sum), None
+                return (loss_sum + loss_i, jax.tree.map(jnp.add, grad_sum, grads_i), weight_sum), extras_i
 
             zeros = jax.tree.map(jnp.zeros_like, params)
             carry = (jnp.float32(0), zeros, jnp.float32(0))
-            (loss, grads, total), _ = jax.lax.scan(body, carry, (jnp.arange(accum), micro(x), micro(y)))
+            (loss, grads, total), extras = jax.lax.scan(body, carry, (jnp.arange(accum), micro(x), micro(y)))
             total = accum if separator is None else total
             loss, grads = loss / total, jax.tree.map(lambda g: g / total, grads)
+            extras = jax.tree.map(lambda a: jnp.mean(a, axis=0), extras)
         grads = jax.lax.with_sharding_constraint(grads, s.param_shardings)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_state = {
@@ -75,7 +81,7 @@ def make_train_step(s: Setup, *, vote: bool = False):
             "step": state["step"] + 1,
             "key": state["key"],
         }
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]), **extras}
         if votes is not None:
             metrics["stop"] = StopVote.reduce(votes)
         return skip_nonfinite(state, new_state, metrics)
@@ -113,7 +119,7 @@ def skip_nonfinite(state, new_state, metrics):
 def make_eval_step(s: Setup):
     graphdef, objective = s.graphdef, s.model.loss
     return jax.jit(
-        _under_rules(lambda params, batch: loss_fn(graphdef, params, batch["inputs"], batch["targets"], None, objective), s),
+        _under_rules(lambda params, batch: loss_fn(graphdef, params, batch["inputs"], batch["targets"], None, objective)[0], s),
         in_shardings=(s.param_shardings, s.batch_sharding),
     )
 

@@ -20,6 +20,7 @@ Recomputation uses the same windows, so the two agree token for token, however l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from functools import partial
@@ -35,8 +36,8 @@ from jax.sharding import PartitionSpec as P
 from nnxscale.errors import ConfigError
 from nnxscale.sharding.activations import constrain, use_rules
 
-#: The largest seed (the same bound as the trainer's).
-MAX_SEED = 2**31 - 1
+#: The largest seed: a uint32, as the trainer's (``nnxscale.training.config.MAX_SEED``).
+MAX_SEED = 2**32 - 1
 #: Cache and window lengths are rounded up to a multiple of this (fewer programs to compile).
 ROUND_TO = 64
 
@@ -70,20 +71,10 @@ class Sampling:
         return self
 
 
-def choose(logits, key, s: Sampling):
-    """The next token of every row: ``logits (B, V)`` float32 -> ``(B,)`` int32."""
-    if s.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return _draw(logits, key, *_controls(s))
-
-
-def _controls(s: Sampling):
-    """The drawing controls as arrays: one compiled program serves every value."""
-    return jnp.float32(s.temperature), jnp.int32(s.top_k), jnp.float32(s.top_p)
-
-
 def _draw(logits, key, temperature, top_k, top_p):
-    """:func:`choose` for a positive temperature, its controls traced values."""
+    """The next token of every row, drawn from ``logits (B, V)`` float32 at a positive
+    ``temperature`` after the top-k and top-p cuts (see :class:`Sampling`); the controls are
+    traced values, so one compiled program serves every setting. Returns ``(B,)`` int32."""
     logits = logits / temperature
     V = logits.shape[-1]
     ordered = -jnp.sort(-logits, axis=-1)  # (B, V), descending
@@ -209,8 +200,6 @@ class Generator:
         return jax.device_put(arrays, _replicated(self.rules.mesh))
 
     def _scope(self):
-        import contextlib
-
         if self.rules is None:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
