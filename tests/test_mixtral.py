@@ -2,6 +2,8 @@
 equal to a dense reference, Hugging Face safetensors in and out straight into an expert
 layout, and training with the same losses on data, expert and expert x tensor meshes."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 from flax import nnx
 
 import nnxscale
-from model_testing import randomize
+from model_testing import randomize, rules_for, sharded_logits
 from nnxscale.errors import ModelError
 from nnxscale.layers.moe import grouped_swiglu, route, route_stats
 from nnxscale.models import llama, mixtral
@@ -100,6 +102,35 @@ def test_hugging_face_weights_in_and_out_on_an_expert_mesh(tmp_path):
     assert w1.shape == (2, 8, 64, 128) and w1.sharding.shard_shape(w1.shape) == (2, 2, 64, 64)
     tokens = jnp.asarray(np.arange(64).reshape(2, 32) % 256)
     np.testing.assert_allclose(np.asarray(back(tokens)), np.asarray(model(tokens)), rtol=1e-5, atol=1e-5)
+
+
+HF_FIXTURE = Path(__file__).parent / "data" / "hf_mixtral"
+
+
+@pytest.mark.parametrize("spec", [None, "data=2,expert=4"])
+def test_logits_match_a_checkpoint_written_by_hugging_face(spec, tmp_path):
+    """tests/data/hf_mixtral: a random MixtralForCausalLM (8 experts, top 2, 4 query heads on
+    2 K/V heads) written by transformers' own save_pretrained, and its logits from
+    transformers (tools/make_mixtral_fixture.py). On data=2,expert=4 the tokens go to their
+    experts' devices and back (all-to-all)."""
+    tokens = np.load(HF_FIXTURE / "tokens.npy")
+    want = np.load(HF_FIXTURE / "model" / "hf_logits.npy")
+    if spec is None:
+        got = np.asarray(mixtral.from_pretrained(HF_FIXTURE / "model")(jnp.asarray(tokens)))
+    else:
+        mesh = nnxscale.make_mesh(spec)
+        model = mixtral.from_pretrained(HF_FIXTURE / "model", mesh=mesh, rules=rules_for(mesh))
+        got = sharded_logits(model, mesh, np.repeat(tokens, 4, axis=0))[::4]  # 8 rows: a batch the mesh splits
+    assert got.shape == want.shape == (2, 24, 96) and np.abs(want).max() > 1
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    if spec is None:  # written back in Hugging Face's layout: every tensor the same, by name and value
+        from safetensors.numpy import load_file
+
+        mixtral.save_pretrained(mixtral.from_pretrained(HF_FIXTURE / "model"), tmp_path / "out")
+        theirs, ours = load_file(HF_FIXTURE / "model" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+        assert theirs.keys() == ours.keys()
+        for name in theirs:
+            np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
 
 
 def test_training_gives_the_same_losses_on_data_expert_and_expert_tensor_meshes(tmp_path, text_data):
