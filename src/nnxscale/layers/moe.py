@@ -19,7 +19,7 @@ on an ``expert`` mesh axis, or FSDP's), their widths ``embed`` and ``mlp`` as a 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -79,9 +79,19 @@ def grouped_swiglu(x, experts, weights, w_gate, w_up, w_down):
     return jnp.einsum("nkc,nk->nc", out.reshape(N, k, -1).astype(jnp.float32), weights).astype(x.dtype)
 
 
-def _expert_axis(num_experts: int):
-    """``(axis, size, mesh)`` when the rules in force split the experts over one mesh axis
-    that also splits the tokens (the ``expert`` axis), else None."""
+class _Split(NamedTuple):
+    """How the tokens and experts of a MoE layer are split over the mesh in force."""
+
+    mesh: object
+    batch: tuple[str, ...]  # the mesh axes the tokens are split over (manual in the shard_map)
+    expert: Optional[str]  # the one of them that also splits the experts, or None
+    size: int  # its size
+
+
+def _split(num_experts: int) -> Optional[_Split]:
+    """The split of the rules in force, or None (one device, or no axis splits the batch).
+    The experts are split over the ``expert`` axis when the rules put them there, it splits
+    the tokens too, and it divides the experts (the trainer checks that it does)."""
     from jax.sharding import Mesh
 
     from nnxscale.sharding.activations import current_rules
@@ -89,60 +99,69 @@ def _expert_axis(num_experts: int):
     from nnxscale.sharding.rules import resolve_name
 
     rules = current_rules()
-    if rules is None or rules.sizes.get(EXPERT, 1) <= 1:
+    if rules is None:
+        return None
+    batch = tuple(a for a in rules.batch_axes if rules.sizes[a] > 1)
+    if not batch:
         return None
     axes, _ = resolve_name("expert", rules.rules.params, rules.sizes)
-    if tuple(axes or ()) != (EXPERT,) or EXPERT not in rules.batch_axes or num_experts % rules.sizes[EXPERT]:
-        return None
+    size = rules.sizes.get(EXPERT, 1)
+    expert = EXPERT if tuple(axes or ()) == (EXPERT,) and EXPERT in batch and num_experts % size == 0 else None
     mesh = rules.mesh if isinstance(rules.mesh, Mesh) else jax.sharding.get_abstract_mesh()
-    return EXPERT, rules.sizes[EXPERT], mesh
+    return _Split(mesh, tuple(a for a in rules.batch_axes if a in batch), expert, size if expert else 1)
 
 
-def expert_parallel_swiglu(x, experts, weights, w_gate, w_up, w_down, *, axis: str, size: int, mesh):
-    """:func:`grouped_swiglu` with the experts split over the mesh axis ``axis`` (``size``
-    devices, ``E / size`` experts each) and the tokens split over it too.
+def _exchange(x, experts, weights, w_gate, w_up, w_down, *, axis: str, size: int):
+    """One device's part of expert parallelism (inside a shard_map manual over ``axis``):
+    its tokens ``x (N, C)`` and their ``experts``/``weights (N, k)``, its ``E / size`` experts.
 
-    ``jax.shard_map`` over ``axis`` alone (other axes stay with the compiler). Each device
-    sends each of its (token, expert) assignments to the device holding that expert
-    (``all_to_all``), which runs its experts on what it received (grouped matmuls) and sends
-    the results back the same way (``all_to_all``); no device ever gathers every token or
-    every expert. Dropless: a device may send all of its assignments to one peer, so each
-    peer's slot holds ``N_local * k`` rows (``ragged_all_to_all``, which sends only what is
-    there, is not implemented by XLA:CPU).
+    Each (token, expert) assignment goes to the device holding that expert (``all_to_all``),
+    which runs its experts on what it received (grouped matmuls) and sends the results back
+    (``all_to_all``). Dropless: a device may send all of its assignments to one peer, so each
+    peer's slot holds ``N * k`` rows (``ragged_all_to_all``, which sends only what is there,
+    is not implemented by XLA:CPU).
     """
+    per = w_gate.shape[0]  # this device's experts
+    N, k = experts.shape
+    cap = N * k
+    flat = experts.reshape(-1)
+    dest = flat // per
+    order = jnp.argsort(flat, stable=True)  # grouped by destination, then expert
+    counts = jnp.zeros((size,), jnp.int32).at[dest].add(1)
+    starts = jnp.cumsum(counts) - counts
+    slot = (dest[order], jnp.arange(cap) - starts[dest[order]])  # (destination, row in its slot)
+    send = jnp.zeros((size, cap, x.shape[-1]), x.dtype).at[slot].set(x[order // k])
+    ids = jnp.full((size, cap), per, jnp.int32).at[slot].set(flat[order] % per)  # per: an empty row
+    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True).reshape(size * cap, -1)
+    rids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True).reshape(-1)
+    group = jnp.argsort(rids, stable=True)  # by local expert; empty rows last
+    sizes = jnp.zeros((per + 1,), jnp.int32).at[rids].add(1)[:per]
+    xs = recv[group]
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
+    out = jax.lax.ragged_dot(h.astype(x.dtype), w_down, sizes)
+    out = jnp.zeros_like(out).at[group].set(out).reshape(size, cap, -1)
+    back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)  # each assignment's result, in its slot
+    mine = jnp.zeros((cap, x.shape[-1]), back.dtype).at[order].set(back[slot])
+    return jnp.einsum("nkc,nk->nc", mine.reshape(N, k, -1).astype(jnp.float32), weights).astype(x.dtype)
+
+
+def sharded_swiglu(x, experts, weights, w_gate, w_up, w_down, split: _Split):
+    """:func:`grouped_swiglu` on a mesh: each batch shard routes and sorts its own tokens
+    (``jax.shard_map`` manual over the batch axes; tensor-parallel axes stay with the
+    compiler), so no device ever sorts, or holds, every token. With an expert axis the
+    tokens travel to their experts' devices and back (:func:`_exchange`); otherwise every
+    shard runs the experts, gathered like any weight of the layout (FSDP), on its tokens."""
     from jax.sharding import PartitionSpec as P
 
-    E = w_gate.shape[0]
-    per = E // size
-
     def local(x, experts, weights, w_gate, w_up, w_down):
-        N, k = experts.shape  # this device's tokens
-        cap = N * k
-        flat = experts.reshape(-1)
-        dest = flat // per
-        order = jnp.argsort(flat, stable=True)  # grouped by destination, then expert
-        sent_counts = jnp.zeros((size,), jnp.int32).at[dest].add(1)
-        starts = jnp.cumsum(sent_counts) - sent_counts
-        rank = jnp.arange(cap) - starts[dest[order]]  # slot within its destination
-        slot = (dest[order], rank)
-        send = jnp.zeros((size, cap, x.shape[-1]), x.dtype).at[slot].set(x[order // k])
-        ids = jnp.full((size, cap), per, jnp.int32).at[slot].set(flat[order] % per)  # per: an empty slot
-        recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True).reshape(size * cap, -1)
-        rids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True).reshape(-1)
-        group = jnp.argsort(rids, stable=True)  # by local expert; empty slots last
-        sizes = jnp.zeros((per + 1,), jnp.int32).at[rids].add(1)[:per]
-        xs = recv[group]
-        h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
-        out = jax.lax.ragged_dot(h.astype(x.dtype), w_down, sizes)
-        out = jnp.zeros_like(out).at[group].set(out).reshape(size, cap, -1)
-        back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)  # (size, cap, C): each assignment's result, in its slot
-        mine = jnp.zeros((cap, x.shape[-1]), back.dtype).at[order].set(back[slot])
-        return jnp.einsum("nkc,nk->nc", mine.reshape(N, k, -1).astype(jnp.float32), weights).astype(x.dtype)
+        if split.expert is None:
+            return grouped_swiglu(x, experts, weights, w_gate, w_up, w_down)
+        return _exchange(x, experts, weights, w_gate, w_up, w_down, axis=split.expert, size=split.size)
 
-    tokens, expert_major = P(axis), P(axis)
-    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_major, expert_major, expert_major),
-                         out_specs=tokens, axis_names=frozenset({axis}), check_vma=False)(x, experts, weights, w_gate,
-                                                                                          w_up, w_down)  # fmt: skip
+    tokens = P(split.batch if len(split.batch) > 1 else split.batch[0])
+    experts_spec = P(split.expert)  # split over the expert axis, or whole on every shard
+    return jax.shard_map(local, mesh=split.mesh, in_specs=(tokens,) * 3 + (experts_spec,) * 3, out_specs=tokens,
+                         axis_names=frozenset(split.batch), check_vma=False)(x, experts, weights, w_gate, w_up, w_down)  # fmt: skip
 
 
 class MoE(nnx.Module):
@@ -173,11 +192,7 @@ class MoE(nnx.Module):
         weights, experts = route(logits, self.top_k)
         cast = lambda w: w[...].astype(self.dtype)  # noqa: E731
         args = (tokens.astype(self.dtype), experts, weights, cast(self.w1), cast(self.w3), cast(self.w2))
-        split = _expert_axis(self.w1.shape[0])
-        if split is None:
-            y = grouped_swiglu(*args)
-        else:  # expert parallelism: tokens travel to their experts' devices and back
-            axis, size, mesh = split
-            y = expert_parallel_swiglu(*args, axis=axis, size=size, mesh=mesh)
+        split = _split(self.w1.shape[0])
+        y = grouped_swiglu(*args) if split is None else sharded_swiglu(*args, split)
         stats = route_stats(logits, experts, self.w1.shape[0])
         return constrain(y.reshape(B, T, C), "batch", "length", "embed"), stats
