@@ -145,23 +145,26 @@ def _exchange(x, experts, weights, w_gate, w_up, w_down, *, axis: str, size: int
     return jnp.einsum("nkc,nk->nc", mine.reshape(N, k, -1).astype(jnp.float32), weights).astype(x.dtype)
 
 
-def sharded_swiglu(x, experts, weights, w_gate, w_up, w_down, split: _Split):
-    """:func:`grouped_swiglu` on a mesh: each batch shard routes and sorts its own tokens
+def sharded_moe(x, logits, k: int, w_gate, w_up, w_down, split: _Split):
+    """Route and run the experts on a mesh: ``(y (N, C), experts (N, k))`` of tokens ``x``
+    and their router ``logits (N, E)``. Each batch shard routes and sorts its own tokens
     (``jax.shard_map`` manual over the batch axes; tensor-parallel axes stay with the
-    compiler), so no device ever sorts, or holds, every token. With an expert axis the
+    compiler), so no device ever sorts, or holds, every token (left to the compiler, even
+    the top-k of the router gathered every token's probabilities). With an expert axis the
     tokens travel to their experts' devices and back (:func:`_exchange`); otherwise every
     shard runs the experts, gathered like any weight of the layout (FSDP), on its tokens."""
     from jax.sharding import PartitionSpec as P
 
-    def local(x, experts, weights, w_gate, w_up, w_down):
+    def local(x, logits, w_gate, w_up, w_down):
+        weights, experts = route(logits, k)
         if split.expert is None:
-            return grouped_swiglu(x, experts, weights, w_gate, w_up, w_down)
-        return _exchange(x, experts, weights, w_gate, w_up, w_down, axis=split.expert, size=split.size)
+            return grouped_swiglu(x, experts, weights, w_gate, w_up, w_down), experts
+        return _exchange(x, experts, weights, w_gate, w_up, w_down, axis=split.expert, size=split.size), experts
 
     tokens = P(split.batch if len(split.batch) > 1 else split.batch[0])
     experts_spec = P(split.expert)  # split over the expert axis, or whole on every shard
-    return jax.shard_map(local, mesh=split.mesh, in_specs=(tokens,) * 3 + (experts_spec,) * 3, out_specs=tokens,
-                         axis_names=frozenset(split.batch), check_vma=False)(x, experts, weights, w_gate, w_up, w_down)  # fmt: skip
+    return jax.shard_map(local, mesh=split.mesh, in_specs=(tokens, tokens) + (experts_spec,) * 3, out_specs=(tokens, tokens),
+                         axis_names=frozenset(split.batch), check_vma=False)(x, logits, w_gate, w_up, w_down)  # fmt: skip
 
 
 class MoE(nnx.Module):
@@ -189,10 +192,13 @@ class MoE(nnx.Module):
         B, T, C = x.shape
         tokens = x.reshape(B * T, C)
         logits = self.gate(tokens.astype(jnp.float32))  # (N, E), float32 as HF's router
-        weights, experts = route(logits, self.top_k)
         cast = lambda w: w[...].astype(self.dtype)  # noqa: E731
-        args = (tokens.astype(self.dtype), experts, weights, cast(self.w1), cast(self.w3), cast(self.w2))
+        experts_w = (cast(self.w1), cast(self.w3), cast(self.w2))
         split = _split(self.w1.shape[0])
-        y = grouped_swiglu(*args) if split is None else sharded_swiglu(*args, split)
+        if split is None:
+            weights, experts = route(logits, self.top_k)
+            y = grouped_swiglu(tokens.astype(self.dtype), experts, weights, *experts_w)
+        else:
+            y, experts = sharded_moe(tokens.astype(self.dtype), logits, self.top_k, *experts_w, split)
         stats = route_stats(logits, experts, self.w1.shape[0])
         return constrain(y.reshape(B, T, C), "batch", "length", "embed"), stats
