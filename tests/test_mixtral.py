@@ -170,3 +170,9 @@ def test_on_an_expert_axis_tokens_travel_to_their_experts_not_the_experts_to_the
     assert plan.param_bytes < (c.num_params() * 4 - c.num_hidden_layers * one_layer_experts) + experts_per_device + 1
     assert plan.collective_bytes.get("all-to-all", 0) > 0
     assert plan.collective_bytes.get("all-gather", 0) == 0, plan.collective_bytes
+    # the planner's textbook all-to-all (tokens per device x k x width x 4 B x 2 x 2 x layers), and the
+    # compiled one: the dropless CPU buffers are 8 slots of all of a device's assignments
+    textbook = dict(plan.textbook)["expert all-to-all"] * plan.full_param_bytes
+    assert textbook == pytest.approx(16 * 32 / 8 * c.num_experts_per_tok * c.hidden_size * 4 * 2 * 2 * c.num_hidden_layers)
+    assert plan.collective_bytes["all-to-all"] / textbook == pytest.approx(8, rel=0.01)
+    assert any("dropless on CPU" in n for n in plan.notes)
