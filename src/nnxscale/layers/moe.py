@@ -61,6 +61,13 @@ def route_stats(logits, experts, num_experts: int) -> RouterStats:
     return RouterStats(aux, z, counts / jnp.sum(counts))
 
 
+def _run_groups(xs, sizes, w_gate, w_up, w_down):
+    """Rows ``xs (M, C)`` grouped by expert (``sizes (E,)`` rows each, in order; rows past
+    their sum are left as zeros) through their experts: ``(M, C)``."""
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)  # (M, F)
+    return jax.lax.ragged_dot(h.astype(xs.dtype), w_down, sizes)
+
+
 def grouped_swiglu(x, experts, weights, w_gate, w_up, w_down):
     """``sum_j weights[:, j] * expert_{experts[:, j]}(x)`` for ``x (N, C)``, dropless.
 
@@ -72,9 +79,7 @@ def grouped_swiglu(x, experts, weights, w_gate, w_up, w_down):
     flat = experts.reshape(-1)  # (N * k,)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
-    xs = x[order // k]  # the token of each assignment, grouped by expert
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)  # (N * k, F)
-    out = jax.lax.ragged_dot(h.astype(x.dtype), w_down, sizes)  # (N * k, C)
+    out = _run_groups(x[order // k], sizes, w_gate, w_up, w_down)  # each assignment's token, grouped by expert
     out = jnp.zeros_like(out).at[order].set(out)  # back to (token, choice) order
     return jnp.einsum("nkc,nk->nc", out.reshape(N, k, -1).astype(jnp.float32), weights).astype(x.dtype)
 
@@ -136,9 +141,7 @@ def _exchange(x, experts, weights, w_gate, w_up, w_down, *, axis: str, size: int
     rids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True).reshape(-1)
     group = jnp.argsort(rids, stable=True)  # by local expert; empty rows last
     sizes = jnp.zeros((per + 1,), jnp.int32).at[rids].add(1)[:per]
-    xs = recv[group]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
-    out = jax.lax.ragged_dot(h.astype(x.dtype), w_down, sizes)
+    out = _run_groups(recv[group], sizes, w_gate, w_up, w_down)
     out = jnp.zeros_like(out).at[group].set(out).reshape(size, cap, -1)
     back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)  # each assignment's result, in its slot
     mine = jnp.zeros((cap, x.shape[-1]), back.dtype).at[order].set(back[slot])
