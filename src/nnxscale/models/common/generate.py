@@ -102,11 +102,12 @@ def _replicated(mesh):
     return None if mesh is None else NamedSharding(mesh, P())
 
 
-def _round(graphdef, params, tokens, lengths, limit, step0, done, controls, seed, *, cache_len: int, steps: int,
+def _round(graphdef, params, tokens, lengths, limit, step0, done, controls, seed, *, cache_len: int,
            cached: bool, greedy: bool, stop: Optional[int], vocab: Optional[int]):  # fmt: skip
     """One round of decoding, traced under jit: up to ``limit`` new tokens after right-padded
     ``tokens (B, W)`` of ``lengths (B,)``; ``controls``: temperature, top-k and top-p as
-    arrays. Returns ``(new (B, steps) int32, -1 where none; done (B,))``."""
+    arrays. Returns ``(new (B, cache_len) int32, -1 where none; done (B,))``: a round
+    never makes more tokens than the cache has positions."""
     model = nnx.merge(graphdef, params)
     B, W = tokens.shape
     key = jax.random.key(seed)
@@ -126,7 +127,7 @@ def _round(graphdef, params, tokens, lengths, limit, step0, done, controls, seed
             done = done | (tok == stop)
         return out, done
 
-    out = jnp.full((B, steps), -1, jnp.int32)
+    out = jnp.full((B, cache_len), -1, jnp.int32)
     if cached:
         cache = model.init_cache(B, cache_len)
         positions = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))
@@ -186,7 +187,7 @@ class Generator:
     def _program(self, key):
         if key not in self._programs:
             cache_len, greedy, stop, vocab = key
-            fn = partial(_round, self.graphdef, cache_len=cache_len, steps=cache_len, cached=self.cache, greedy=greedy,
+            fn = partial(_round, self.graphdef, cache_len=cache_len, cached=self.cache, greedy=greedy,
                          stop=stop, vocab=vocab)  # fmt: skip
             mesh = None if self.rules is None else self.rules.mesh
             out = None if mesh is None else (_replicated(mesh), _replicated(mesh))
