@@ -203,3 +203,19 @@ def test_on_an_expert_axis_tokens_travel_to_their_experts_not_the_experts_to_the
     assert textbook == pytest.approx(16 * 32 / 8 * c.num_experts_per_tok * c.hidden_size * 4 * 2 * 2 * c.num_hidden_layers)
     assert plan.collective_bytes["all-to-all"] / textbook == pytest.approx(8, rel=0.01)
     assert any("dropless on CPU" in n for n in plan.notes)
+
+
+def test_the_textbook_gathers_only_a_devices_own_experts_beside_fsdp(text_data):
+    """On fsdp=2,expert=4 the experts are split 4 ways by expert and gathered over fsdp only:
+    FSDP's textbook counts a quarter of them, and the tokens' all-to-all is still there
+    (x 3 with rematerialization, which repeats the forward pass's exchanges)."""
+    c = PRESETS["mixtral-tiny"]
+    experts = 3 * c.num_local_experts * c.hidden_size * c.intermediate_size * 4 * c.num_hidden_layers
+    full = c.num_params() * 4
+    cfg = tiny_cfg("unused", text_data, model="mixtral-tiny", mesh="fsdp=2,expert=4")
+    book = dict(nnxscale.plan(cfg, compile="never").textbook)
+    assert book["FSDP 2 gathers + reduce-scatter"] * full == pytest.approx(3 * (full - experts + experts / 4))
+    tokens_bytes = 16 * 32 / 8 * c.num_experts_per_tok * c.hidden_size * 4 * 2 * c.num_hidden_layers
+    assert book["expert all-to-all"] * full == pytest.approx(tokens_bytes * 2)
+    remat = tiny_cfg("unused", text_data, model="mixtral-tiny", mesh="fsdp=2,expert=4", model__remat="full")
+    assert dict(nnxscale.plan(remat, compile="never").textbook)["expert all-to-all"] * full == pytest.approx(tokens_bytes * 3)

@@ -297,10 +297,11 @@ def plan(
     notes = list(calibration)
     if compiled["argument_bytes"] > state_bytes + lay["batch_bytes"] + (64 << 10):
         notes.append("the compiled step's arguments exceed the layout's state and batch bytes")
-    if _split(lay["rows"], lay["rules"])["expert"]:
+    if _split(lay["rows"], lay["rules"])["experts"]:
         e = lay["rules"].sizes[EXPERT]
+        wide = "; with bfloat16 compute XLA:CPU sends them as float32, 2x more" if cfg.model.dtype == "bfloat16" else ""
         notes.append(f"the compiled all-to-all is dropless on CPU: each of the {e} peers' slots holds all of a device's "
-                     f"(token, expert) assignments, {e}x the textbook's (XLA:CPU has no ragged_all_to_all)")  # fmt: skip
+                     f"(token, expert) assignments, {e}x the textbook's (XLA:CPU has no ragged_all_to_all){wide}")  # fmt: skip
     return StepPlan(
         **common,
         temp_bytes=compiled["temp_bytes"],
@@ -466,15 +467,20 @@ def _split(rows, rules) -> dict[str, float]:
     """Full bytes of the parameters, by how the batch axes treat them, divided by the
     other (tensor-parallel) axes: ``fsdp`` (split over a batch axis: gathered every step),
     ``replicated`` (whole on every batch shard: its gradient is all-reduced) and ``expert``
-    (a mixture's experts split over the expert axis: each device keeps its own, never
-    gathered; this is one device's share, its gradient all-reduced over the other batch axes)."""
+    (a mixture's experts split over the expert axis alone: each device keeps its own, never
+    gathered; this is one device's share, its gradient all-reduced over the other batch axes).
+    Experts split over the expert axis and FSDP's count as FSDP's, one device's experts'
+    worth (they are gathered only among the devices holding the same experts);
+    ``experts``: whether any parameter is split over the expert axis."""
     batch = {a for a in (*rules.batch_axes, *rules.length_axes) if rules.sizes[a] > 1}  # context: FSDP-like
-    out = {"fsdp": 0.0, "replicated": 0.0, "expert": 0.0}
+    out = {"fsdp": 0.0, "replicated": 0.0, "expert": 0.0, "experts": 0.0}
     for row in rows:
         axes = {a for e in row.spec for a in entry_axes(e)}
         share = full_bytes(row.shape, row.dtype) / math.prod(rules.sizes[a] for a in axes - batch)
-        if axes & batch == {EXPERT}:
-            out["expert"] += share / rules.sizes[EXPERT]
+        if EXPERT in axes & batch:
+            share /= rules.sizes[EXPERT]
+            out["experts"] += share
+            out["expert" if axes & batch == {EXPERT} else "fsdp"] += share
         else:
             out["fsdp" if axes & batch else "replicated"] += share
     return out
@@ -502,7 +508,7 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
         out.append(("FSDP 2 gathers + reduce-scatter", 3 * split["fsdp"] / full))
     if split["expert"] and rules.batch_shard_count > rules.sizes[EXPERT]:
         out.append(("experts' gradient all-reduce", split["expert"] / full))
-    if split["expert"]:
+    if split["experts"]:
         out.append(("expert all-to-all", expert_all_to_all_bytes(cfg, lay) / full))
     tensor = math.prod(s for a, s in rules.sizes.items() if a not in (*rules.batch_axes, *rules.length_axes, STAGE))
     pipe = lay.get("pipeline")
@@ -526,15 +532,18 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
 def expert_all_to_all_bytes(cfg: TrainConfig, lay: dict) -> int:
     """What a mixture's tokens move per device and step over an ``expert`` axis, sent only
     as they are: ``tokens per device x k x width x bytes x 2 (there and back) x 2 (forward
-    and backward) x layers``, times the accumulation steps. Dropless on CPU, where there is
-    no ``ragged_all_to_all``, each peer's slot holds all of a device's assignments: the
+    and backward) x layers``, x 3 instead of x 2 when rematerialization repeats the forward
+    pass's exchanges, times the accumulation steps. Dropless on CPU, where there is no
+    ``ragged_all_to_all``, each peer's slot holds all of a device's assignments: the
     compiled step moves ``expert`` times this (mixtral-mini on ``expert=8``: 8.02x,
-    ``bench/moe.py``, 2026-11-24)."""
+    ``bench/moe.py``, 2026-11-24), and with bfloat16 compute XLA:CPU sends them as float32
+    (the lowered program's all-to-all is bfloat16, the compiled one float32): 2x more."""
     rules, dims, d = lay["rules"], lay["model"].dims, cfg.data
     k = getattr(lay["model"].config, "num_experts_per_tok", 1)
     tokens = d.batch_size / rules.batch_shard_count * d.seq_len / rules.length_shard_count
     itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
-    return int(tokens * k * dims.width * itemsize * 2 * 2 * dims.layers)
+    passes = 3 if cfg.model.remat != "none" else 2
+    return int(tokens * k * dims.width * itemsize * 2 * passes * dims.layers)
 
 
 def ring_permute_bytes(cfg: TrainConfig, lay: dict) -> int:
