@@ -149,14 +149,16 @@ def test_logits_match_a_checkpoint_written_by_hugging_face(spec, tmp_path):
             np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
 
 
-def test_mixtral_mini_trains_alike_on_expert_meshes_and_resumes_from_one_on_another(tmp_path, text_data):
-    """20 steps of mixtral-mini log data=8's losses (rel 1e-5) on expert=2,fsdp=2,model=2 and
-    on data=2,expert=4 -> expert=4,data=2: the last run stops at step 10 with a checkpoint
-    and resumes on the other mesh. The router's losses and each expert's load are logged."""
+def test_training_is_the_same_on_expert_meshes_and_resumes_from_one_on_another(tmp_path, text_data):
+    """20 steps log data=8's losses (rel 1e-5) on expert=2,fsdp=2,model=2 and on
+    data=2,expert=4 -> expert=4,data=2: the last run stops at step 10 with a checkpoint and
+    resumes on the other mesh. The router's losses and each expert's load are logged.
+    mixtral-tiny, for the suite's time: docs/mixtral.md has mixtral-mini's 20 steps on these
+    meshes, by hand (the same code; 4 layers of width 128 instead of 2 of 64)."""
     steps = 20
 
     def run(name, mesh, steps=steps, **kw):
-        result = quiet_train(tiny_cfg(tmp_path / name, text_data, model="mixtral-mini", mesh=mesh, steps=steps, data__batch_size=8, **kw))
+        result = quiet_train(tiny_cfg(tmp_path / name, text_data, model="mixtral-tiny", mesh=mesh, steps=steps, data__batch_size=8, **kw))
         assert result.final_step == steps
         return nnxscale.read_metrics(tmp_path / name)
 
