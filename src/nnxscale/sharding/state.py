@@ -225,12 +225,15 @@ class InitProgram:
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
-def compile_init(factory: Callable[[], nnx.Module], mesh, rules=None, *, group_bytes: int = INIT_GROUP_BYTES) -> InitProgram:
+def compile_init(factory: Callable[[], nnx.Module], mesh, rules=None, *, group_bytes: int = INIT_GROUP_BYTES,
+                 abstract=None) -> InitProgram:  # fmt: skip
     """Plan and compile the sharded creation of ``factory()`` without running it.
 
     ``InitProgram.memory()`` gives the per-device peak before anything is allocated.
+    ``abstract``: :func:`abstract_state`'s ``(graphdef, state)`` for these arguments, when the
+    caller has it already (one trace of the model fewer).
     """
-    graphdef, abstract = abstract_state(factory, mesh, rules)
+    graphdef, abstract = abstract_state(factory, mesh, rules) if abstract is None else abstract
     variables, treedef = jax.tree_util.tree_flatten(abstract, is_leaf=is_variable)
     shardings = [v.get_value().sharding for v in variables]
     with jax.set_mesh(mesh):
@@ -268,7 +271,7 @@ def compile_init(factory: Callable[[], nnx.Module], mesh, rules=None, *, group_b
 
 
 def sharded_init(
-    factory: Callable[[], nnx.Module], mesh, rules=None, *, group_bytes: int = INIT_GROUP_BYTES
+    factory: Callable[[], nnx.Module], mesh, rules=None, *, group_bytes: int = INIT_GROUP_BYTES, abstract=None
 ) -> nnx.Module:
     """Create ``factory()`` directly in its sharded layout: no device ever holds a full tensor.
 
@@ -278,9 +281,10 @@ def sharded_init(
     about ``group_bytes`` per device (see :class:`InitProgram`), which keeps per-device peak
     memory close to the model's shards. ``factory`` is a function of no arguments, e.g.
     ``lambda: GPT2(cfg, rngs=nnx.Rngs(0))``; with JAX's partitionable threefry (the
-    default) the values do not depend on the mesh or the grouping.
+    default) the values do not depend on the mesh or the grouping. ``abstract``: see
+    :func:`compile_init`.
     """
-    program = compile_init(factory, mesh, rules, group_bytes=group_bytes)
+    program = compile_init(factory, mesh, rules, group_bytes=group_bytes, abstract=abstract)
     return nnx.merge(program.graphdef, program.run())
 
 

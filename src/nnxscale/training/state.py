@@ -319,7 +319,7 @@ def init_state(s: Setup, params=None):
     """Create the train state directly in its sharded layout (or around given params), in
     the order the step runs it (:func:`run_order`)."""
     if params is None:  # the one sharded-init path, shared with `nnxscale init`
-        params = pure_dict(nnx.state(sharded_init(s.factory, s.mesh, s.rules)))
+        params = pure_dict(nnx.state(sharded_init(s.factory, s.mesh, s.rules, abstract=(s.graphdef, s.model_state))))
     with jax.set_mesh(s.mesh):
         state = jax.jit(s.init_fn, out_shardings=s.state_shardings, donate_argnums=0)(params)
     return run_order(s, state)
