@@ -36,13 +36,12 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 import nnxscale  # noqa: E402
 from nnxscale.models import llama, mixtral  # noqa: E402
 from nnxscale.training.config import TrainConfig  # noqa: E402
-from nnxscale.training.state import init_state, setup  # noqa: E402
-from nnxscale.training.step import make_train_step  # noqa: E402
+from nnxscale.training.state import setup  # noqa: E402
+from _step import prepared_step  # noqa: E402  (bench/_step.py)
 
 DENSE = "llama-mini-dense-twin"  # registered below, for this bench only
 
@@ -59,20 +58,6 @@ def expert_bytes(s) -> int:
         if jax.tree_util.keystr(path).endswith(("['w1']", "['w2']", "['w3']")):
             total += math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
     return total
-
-
-def timed_step(model: str, mesh: str, batch: int, seq: int):
-    s = setup(config(model, mesh, batch, seq))
-    tokens = jax.random.randint(jax.random.key(0), (batch, seq), 0, 256, jnp.int32)
-    data = {k: jax.device_put(tokens, s.batch_sharding) for k in ("inputs", "targets")}
-    step, box = make_train_step(s), {"state": init_state(s)}
-
-    def run():
-        with jax.set_mesh(s.mesh):
-            box["state"], metrics = step(box["state"], data)
-        jax.block_until_ready(metrics)
-
-    return run
 
 
 def main() -> None:
@@ -103,8 +88,8 @@ def main() -> None:
     print(f"expert=8 step compiled in {time.perf_counter() - t:.1f} s: all-to-all {a2a:,} B per device per step, "
           f"formula {formula:,} B (ratio {a2a / formula:.2f}); all-gather {plan.collective_bytes.get('all-gather', 0):,} B")  # fmt: skip
 
-    runs = {"mixtral-mini": timed_step("mixtral-mini", "data=8", args.batch, args.seq),
-            "dense twin": timed_step(DENSE, "data=8", args.batch, args.seq)}  # fmt: skip
+    runs = {"mixtral-mini": prepared_step(config("mixtral-mini", "data=8", args.batch, args.seq)),
+            "dense twin": prepared_step(config(DENSE, "data=8", args.batch, args.seq))}  # fmt: skip
     for run in runs.values():
         for _ in range(3):
             run()

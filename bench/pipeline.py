@@ -53,13 +53,13 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 from nnxscale.training.config import TrainConfig  # noqa: E402
 from nnxscale.sharding.layout import format_bytes  # noqa: E402
 from nnxscale.planning.planner import measure  # noqa: E402
-from nnxscale.training.state import init_state, setup  # noqa: E402
+from nnxscale.training.state import setup  # noqa: E402
 from nnxscale.training.step import make_train_step  # noqa: E402
+from _step import prepared_step  # noqa: E402  (bench/_step.py)
 from nnxscale.layers.pipeline import pipeline_cost  # noqa: E402
 
 BATCH, SEQ = 64, 256  # compiled part: gpt2
@@ -119,25 +119,10 @@ def compiled_rows() -> dict:
     return rows
 
 
-def prepared_step(mesh: str, microbatches, repeats: int):
-    """``run()``: one gpt2-mini train step (real arrays, a fixed random batch), waited for."""
-    s = setup(config("gpt2-mini", mesh, microbatches, repeats, TIMED_BATCH, TIMED_SEQ))
-    tokens = jax.random.randint(jax.random.key(0), (TIMED_BATCH, TIMED_SEQ), 0, 256, jnp.int32)
-    batch = {k: jax.device_put(tokens, s.batch_sharding) for k in ("inputs", "targets")}
-    step, box = make_train_step(s), {"state": init_state(s)}
-
-    def run():
-        with jax.set_mesh(s.mesh):
-            box["state"], metrics = step(box["state"], batch)
-        jax.block_until_ready(metrics)
-
-    return run
-
-
 def step_times() -> dict:
     """Median seconds per step of each TIMED config, timed in turns (round-robin), so that
     the load of a shared machine falls on every config alike."""
-    runs = {name(*c): prepared_step(*c) for c in TIMED}
+    runs = {name(*c): prepared_step(config("gpt2-mini", *c, TIMED_BATCH, TIMED_SEQ)) for c in TIMED}
     for run in runs.values():
         for _ in range(WARMUP):
             run()
