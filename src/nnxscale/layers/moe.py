@@ -78,10 +78,10 @@ def _run_groups(xs, sizes, w_gate, w_up, w_down, rows: Optional[int] = None):
     tile = 1 << max(3, min(8, (max(rows or M, 1) // (2 * E)).bit_length() - 1))  # about half a group: 8 to 256 rows
     tiles = -(-M // tile) + E  # each group's last tile may be partial
     per = (sizes + tile - 1) // tile  # tiles of each group
-    ends = jnp.cumsum(per)
-    starts = jnp.cumsum(sizes) - sizes
+    ends, cum = jnp.cumsum(per), jnp.cumsum(sizes)
+    starts = cum - sizes
     i = jnp.arange(M)
-    g = jnp.searchsorted(jnp.cumsum(sizes), i, side="right")  # each row's group; E: past the groups
+    g = jnp.searchsorted(cum, i, side="right")  # each row's group; E: past the groups
     gc = jnp.minimum(g, E - 1)
     pos = jnp.where(g < E, (ends[gc] - per[gc]) * tile + i - starts[gc], tiles * tile)  # its row in the tiles
     group = jnp.minimum(jnp.searchsorted(ends, jnp.arange(tiles), side="right"), E - 1).astype(jnp.int32)
@@ -131,10 +131,10 @@ def _tiled_bwd(res, dy):
         dx, d_gate, d_up, d_down = carry
         e = group[t]
         a_t, b_t, x_t, dy_t = a[t], b[t], x[t], dy[t]
-        s = jax.nn.silu(a_t)
+        sig = jax.nn.sigmoid(a_t)
+        s = a_t * sig  # silu(a)
         h = (s * b_t).astype(x.dtype)
         dh = dy_t @ w_down[e].T
-        sig = jax.nn.sigmoid(a_t)
         da = (dh * b_t * (sig * (1 + a_t * (1 - sig)))).astype(x.dtype)
         db = (dh * s).astype(x.dtype)
         dx = jax.lax.dynamic_update_index_in_dim(dx, (da @ w_gate[e].T + db @ w_up[e].T).astype(dx.dtype), t, 0)
