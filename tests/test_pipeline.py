@@ -59,6 +59,36 @@ def _stack(mesh, rules):
     return nnxscale.place(stack_layers(lambda r: Block(D, r), L, rngs=nnx.Rngs(0)), mesh, rules)
 
 
+class _DrawingBlock(nnx.Module):
+    """Draws from two streams, and keeps a forked dropout stream as state."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(4, 8, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.down = nnx.Linear(8, 4, kernel_init=nnx.initializers.truncated_normal(0.5), rngs=rngs)
+
+
+def test_stacked_layers_hold_the_numbers_of_layers_made_one_after_another():
+    """stack_layers creates the layers at once (vectorized), yet every array is the one a
+    Python list of layers made in a row holds, and the streams are left where the list
+    leaves them; the creation draws each parameter once, not once per layer."""
+    rngs, again = nnx.Rngs(params=3, dropout=5), nnx.Rngs(params=3, dropout=5)
+    stacked = nnx.state(stack_layers(_DrawingBlock, 5, rngs=rngs))
+    one_by_one = [dict(nnx.to_flat_state(nnx.state(_DrawingBlock(again)))) for _ in range(5)]
+    data = lambda a: jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a  # noqa: E731
+    for path, var in nnx.to_flat_state(stacked):
+        want = jnp.stack([data(layer[path].get_value()) for layer in one_by_one])
+        np.testing.assert_array_equal(data(var.get_value()), want, err_msg=str(path))
+    for name in ("params", "dropout"):
+        np.testing.assert_array_equal(jax.random.key_data(rngs[name]()), jax.random.key_data(again[name]()))
+
+    def draws(n):
+        jaxpr = jax.make_jaxpr(lambda: nnx.state(stack_layers(_DrawingBlock, n, rngs=nnx.Rngs(params=0, dropout=1))))()
+        return sum(str(e).count("random_bits") for e in jaxpr.jaxpr.eqns)
+
+    assert draws(1) == draws(6) > 0
+
+
 def _vjp_program(graphdef, rules, pipeline, remat="none"):
     """``(state, x, cotangent) -> (out, (d state, d x))`` of the stack, pipelined or not."""
 

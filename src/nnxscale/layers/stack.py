@@ -27,6 +27,7 @@ from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nnxscale.errors import ConfigError
@@ -59,17 +60,19 @@ def remat_policy(value: Union[str, bool, None]) -> str:
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int, *, rngs: nnx.Rngs) -> nnx.Module:
     """``n`` layers ``make_layer(rngs)`` as one module whose Variables have a leading ``(n,)`` axis.
 
-    The layers are created one after another from ``rngs``, drawing the same random numbers
-    as a Python list of ``n`` layers would, and then stacked. Every Variable's logical axes
-    gain a leading ``layers`` name (Flax ``out_sharding`` annotations a leading ``None``).
-    Under :func:`nnxscale.sharded_init` the stacking happens inside the compiled init, so no
-    device holds more than its shards.
+    The layers hold the same random numbers as a Python list of ``n`` layers created one
+    after another from ``rngs`` would, and ``rngs`` is left where that list would leave it.
+    They are created at once: ``make_layer`` is traced once and vectorized over the layers
+    (``jax.vmap``), so an init program draws each parameter once for all layers instead of
+    once per layer, and its compilation does not grow with depth (gpt2's 12 blocks compiled
+    in 8x the time of one before). Every Variable's logical axes gain a leading ``layers``
+    name (Flax ``out_sharding`` annotations a leading ``None``). Under
+    :func:`nnxscale.sharded_init` the stack is created inside the compiled init, so no device
+    holds more than its shards.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"stack_layers: n must be a positive number of layers, got {n!r}")
-    graphdef, first = nnx.split(make_layer(rngs))
-    states = [first] + [nnx.split(make_layer(rngs))[1] for _ in range(n - 1)]
-    stacked = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+    stacked = _create_stacked(make_layer, n, rngs)
     for _, v in nnx.iter_graph(stacked):
         if not isinstance(v, nnx.Variable):
             continue
@@ -79,6 +82,49 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int, *, rngs: 
         if meta.get("out_sharding") is not None:
             v.set_metadata(out_sharding=(None,) + tuple(meta["out_sharding"]))
     return stacked
+
+
+def _create_stacked(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs) -> nnx.Module:
+    """The ``n`` layers, vectorized: layer ``i`` draws stream ``s``'s keys from counts
+    ``c_s + i * k_s + j`` (``c_s`` the stream's count, ``k_s`` the draws one layer takes), which
+    are the keys the ``i``-th of ``n`` layers created in a row would draw (an
+    :class:`nnx.RngStream`'s key is ``fold_in(key, count)``, and threefry under ``vmap`` gives
+    each key's own numbers).
+
+    ``k_s`` is counted by creating one layer abstractly (``jax.eval_shape``) with host
+    (numpy) counts, which its draws advance without being traced.
+    """
+    names = list(rngs)
+    keys = {name: rngs[name].key.get_value() for name in names}
+    start = {name: rngs[name].count.get_value() for name in names}
+
+    def layer_from(counts):
+        r = nnx.Rngs(**keys)
+        for name in names:
+            r[name].count.set_value(counts[name])
+        return make_layer(r), r
+
+    probe = {}
+
+    def count_draws():
+        layer, r = layer_from({name: np.zeros(np.shape(start[name]), np.uint32) for name in names})
+        probe["draws"] = {name: np.asarray(r[name].count.get_value()) for name in names}
+        return nnx.state(layer)
+
+    jax.eval_shape(count_draws)
+    draws = probe["draws"]
+    graphdef = None
+
+    def one(i):
+        nonlocal graphdef
+        layer, _ = layer_from({name: start[name] + i * jnp.asarray(draws[name], jnp.uint32) for name in names})
+        graphdef, state = nnx.split(layer)
+        return state
+
+    states = jax.vmap(one)(jnp.arange(n, dtype=jnp.uint32))
+    for name in names:
+        rngs[name].count.set_value(start[name] + n * jnp.asarray(draws[name], jnp.uint32))
+    return nnx.merge(graphdef, states)
 
 
 def num_layers(layers: nnx.Module) -> int:
