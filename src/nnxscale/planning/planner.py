@@ -729,7 +729,16 @@ def attention_figures(cfg: TrainConfig, model, rules) -> dict[str, Optional[str]
 
 
 def compile_step(cfg: TrainConfig, mesh=None):
-    """``(setup, compiled step)``: the real train step of ``cfg`` compiled, nothing allocated."""
+    """``(setup, compiled step)``: the real train step of ``cfg`` compiled, nothing allocated.
+
+    The program is compiled to be measured, never run: on XLA:CPU its machine code is
+    generated without LLVM's optimizations (:data:`MEASURE_ONLY`). The memory figures and
+    the collectives come from the HLO passes and the buffer assignment before that, and
+    are the same (checked on 2026-11-24 for gpt2 on fsdp=8 with and without remat,
+    gpt2-tiny on data=2,model=4, llama-tiny on context=2,fsdp=2,model=2, mixtral-tiny on
+    expert=4,data=2 and gpt2-mini on stage=2,data=4: every figure equal), in 35-70% of the
+    time (gpt2 on fsdp=8, 8 x 1024: 3.1 s instead of 5.5 s).
+    """
     import jax
 
     from nnxscale.training.state import setup
@@ -737,8 +746,13 @@ def compile_step(cfg: TrainConfig, mesh=None):
 
     s = setup(cfg, mesh, separator=_separator(cfg))
     with jax.set_mesh(s.mesh):
-        compiled = make_train_step(s).lower(s.abstract, s.abstract_batch).compile()
+        lowered = make_train_step(s).lower(s.abstract, s.abstract_batch)
+        compiled = lowered.compile(compiler_options=MEASURE_ONLY if jax.default_backend() == "cpu" else None)
     return s, compiled
+
+
+#: XLA:CPU options for a program compiled only to be measured (:func:`compile_step`).
+MEASURE_ONLY = {"xla_backend_optimization_level": 0}
 
 
 def _separator(cfg: TrainConfig):
