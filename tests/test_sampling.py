@@ -12,7 +12,7 @@ import nnxscale
 from model_testing import greedy_by_hand, jit_logits, randomize, rules_for
 from nnxscale.errors import ConfigError
 from nnxscale.models import gpt2, llama
-from nnxscale.models.common.generate import Generator, Sampling, generate
+from nnxscale.models.common.generate import ROUND_TO, Generator, Sampling, _round_program, _round_up, generate
 
 BUILD = {"gpt2-tiny": (gpt2.GPT2, gpt2.PRESETS), "llama-tiny": (llama.Llama, llama.PRESETS)}
 CONTEXT = 128  # both tiny presets'
@@ -88,10 +88,16 @@ def test_sampling_controls(tiny):
     name, model, refs = tiny
     draw = lambda **kw: generate(model, PROMPTS, max_new_tokens=24, context=CONTEXT, sampling=Sampling(**kw))  # noqa: E731
     assert draw(temperature=1.0, top_k=1) == refs  # one candidate: the greedy one
+    programs = _round_program.cache_info().currsize
     assert draw(temperature=1.0, top_k=0, top_p=1e-6) == refs  # the smallest set of any mass: the most likely
     first = draw(temperature=1.0, top_k=0, seed=1)
     assert draw(temperature=1.0, top_k=0, seed=1) == first  # a seed repeats
     assert draw(temperature=1.0, top_k=0, seed=2) != first
+    # each call made a Generator, and all of them ran the first call's program: the controls
+    # are its arguments, so nothing was traced or compiled again
+    assert _round_program.cache_info().currsize == programs
+    cache_len = _round_up(max(map(len, PROMPTS)) + 24, ROUND_TO, CONTEXT)
+    assert _round_program(nnx.graphdef(model), None, True, cache_len, False, None, None)._cache_size() == 1
     # top-k: every drawn token is among the k most likely at its place
     k = 3
     drawn = draw(temperature=2.0, top_k=k, seed=5)[1]

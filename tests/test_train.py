@@ -184,8 +184,10 @@ def test_resume_after_sigterm_equals_an_uninterrupted_run(tmp_path, text_data):
     env = {k: v for k, v in os.environ.items() if k != "NNXSCALE_DEBUG"}
     popen = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     whole_dir, cut_dir = tmp_path / "whole", tmp_path / "cut"
-    whole = subprocess.Popen(command(whole_dir), **popen)
+    # The uninterrupted run starts once the interrupted one has compiled the programs both
+    # run: it loads them from the suite's compilation cache instead of compiling them again.
     cut = subprocess.Popen(command(cut_dir), **popen)
+    whole = None
     try:
         deadline = time.monotonic() + 400
         while True:
@@ -207,6 +209,7 @@ def test_resume_after_sigterm_equals_an_uninterrupted_run(tmp_path, text_data):
         assert sorted(p.name for p in ckpt_root.iterdir()) == [str(stopped)]
         assert (ckpt_root / str(stopped) / "commit_success.txt").exists()
 
+        whole = subprocess.Popen(command(whole_dir), **popen)
         resumed = subprocess.run(command(cut_dir), timeout=400, **popen)
         assert resumed.returncode == 0, resumed.stderr
         assert f"from step {stopped}" in resumed.stdout
@@ -214,7 +217,7 @@ def test_resume_after_sigterm_equals_an_uninterrupted_run(tmp_path, text_data):
         assert whole.returncode == 0, whole_err
     finally:
         for p in (whole, cut):
-            if p.poll() is None:
+            if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
 

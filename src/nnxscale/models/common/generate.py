@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from functools import partial
 from typing import Callable, Optional, Sequence
@@ -161,6 +162,18 @@ def _round(graphdef, params, tokens, lengths, limit, step0, done, controls, seed
     return out, done
 
 
+@functools.lru_cache(maxsize=64)
+def _round_program(graphdef, rules, cached: bool, cache_len: int, greedy: bool, stop: Optional[int], vocab: Optional[int]):
+    """The jitted round for a model's structure (its ``GraphDef``, hashable), its rules (the
+    same object: the round is traced under them) and settings, shared by every
+    :class:`Generator` that has them: :func:`generate` makes a Generator per call, and a
+    second call with the same model and rules traces and compiles nothing again."""
+    fn = partial(_round, graphdef, cache_len=cache_len, cached=cached, greedy=greedy, stop=stop, vocab=vocab)
+    mesh = None if rules is None else rules.mesh
+    out = None if mesh is None else (_replicated(mesh), _replicated(mesh))
+    return jax.jit(fn, out_shardings=out)
+
+
 @dataclasses.dataclass
 class Generator:
     """Decoding programs for one model on one mesh, compiled on first use per shape and
@@ -186,12 +199,7 @@ class Generator:
 
     def _program(self, key):
         if key not in self._programs:
-            cache_len, greedy, stop, vocab = key
-            fn = partial(_round, self.graphdef, cache_len=cache_len, cached=self.cache, greedy=greedy,
-                         stop=stop, vocab=vocab)  # fmt: skip
-            mesh = None if self.rules is None else self.rules.mesh
-            out = None if mesh is None else (_replicated(mesh), _replicated(mesh))
-            self._programs[key] = jax.jit(fn, out_shardings=out)
+            self._programs[key] = _round_program(self.graphdef, self.rules, self.cache, *key)
         return self._programs[key]
 
     def _put(self, *arrays):
