@@ -93,11 +93,15 @@ def test_sampling_controls(tiny):
     first = draw(temperature=1.0, top_k=0, seed=1)
     assert draw(temperature=1.0, top_k=0, seed=1) == first  # a seed repeats
     assert draw(temperature=1.0, top_k=0, seed=2) != first
-    # each call made a Generator, and all of them ran the first call's program: the controls
-    # are its arguments, so nothing was traced or compiled again
+    stop, vocab = refs[1][3], max(max(r) for r in refs) + 1  # a vocabulary that keeps every greedy token
+    greedy_to_stop = generate(model, PROMPTS, max_new_tokens=24, context=CONTEXT, sampling=GREEDY, stop=stop, vocab=vocab)
+    assert greedy_to_stop[1] == refs[1][: refs[1].index(stop) + 1]
+    # each call made a Generator, and all of them ran the first call's program: the controls,
+    # greedy or not, the stop token and the vocabulary are its arguments, so nothing was
+    # traced or compiled again
     assert _round_program.cache_info().currsize == programs
     cache_len = _round_up(max(map(len, PROMPTS)) + 24, ROUND_TO, CONTEXT)
-    assert _round_program(nnx.graphdef(model), None, True, cache_len, False, None, None)._cache_size() == 1
+    assert _round_program(nnx.graphdef(model), None, True, cache_len)._cache_size() == 1
     # top-k: every drawn token is among the k most likely at its place
     k = 3
     drawn = draw(temperature=2.0, top_k=k, seed=5)[1]

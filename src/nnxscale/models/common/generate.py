@@ -103,29 +103,31 @@ def _replicated(mesh):
     return None if mesh is None else NamedSharding(mesh, P())
 
 
-def _round(graphdef, params, tokens, lengths, limit, step0, done, controls, seed, *, cache_len: int,
-           cached: bool, greedy: bool, stop: Optional[int], vocab: Optional[int]):  # fmt: skip
+def _round(graphdef, params, tokens, lengths, limit, step0, done, controls, seed, *, cache_len: int, cached: bool):
     """One round of decoding, traced under jit: up to ``limit`` new tokens after right-padded
-    ``tokens (B, W)`` of ``lengths (B,)``; ``controls``: temperature, top-k and top-p as
-    arrays. Returns ``(new (B, cache_len) int32, -1 where none; done (B,))``: a round
-    never makes more tokens than the cache has positions."""
+    ``tokens (B, W)`` of ``lengths (B,)``. ``controls``: greedy (bool), temperature, top-k,
+    top-p, the stop token (-1: none) and the vocabulary drawn from, as arrays, so one
+    compiled program serves every setting. Returns ``(new (B, cache_len) int32, -1 where
+    none; done (B,))``: a round never makes more tokens than the cache has positions."""
+    greedy, temperature, top_k, top_p, stop, vocab = controls
     model = nnx.merge(graphdef, params)
     B, W = tokens.shape
     key = jax.random.key(seed)
     rows = jnp.arange(B)
 
     def pick(logits, i):  # logits (B, V) -> tokens, at global step step0 + i
-        if vocab is not None:  # a tokenizer smaller than the model's vocabulary: never draw a token it lacks
-            logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, -jnp.inf)
-        if greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return _draw(logits, jax.random.fold_in(key, step0 + i), *controls)
+        # a tokenizer smaller than the model's vocabulary: never draw a token it lacks
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab, logits, -jnp.inf)
+        return jax.lax.cond(
+            greedy,
+            lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
+            lambda: _draw(logits, jax.random.fold_in(key, step0 + i), temperature, top_k, top_p),
+        )
 
     def emit(out, done, tok, i):
         tok = jnp.where(done, -1, tok)
         out = out.at[:, i].set(tok)
-        if stop is not None:
-            done = done | (tok == stop)
+        done = done | (tok == stop)  # -1 without a stop token: never a token
         return out, done
 
     out = jnp.full((B, cache_len), -1, jnp.int32)
@@ -163,12 +165,13 @@ def _round(graphdef, params, tokens, lengths, limit, step0, done, controls, seed
 
 
 @functools.lru_cache(maxsize=64)
-def _round_program(graphdef, rules, cached: bool, cache_len: int, greedy: bool, stop: Optional[int], vocab: Optional[int]):
+def _round_program(graphdef, rules, cached: bool, cache_len: int):
     """The jitted round for a model's structure (its ``GraphDef``, hashable), its rules (the
-    same object: the round is traced under them) and settings, shared by every
+    same object: the round is traced under them) and cache length, shared by every
     :class:`Generator` that has them: :func:`generate` makes a Generator per call, and a
-    second call with the same model and rules traces and compiles nothing again."""
-    fn = partial(_round, graphdef, cache_len=cache_len, cached=cached, greedy=greedy, stop=stop, vocab=vocab)
+    second call with the same model and rules traces and compiles nothing again, whatever
+    the sampling controls, stop token and vocabulary (arguments of the program)."""
+    fn = partial(_round, graphdef, cache_len=cache_len, cached=cached)
     mesh = None if rules is None else rules.mesh
     out = None if mesh is None else (_replicated(mesh), _replicated(mesh))
     return jax.jit(fn, out_shardings=out)
@@ -199,7 +202,7 @@ class Generator:
 
     def _program(self, key):
         if key not in self._programs:
-            self._programs[key] = _round_program(self.graphdef, self.rules, self.cache, *key)
+            self._programs[key] = _round_program(self.graphdef, self.rules, self.cache, key)
         return self._programs[key]
 
     def _put(self, *arrays):
@@ -254,8 +257,10 @@ class Generator:
                 for i, r in enumerate(rows):
                     tokens[i, : len(r)] = r
                     lengths[i] = len(r)
-                program = self._program((cache_len, sampling.temperature == 0, stop, vocab))
-                controls = (np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p))
+                program = self._program(cache_len)
+                controls = (np.bool_(sampling.temperature == 0), np.float32(sampling.temperature), np.int32(sampling.top_k),
+                            np.float32(sampling.top_p), np.int32(-1 if stop is None else stop),
+                            np.int32(np.iinfo(np.int32).max if vocab is None else vocab))  # fmt: skip
                 args = self._put(tokens, lengths, np.int32(limit), np.int32(step), done, controls, np.uint32(sampling.seed))
                 out, done_now = program(self.params, *args)
                 out, done = np.asarray(out), np.asarray(done_now).copy()
