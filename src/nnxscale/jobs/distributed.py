@@ -262,9 +262,14 @@ def _no_persistent_cache_in_a_cpu_job() -> None:
     step ("Received data size doesn't match expected size (48 vs 4)") or hung in the first
     step. JAX writes entries from process 0 only and lets every process read them; and even
     with a cache per process, process 0's entry (from an earlier job) did not match process
-    1's fresh compilation. Programs compiled in the same job always match, so a CPU job
-    compiles every program with collectives itself (programs without any may use the cache:
-    :func:`cache_without_collectives`). GPU and TPU jobs keep the cache, as JAX intends.
+    1's fresh compilation. Also measured (2026-11-24, 2 x 4 devices, gpt2-tiny): with a cache
+    per process, each process writing its own entries, the next job hung in gloo's context
+    initialization although every process loaded only executables it had compiled itself;
+    and ``JAX_SHARE_BINARY_BETWEEN_HOSTS`` (one process compiles, the others receive its
+    executable) failed the same way in every job. Programs compiled in the same job always
+    match, so a CPU job compiles every program with collectives itself (programs without any
+    may use the cache: :func:`cache_without_collectives`). GPU and TPU jobs keep the cache,
+    as JAX intends.
     """
     global _cache_turned_off
     import jax
