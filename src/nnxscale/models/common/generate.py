@@ -179,8 +179,9 @@ def _round_program(graphdef, rules, cached: bool, cache_len: int):
 
 @dataclasses.dataclass
 class Generator:
-    """Decoding programs for one model on one mesh, compiled on first use per shape and
-    kept: :func:`generate` makes one per call; hold one to generate repeatedly (the bench).
+    """Decoding for one model on one mesh: :func:`generate` makes one per call; hold one to
+    generate repeatedly (the bench). Its programs are compiled on first use per cache length
+    and kept by :func:`_round_program`, for every Generator of the same model and rules.
 
     ``rules``: the :class:`~nnxscale.MeshRules` the model's parameters are laid out by
     (``None``: one device, or wherever the parameters are). ``context``: the longest sequence
@@ -191,7 +192,6 @@ class Generator:
     context: int
     rules: object = None
     cache: bool = True
-    _programs: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.context < 2:
@@ -199,11 +199,6 @@ class Generator:
         if self.cache and not has_cache(self.model):
             raise ConfigError(f"{type(self.model).__name__} has no init_cache: generate with cache=False (recomputation)")
         self.graphdef, self.params = nnx.split(self.model)
-
-    def _program(self, key):
-        if key not in self._programs:
-            self._programs[key] = _round_program(self.graphdef, self.rules, self.cache, key)
-        return self._programs[key]
 
     def _put(self, *arrays):
         """Host arrays, the same on every process, replicated over the mesh."""
@@ -257,7 +252,7 @@ class Generator:
                 for i, r in enumerate(rows):
                     tokens[i, : len(r)] = r
                     lengths[i] = len(r)
-                program = self._program(cache_len)
+                program = _round_program(self.graphdef, self.rules, self.cache, cache_len)
                 controls = (np.bool_(sampling.temperature == 0), np.float32(sampling.temperature), np.int32(sampling.top_k),
                             np.float32(sampling.top_p), np.int32(-1 if stop is None else stop),
                             np.int32(np.iinfo(np.int32).max if vocab is None else vocab))  # fmt: skip
