@@ -115,3 +115,29 @@ def test_a_second_signal_raises_keyboard_interrupt_in_the_caller(tmp_path, text_
     assert all(n.isdigit() or n.endswith(".orbax-checkpoint-tmp") for n in names), names
     with Checkpointer(checkpoint_dir(run_dir)) as ckpt:
         assert ckpt.steps() == sorted(int(n) for n in names if n.isdigit())
+
+
+def test_a_second_signal_while_the_records_are_written_raises_after_them():
+    """Inside ``deferred`` (the run writing metrics.jsonl and its TensorBoard events) the
+    second signal's KeyboardInterrupt waits for the block to end: raised inside tensorboardX's
+    writer, it had left a lock held and the caller's process hung at exit."""
+    from nnxscale.training.guards import StopSignals
+
+    previous = signal.getsignal(signal.SIGINT)
+    finished = []
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)  # the first: a request to stop at a safe point
+        time.sleep(0.01)
+        assert stop.signal == signal.SIGTERM
+        try:
+            with stop.deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(100):  # the handler runs between these lines, and raises nothing
+                    time.sleep(0.001)
+                finished.append(True)
+        except KeyboardInterrupt as e:
+            assert str(e) == "SIGINT while stopping: the run ended at once, without saving"
+        else:
+            raise AssertionError("no KeyboardInterrupt after the block")
+    assert finished == [True]
+    assert signal.getsignal(signal.SIGINT) is previous

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -22,12 +23,15 @@ class StopSignals:
     process in a segmentation fault at exit. A second signal stops at once, without saving:
     the command exits (code 128 + signal, like ``kill -9``, after which a resume continues
     from the last complete checkpoint); a caller from Python gets ``KeyboardInterrupt``
-    (:mod:`nnxscale.jobs.process`).
+    (:mod:`nnxscale.jobs.process`), at once unless the run is writing its records
+    (:meth:`deferred`).
     """
 
     def __init__(self):
         self.signal: Optional[int] = None
         self._previous = {}
+        self._deferring = False
+        self._pending: Optional[int] = None
 
     def __bool__(self) -> bool:
         return self.signal is not None
@@ -48,15 +52,41 @@ class StopSignals:
             signal.signal(sig, handler)
         self._previous = {}
 
+    @contextlib.contextmanager
+    def deferred(self):
+        """A second signal inside the block raises its ``KeyboardInterrupt`` when the block ends.
+
+        For the calls into libraries that hold a lock across Python code: a ``KeyboardInterrupt``
+        raised inside tensorboardX's writer left its queue's lock held, and the caller's process
+        hung at exit in the writer's own clean-up (seen once in the suite, the second signal
+        arriving as the run opened its TensorBoard events). The command still exits at once.
+        """
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+            if self._pending is not None:
+                signum, self._pending = self._pending, None
+                self._interrupt(signum)
+
     def _handle(self, signum, _frame) -> None:
         name = signal.Signals(signum).name
         if self.signal is not None:
             if owns_process():
                 os._exit(128 + signum)
-            self._restore()  # the caller's handlers again, before its KeyboardInterrupt
-            raise KeyboardInterrupt(f"{name} while stopping: the run ended at once, without saving")
+            if self._deferring:
+                self._pending = signum
+                return
+            self._interrupt(signum)
         self.signal = signum
         os.write(2, f"\nnnxscale: {name}: stopping as soon as it is safe; {name} again stops at once, unsaved\n".encode())
+
+
+    def _interrupt(self, signum: int) -> None:
+        self._restore()  # the caller's handlers again, before its KeyboardInterrupt
+        name = signal.Signals(signum).name
+        raise KeyboardInterrupt(f"{name} while stopping: the run ended at once, without saving")
 
 
 class SkipCounter:

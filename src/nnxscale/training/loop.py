@@ -310,9 +310,10 @@ class _Run:
         finally:
             bar.close()
             self.profile.stop(self.state)  # a run that ends inside the window keeps what it traced
-            for writer in (self.scalars, self.wandb):
-                if writer is not None:
-                    writer.close()
+            with self.stop.deferred():
+                for writer in (self.scalars, self.wandb):
+                    if writer is not None:
+                        writer.close()
             self.watch.phase("writing the last checkpoint", kind="save")
             self.ckpt.wait()
 
@@ -373,6 +374,12 @@ class _Run:
             self.t_last = time.perf_counter()  # evaluation is not step time
         self.last_loss = m["loss"]
         if self.is_main:
+            self.write_record(record)
+        return record
+
+    def write_record(self, record: dict) -> None:
+        """``metrics.jsonl``, TensorBoard and W&B; a second signal takes effect after them."""
+        with self.stop.deferred():
             append_metrics(self.metrics_path, record)
             if self.cfg.logging.tensorboard:
                 if self.scalars is None:
@@ -382,7 +389,6 @@ class _Run:
                 if self.wandb is None:
                     self.wandb = WandbRun(self.cfg.logging.wandb, self.cfg.run_dir, self.cfg.to_dict())
                 self.wandb.write(record)
-        return record
 
     def evaluate(self) -> Optional[float]:
         """The mean validation loss. One batch at a time: evaluation programs are independent of
