@@ -9,15 +9,17 @@ import inspect
 import os
 import typing
 
-# LLVM at -O1 for the suite and the processes it starts: the tiny test models spend most of
-# their time compiling, and -O1 compiles about a third faster than the default -O3. XLA:CPU's
-# loop-fusion emitters off: gpt2-tiny's training step compiled in 2.2-2.5 s instead of
-# 3.5-3.7 s and ran as fast (jaxlib 0.10, 2 cores, 2026-11-24). No fast-math either way; the
-# last bits of a result may differ from the defaults', and the suite only compares runs made
-# under the same flags, or to a tolerance.
+# LLVM at -O0 for the suite and the processes it starts: the tiny test models spend most of
+# their time compiling. The whole suite from a cold cache took 5 min 15 s at -O0 and 6 min 08 s
+# at -O1 (8.9 and 10.8 min of CPU; 2 cores, jaxlib 0.10.2, 2026-11-24): backend compiles of
+# the tests' programs took 163 s instead of 308; the runs of many steps got slower, by less
+# than that. XLA:CPU's loop-fusion emitters off: gpt2-tiny's training step compiled in 2.2-2.5 s
+# instead of 3.5-3.7 s and ran as fast. No fast-math either way; the last bits of a result
+# may differ from the defaults', and the suite only compares runs made under the same flags,
+# or to a tolerance.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
+    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the suite and the processes it starts, under the
