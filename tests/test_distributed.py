@@ -148,91 +148,31 @@ def assert_same_losses(got: list[dict], want: list[dict], what: str) -> None:
 
 # --------------------------------------------------------------------------------------
 # 1. 2 processes x 4 devices train like 1 x 8; a checkpoint moves between process counts
-# --------------------------------------------------------------------------------------
-
-# Runs the nnxscale commands given as JSON, one after the other, in one job: the job is
-# joined once (from the environment), as a real `nnxscale train` does.
-_COMMANDS_WORKER = """
-import json, sys
-from nnxscale.cli import commands as cli
-for argv in json.loads(sys.argv[1]):
-    code = cli.main(argv)
-    assert code == 0, (argv, code)
-"""
-
-
-def run_job(commands: list[list[str]], processes: int, devices: int, timeout: float = 400) -> list[str]:
-    """Run ``commands`` in a job of ``processes`` x ``devices``; returns each process's stderr."""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _COMMANDS_WORKER, json.dumps(commands)],
-            env=dict(_CLEAN_ENV, NNXSCALE_COORDINATOR=f"127.0.0.1:{port}", NNXSCALE_NUM_PROCESSES=str(processes),
-                     NNXSCALE_PROCESS_ID=str(i), NNXSCALE_CPU_DEVICES=str(devices)),  # fmt: skip
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        for i in range(processes)
-    ]
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        end(*procs)
-    for i, (p, (out, err)) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"process {i}: {err[-4000:]}"
-    return [out + err for out, err in outputs]
-
-
-def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path, text_data, ref, capsys):
-    # Every mesh gives the losses of data=8 on one process (test_train), so one reference serves.
-    resumed = tmp_path / "resumed"
-    train_here(capsys, resumed, text_data, "data=8", 3)  # saved by 1 process
-
-    # The processes split the fsdp axis (parameters, as the tiny model's are split whatever
-    # their size, and batch), each holding model=4 whole; the resume splits the data axis.
-    mesh = "fsdp=2,model=4"
-    commands = [
-        train_args(tmp_path / mesh, text_data, mesh, 3, "--min-shard-bytes", "0"),
-        train_args(resumed, text_data, "data=8", 6),  # 1 -> 2 processes
-    ]
-    outputs = run_job(commands, processes=2, devices=4)
-
-    got = read_metrics(tmp_path / mesh)
-    assert [r["step"] for r in got] == [1, 2, 3]
-    assert_same_losses(got, ref, f"2x4 {mesh}")
-    got = read_metrics(resumed)
-    assert [r["step"] for r in got] == list(range(1, 7))
-    assert_same_losses(got[3:], ref, "2x4 data=8, resumed from 1x8")
-    assert "slow interconnect" not in outputs[0]  # the model axis stays inside each process
-    assert f"resumed {resumed} from step 3" in outputs[0]
-    assert "resumed" not in outputs[1]  # process 1 prints no results
-    # Each process wrote the shards it holds: with the parameters split across the processes,
-    # both (on data=8 process 0 writes it all: on CPU a replicated array is written by one replica).
-    split = checkpoint_dir(tmp_path / mesh) / "3" / "state"
-    assert (split / "ocdbt.process_0").is_dir() and (split / "ocdbt.process_1").is_dir()
-
-    train_here(capsys, resumed, text_data, "data=8", 8)  # 2 -> 1 process
-    got = read_metrics(resumed)
-    assert [r["step"] for r in got] == list(range(1, 9))
-    assert_same_losses(got, ref, "1 -> 2 -> 1 processes")
-
-
-# --------------------------------------------------------------------------------------
-# 2. a signal to one process, or to the launcher, stops every process at one step
+#    and meshes; a signal to one process, or to the launcher, stops every process at one step
 # --------------------------------------------------------------------------------------
 
 
-def test_a_signal_stops_every_process_at_one_step_and_the_run_resumes_anywhere(tmp_path, text_data, ref, capsys):
-    """The first job also saves every step, with an evaluation every 4 and checksums beside
+def test_processes_train_like_one_stop_together_on_a_signal_and_resume_anywhere(tmp_path, text_data, ref, capsys):
+    """One run of REF_STEPS, its losses those of data=8 on one process throughout: 3 steps on
+    1 process; 2 x 4 devices on fsdp=2,model=4 until a SIGTERM to process 1; 2 x 4 on data=8
+    until Ctrl-C to the launcher; 1 process to the end. (Every mesh gives the losses of data=8
+    on one process, test_train, so one reference serves.)
+
+    The first job also saves every step, with an evaluation every 4 and checksums beside
     the training step's collectives: before the fix, 2 x 4 devices saving every step hung
     within 4-15 steps in 4 of 4 tries (the stop vote's and the checksums' all-reduces in
     flight beside other programs); the watchdog turns a hang into exit 4 instead of a test
     that never ends."""
     steps = REF_STEPS
     run_dir = tmp_path / "run"
-    command = train_args(run_dir, text_data, "data=8", steps)
+    train_here(capsys, run_dir, text_data, "data=8", 3)  # saved by 1 process
 
-    # SIGTERM to process 1 alone, after 12 steps saved one by one: both stop at one step and save it.
-    saving = [*command, "--save-every", "1", "--eval-every", "4", "--hang-timeout", "60"]
+    # 1 -> 2 processes. They split the fsdp axis (parameters, as the tiny model's are split
+    # whatever their size, and batch), each holding model=4 whole. SIGTERM to process 1 alone,
+    # after steps saved one by one: both stop at one step and save it.
+    mesh = "fsdp=2,model=4"
+    saving = [*train_args(run_dir, text_data, mesh, steps, "--min-shard-bytes", "0"), "--save-every", "1",
+              "--eval-every", "4", "--hang-timeout", "60"]  # fmt: skip
     job = launcher("-n", "2", "--cpu-devices", "4", "--", *saving)
     try:
         wait_for_step(run_dir, 12, job)
@@ -242,19 +182,23 @@ def test_a_signal_stops_every_process_at_one_step_and_the_run_resumes_anywhere(t
     finally:
         end(job)
     assert job.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert f"resumed {run_dir} from step 3" in out
+    assert "slow interconnect" not in out + err  # the model axis stays inside each process
     first_stop = read_metrics(run_dir)[-1]["step"]
     assert 12 <= first_stop < steps
     assert f"[0] stopped by SIGTERM at step {first_stop}" in out
     kept = sorted(int(p.name) for p in checkpoint_dir(run_dir).iterdir())
     assert kept == [first_stop - 2, first_stop - 1, first_stop]  # every step saved, the newest 3 kept
-    step = checkpoint_dir(run_dir) / str(first_stop) / "checksums"
-    assert sorted(p.name for p in step.glob("process_*.json")) == ["process_0.json", "process_1.json"]
+    step = checkpoint_dir(run_dir) / str(first_stop)
+    assert sorted(p.name for p in (step / "checksums").glob("process_*.json")) == ["process_0.json", "process_1.json"]
+    # Each process wrote the shards it holds: with the parameters split across the processes,
+    # both (on data=8 process 0 writes it all: on CPU a replicated array is written by one replica).
+    assert (step / "state" / "ocdbt.process_0").is_dir() and (step / "state" / "ocdbt.process_1").is_dir()
     assert [r["step"] for r in read_metrics(run_dir) if "val_loss" in r] == list(range(4, first_stop + 1, 4))
     assert "[1] " not in out  # process 1 prints no results
 
-    # Resume on a new job; Ctrl-C to the launcher reaches every process. (Other process
-    # counts: test_two_processes_of_four_devices_train_like_one_of_eight moves 1 -> 2 -> 1.)
-    job = launcher("-n", "2", "--cpu-devices", "4", "--", *command)
+    # Resume on a new job and another mesh; Ctrl-C to the launcher reaches every process.
+    job = launcher("-n", "2", "--cpu-devices", "4", "--", *train_args(run_dir, text_data, "data=8", steps))
     try:
         wait_for_step(run_dir, first_stop + 1, job)
         job.send_signal(signal.SIGINT)
@@ -269,11 +213,11 @@ def test_a_signal_stops_every_process_at_one_step_and_the_run_resumes_anywhere(t
     assert str(second_stop) in {p.name for p in checkpoint_dir(run_dir).iterdir()}
     assert (run_dir / "logs" / "process_1.log").exists()
 
-    # Finish on 1 process; the losses are those of a run that never stopped.
+    # 2 -> 1 process, to the end; the losses are those of a run that never stopped.
     train_here(capsys, run_dir, text_data, "data=8", steps)
     got = read_metrics(run_dir)
     assert [r["step"] for r in got] == list(range(1, steps + 1))  # every step once
-    assert_same_losses(got, ref, "2 -> 2 -> 1 processes")
+    assert_same_losses(got, ref, "1 -> 2 (fsdp=2,model=4) -> 2 (data=8) -> 1 processes")
 
 
 # --------------------------------------------------------------------------------------
