@@ -4,6 +4,8 @@ the block, grouped-query attention, document masks and reordered positions; its 
 grows linearly with the sequence; bad choices are one clear error. The loss: in chunks of
 tokens, equal to the plain one, with the logits never held whole."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 from nnxscale.errors import ConfigError
 from nnxscale.layers import attention as attn
 from nnxscale.layers import loss as losslib
+from nnxscale.sharding.mesh import parse_mesh_spec
 
 
 def reference(q, k, v, causal=True, q_positions=None, k_positions=None, q_segments=None, k_segments=None):
@@ -205,12 +208,15 @@ def test_ring_attention_equals_the_whole_sequence(spec):
     assert "collective-permute" in hlo and "all-gather" not in hlo
 
 
-@pytest.mark.parametrize("model, mesh", [("gpt2-tiny", "data=2,context=4"), ("llama-tiny", "context=2,fsdp=2,model=2")])
+@pytest.mark.parametrize("model, mesh", [
+    ("gpt2-tiny", "data=2,context=4"), ("llama-tiny", "context=2,fsdp=2,model=2"), ("llama-tiny", "stage=2,context=2,data=2"),
+])  # fmt: skip
 def test_context_parallel_training_logs_the_losses_of_data_parallel_and_resumes_without_it(tmp_path, text_data, model, mesh):
     """Three steps with the sequence split over ``context`` (zigzag layout, ring attention,
-    the parameters split over context too), then one more resumed on data=8: the losses and
-    gradient norms of an uninterrupted data=8 run. (Three: past the 2 warmup steps, so the
-    first command fixes the same schedule.)"""
+    the parameters split over context too; beside ``stage``, the ring runs inside each
+    pipeline stage), then one more resumed on data=8: the losses and gradient norms of an
+    uninterrupted data=8 run. (Three: past the 2 warmup steps, so the first command fixes
+    the same schedule.)"""
     from test_train import PINNED_SCHEDULE, quiet_train, tiny_cfg
 
     from nnxscale.training.rundir import read_metrics
@@ -218,8 +224,11 @@ def test_context_parallel_training_logs_the_losses_of_data_parallel_and_resumes_
     assert PINNED_SCHEDULE["optim.min_lr_ratio"] == 1.0  # the first steps do not depend on --steps
     quiet_train(tiny_cfg(tmp_path / "ref", text_data, model=model, steps=4))
     logs = []
-    quiet_train(tiny_cfg(tmp_path / "run", text_data, model=model, steps=3, mesh=mesh, save_every=3), log=logs.append)
+    pipelined = {"microbatches": 2} if "stage" in mesh else {}
+    quiet_train(tiny_cfg(tmp_path / "run", text_data, model=model, steps=3, mesh=mesh, save_every=3, **pipelined),
+                log=logs.append)  # fmt: skip
     assert any(line.startswith("attention: ring over") for line in logs), logs
+    assert any(line.startswith("pipeline: GPipe over 2 stages") for line in logs) == bool(pipelined), logs
     quiet_train(tiny_cfg(tmp_path / "run", text_data, model=model, steps=4))
     got, want = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "ref")
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
@@ -240,8 +249,8 @@ def test_a_row_of_documents_trains_like_each_document_alone(monkeypatch):
     positions from 0), float32 1e-5: on one device and with the sequence split over
     context=4 (ring attention, zigzag layout). The family's loss is their mean over the
     tokens that do not predict across a boundary, with the same value and gradients with
-    blockwise attention (several tiles) and the loss in 4 chunks, on context=4, and
-    pipelined over stage=2 (each microbatch a row, with its own documents). Llama:
+    blockwise attention (several tiles) and the loss in 4 chunks, on context=4,
+    pipelined over stage=2 (each microbatch a row, with its own documents), and both. Llama:
     grouped-query attention and RoPE."""
     import dataclasses
 
@@ -304,8 +313,8 @@ def test_a_row_of_documents_trains_like_each_document_alone(monkeypatch):
     f = lambda state: fam.loss(nnx.merge(blockwise, state), inputs, targets, separator=sep)  # noqa: E731
     assert_close(jax.jit(jax.value_and_grad(f))(state), (value, grads), "blockwise, 4 chunks")
 
-    for spec in ("context=4", "stage=2"):
-        mesh = nnxscale.make_mesh(spec, devices=jax.devices()[: int(spec[-1])])
+    for spec in ("context=4", "stage=2", "stage=2,context=2"):
+        mesh = nnxscale.make_mesh(spec, devices=jax.devices()[: math.prod(parse_mesh_spec(spec).values())])
         rules = nnxscale.resolve("auto", mesh, min_shard_bytes=0)
         pipe = Pipeline.for_mesh(mesh, microbatches=2) if "stage" in spec else None
         placed = nnx.state(nnxscale.place(model, mesh, rules))
@@ -335,7 +344,8 @@ def test_plan_counts_the_rings_permutes_and_proposes_context_meshes(text_data):
     layout moves outside the layers (measured 13% more here, 2 layers); the analytical
     estimate knows tiled attention and the chunked loss (llama-3.2-1b at 131,072 tokens on
     context=8 under 16 GiB, where the full scores alone would be terabytes); a sweep of a
-    long sequence proposes context meshes."""
+    long sequence proposes context meshes. Beside a pipeline, the compiled permutes are the
+    pipeline's and the ring's together."""
     from test_train import tiny_cfg
 
     from nnxscale import TrainConfig
@@ -348,6 +358,14 @@ def test_plan_counts_the_rings_permutes_and_proposes_context_meshes(text_data):
     assert ring["permute_bytes_expected"] <= ring["permute_bytes_per_step"] <= 1.15 * ring["permute_bytes_expected"], ring
     assert [what for what, _ in p.textbook][-1] == "context ring permutes"
     assert "context: the sequence split 2 ways, 16 tokens per device" in str(p)
+    # Beside stage, the step's permutes are the pipeline's (of T / 2 tokens per device) and
+    # the ring's in each stage's share of the iterations, and again a few tensors outside the
+    # layers (measured 34% more here: three (rows, T / 2, width) slabs, large beside 2 layers;
+    # 0.2% more for batch 8 x 64 with the default --min-shard-bytes).
+    cfg = tiny_cfg("unused", text_data, model="llama-tiny", mesh="stage=2,context=2,data=2", microbatches=2)
+    both = planlib.plan(cfg, compile="always")
+    expected = both.pipeline["permute_bytes_expected"] + both.context["permute_bytes_expected"]
+    assert expected <= both.context["permute_bytes_per_step"] <= 1.4 * expected, (both.pipeline, both.context)
 
     cfg = with_overrides(TrainConfig(), {"model.name": "llama-3.2-1b", "parallel.mesh": "context=8", "data.seq_len": 131072,
                                          "data.batch_size": 1, "model.remat": "full"})  # fmt: skip

@@ -40,6 +40,7 @@ import numpy as np
 
 from nnxscale.errors import ConfigError
 from nnxscale.layers.attention_names import IMPLEMENTATIONS
+from nnxscale.sharding.mesh import context_mesh
 
 #: ``auto`` uses the blockwise kernel from this many query tokens on (where cuDNN does not apply).
 AUTO_BLOCKWISE_FROM = 2048
@@ -311,11 +312,11 @@ def _forward_body(meta: _Meta, qb, kb, vb, qpb, kpb, qsb, ksb):
 
             return jax.lax.cond(_tile_needed(meta, qp, kp, qs, ks), visit, lambda c: c, carry)
 
-        init = (
+        init = _varying_like((
             jnp.full((B, K, G, bq), _NEG, jnp.float32),
             jnp.zeros((B, K, G, bq), jnp.float32),
             jnp.zeros((B, K, G, bq, H), jnp.float32),
-        )
+        ), q, kb)  # fmt: skip
         m, l, acc = jax.lax.fori_loop(0, nk, step, init)
         safe = jnp.where(l > 0, l, 1.0)
         out = acc / safe[..., None]  # (B, K, G, bq, H)
@@ -368,13 +369,29 @@ def _backward(meta: _Meta, qb, kb, vb, qpb, kpb, qsb, ksb, out, lse, d_out):
 
             return jax.lax.cond(_tile_needed(meta, qp, kp, qs, ks), visit, lambda c: c, inner)
 
-        zeros = jnp.zeros(k.shape, jnp.float32)
+        zeros = _varying_like(jnp.zeros(k.shape, jnp.float32), k, qb, d_out)
         dq, dk, dv = jax.lax.fori_loop(0, nq, step, (dq, zeros, zeros))
         return dq, (dk, dv)
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (kb, vb, kpb, ksb))
-    dq, (dk, dv) = jax.lax.scan(one_key_block, jnp.zeros(qb.shape, jnp.float32), xs)
+    dq, (dk, dv) = jax.lax.scan(one_key_block, _varying_like(jnp.zeros(qb.shape, jnp.float32), qb, kb, d_out), xs)
     return dq, jnp.moveaxis(dk, 0, 1), jnp.moveaxis(dv, 0, 1)
+
+
+def _varying_like(tree, *refs):
+    """``tree`` varying over every manual mesh axis that one of ``refs`` varies over.
+
+    Inside ``shard_map`` (a ring nested in a pipeline stage) a loop's carry and both branches
+    of a ``cond`` must have the same type, manual axes included; zeros made here vary over
+    none until told. Outside ``shard_map``, ``tree`` unchanged."""
+    axes = set()
+    for ref in refs:
+        kind = jax.typeof(ref)
+        manual = getattr(kind, "manual_axis_type", None)  # jax 0.10; before, the set was `.vma`
+        axes |= set(manual.varying if manual is not None else getattr(kind, "vma", ()))
+    if not axes:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.pcast(x, tuple(sorted(axes)), to="varying"), tree)
 
 
 def _no_grad(x):
@@ -411,12 +428,7 @@ def _merge(out, lse, o, l):
     return out * to_out(wa) + o * to_out(wb), new
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ring(meta, axis, n, qb, kb, vb, qpb, kpb, qsb, ksb):
-    return _ring_fwd(meta, axis, n, qb, kb, vb, qpb, kpb, qsb, ksb)[0]
-
-
-def _ring_fwd(meta, axis, n, qb, kb, vb, qpb, kpb, qsb, ksb):
+def _ring_forward(meta, axis, n, qb, kb, vb, qpb, kpb, qsb, ksb):
     """Each device keeps its queries; the key/value blocks go round the ring (n - 1 shifts),
     and each visit's partial attention joins the running one by its log-sum-exp."""
     kv = (kb, vb, kpb, ksb)
@@ -425,16 +437,15 @@ def _ring_fwd(meta, axis, n, qb, kb, vb, qpb, kpb, qsb, ksb):
         kv = _shift(kv, axis, n)
         o, l = _forward(meta, qb, kv[0], kv[1], qpb, kv[2], qsb, kv[3])
         out, lse = _merge(out, lse, o, l)
-    return out, (qb, kb, vb, qpb, kpb, qsb, ksb, out, lse)
+    return out, lse
 
 
-def _ring_bwd(meta, axis, n, res, d_out):
+def _ring_backward(meta, axis, n, qb, kb, vb, qpb, kpb, qsb, ksb, out, lse, d_out):
     """The blocks go round again; each one's key/value gradient travels with it and is home
-    after the n-th shift."""
-    qb, kb, vb, qpb, kpb, qsb, ksb, out, lse = res
+    after the n-th shift. ``(dq, dk, dv)`` float32, in tiles."""
     kv = (kb, vb, kpb, ksb)
-    dq = jnp.zeros(qb.shape, jnp.float32)
-    dkv = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
+    dq = _varying_like(jnp.zeros(qb.shape, jnp.float32), qb, d_out)
+    dkv = _varying_like((jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32)), kb, d_out)
     for i in range(n):
         dq_i, dk_i, dv_i = _backward(meta, qb, kv[0], kv[1], qpb, kv[2], qsb, kv[3], out, lse, d_out)
         dq = dq + dq_i
@@ -442,8 +453,68 @@ def _ring_bwd(meta, axis, n, res, d_out):
         if i < n - 1:
             kv = _shift(kv, axis, n)
         dkv = _shift(dkv, axis, n)
-    ints = tuple(_no_grad(x) for x in (qpb, kpb, qsb, ksb))
-    return (dq.astype(qb.dtype), dkv[0].astype(kb.dtype), dkv[1].astype(vb.dtype), *ints)
+    return dq, dkv[0], dkv[1]
+
+
+class _Ring(NamedTuple):
+    """What a ring's programs depend on besides their operands (static)."""
+
+    axis: str
+    n: int
+    mesh: object
+    causal: bool
+    segmented: bool
+    block: Optional[int]
+
+    def tiled(self, q, k, v, qp, kp, qs, ks):
+        return _tiled(q, k, v, qp, kp, qs, ks, causal=self.causal, segmented=self.segmented, block=self.block)
+
+    def map(self, local, operands: int, results: int):
+        """``local`` over this device's ``T / n`` tokens of every operand and result (axis 1)."""
+        from jax.sharding import PartitionSpec as P
+
+        tokens = P(None, self.axis)
+        return jax.shard_map(local, mesh=context_mesh(self.mesh), in_specs=(tokens,) * operands,
+                             out_specs=(tokens,) * results, axis_names=frozenset({self.axis}), check_vma=False)  # fmt: skip
+
+
+# The gradient is defined around the shard_map, not inside it: then JAX never has to choose
+# how to hold the ring's residuals between two shard_maps, which it could not do for a ring
+# nested in a pipeline stage's shard_map (Shardy rejected the residuals' layout, "manual axis
+# context after free axis stage", jax 0.10). The residuals are the operands and the result
+# in tiles, each device's T / n tokens of them.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(ring: _Ring, q, k, v, qp, kp, qs, ks):
+    return _ring_fwd(ring, q, k, v, qp, kp, qs, ks)[0]
+
+
+def _ring_fwd(ring: _Ring, q, k, v, qp, kp, qs, ks):
+    def local(q, k, v, qp, kp, qs, ks):
+        meta, tiles, untile = ring.tiled(q, k, v, qp, kp, qs, ks)
+        out, lse = _ring_forward(meta, ring.axis, ring.n, *tiles)
+        return untile(out), out, lse
+
+    y, out, lse = ring.map(local, 7, 3)(q, k, v, qp, kp, qs, ks)
+    # The result varies over what the operands vary over (an enclosing pipeline stage's
+    # manual axes): left invariant, its gradient would be summed over those axes.
+    return _varying_like(y, q, k, v), (q, k, v, qp, kp, qs, ks, out, lse)
+
+
+def _ring_bwd(ring: _Ring, res, dy):
+    q, k, v, qp, kp, qs, ks, out, lse = res
+
+    def local(q, k, v, qp, kp, qs, ks, out, lse, dy):
+        meta, tiles, _ = ring.tiled(q, k, v, qp, kp, qs, ks)
+        (B, nq, bq, K, G, H), (nk, bk) = tiles[0].shape, tiles[1].shape[1:3]
+        d_out = _blocks(dy, nq * bq).reshape(B, nq, bq, K, G, H)
+        dq, dk, dv = _ring_backward(meta, ring.axis, ring.n, *tiles, out, lse, d_out)
+        T, S = q.shape[1], k.shape[1]
+        return (dq.reshape(B, nq * bq, K * G, H)[:, :T].astype(q.dtype),
+                dk.reshape(B, nk * bk, K, H)[:, :S].astype(k.dtype), dv.reshape(B, nk * bk, K, H)[:, :S].astype(v.dtype))  # fmt: skip
+
+    dq, dk, dv = ring.map(local, 10, 3)(q, k, v, qp, kp, qs, ks, out, lse, dy)
+    dq, dk, dv = _varying_like(dq, q), _varying_like(dk, k), _varying_like(dv, v)  # the operands' types
+    return (dq, dk, dv, *(_no_grad(x) for x in (qp, kp, qs, ks)))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -454,27 +525,19 @@ def ring_attention(q, k, v, *, axis: str, mesh, causal=True, q_positions=None, k
     """:func:`attention` with the sequence split over the mesh axis ``axis`` (length ``T``:
     each device holds ``T / n`` of the queries, keys and values).
 
-    ``jax.shard_map`` over ``axis`` alone (the other axes stay with the compiler): each device
-    keeps its queries and passes its key/value block to the next with ``ppermute``, ``n``
-    visits in all, so no device ever holds more than two blocks of keys and values. Give the
-    tokens' ``positions`` when the sequence is stored out of order (a zigzag layout, which
-    gives every device the same share of causal work); tiles the masks hide are skipped.
+    ``jax.shard_map`` over ``axis`` alone (the other axes stay with the compiler, or with an
+    enclosing shard_map such as a pipeline stage's): each device keeps its queries and passes
+    its key/value block to the next with ``ppermute``, ``n`` visits in all, so no device ever
+    holds more than two blocks of keys and values. Give the tokens' ``positions`` when the
+    sequence is stored out of order (a zigzag layout, which gives every device the same share
+    of causal work); tiles the masks hide are skipped.
     """
-    from jax.sharding import PartitionSpec as P
-
     T, S = q.shape[1], k.shape[1]
     n = mesh.shape[axis]
     if T % n or S % n:
         raise ValueError(f"the mesh axis {axis}={n} does not divide the sequence of {T} tokens")
     masks = _mask_inputs(q, k, q_positions, k_positions, q_segments, k_segments)
-
-    def local(q, k, v, qp, kp, qs, ks):  # this device's T / n tokens
-        meta, tiles, untile = _tiled(q, k, v, qp, kp, qs, ks, causal=causal, segmented=q_segments is not None, block=block)
-        return untile(_ring(meta, axis, n, *tiles))
-
-    tokens = P(None, axis)
-    return jax.shard_map(local, mesh=mesh, in_specs=(tokens,) * 7, out_specs=tokens, axis_names=frozenset({axis}),
-                         check_vma=False)(q, k, v, *masks)  # fmt: skip
+    return _ring(_Ring(axis, n, mesh, causal, q_segments is not None, block), q, k, v, *masks)
 
 
 def zigzag(length: int, n: int) -> np.ndarray:

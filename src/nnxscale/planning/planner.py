@@ -327,8 +327,10 @@ def pipeline_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional
         return None
     from nnxscale.layers.pipeline import pipeline_cost
 
-    d, dims = cfg.data, lay["model"].dims
-    cost = pipeline_cost(pipe, n, (d.batch_size, d.seq_len, dims.width), cfg.model.dtype, batch_shards=lay["rules"].batch_shard_count)
+    d, dims, rules = cfg.data, lay["model"].dims, lay["rules"]
+    # Beside a context axis, each device holds and passes on its T / context tokens.
+    activation = (d.batch_size, d.seq_len // rules.length_shard_count, dims.width)
+    cost = pipeline_cost(pipe, n, activation, cfg.model.dtype, batch_shards=rules.batch_shard_count)
     return {
         "schedule": cost.schedule,
         "stages": cost.stages,
@@ -342,6 +344,7 @@ def pipeline_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional
         "permute_bytes_per_step": None if compiled_collectives is None else compiled_collectives.get("collective-permute", 0),
         "permute_bytes_expected": cost.permute_bytes,
         "boundary_bytes": cost.boundary_bytes,
+        "with_ring": rules.length_shard_count > 1,  # the compiled permutes are the ring's too
     }
 
 
@@ -362,8 +365,9 @@ def pipeline_lines(p: dict, source: str = "compiler") -> list[str]:
     if p["permute_bytes_per_step"] is None:
         lines.append(f"  collective-permute per device per step: {expected} (pipeline_cost; not compiled)")
     else:
+        both = ", the pipeline's and the context ring's together" if p.get("with_ring") else ""
         lines.append(
-            f"  collective-permute per device per step: {format_bytes(p['permute_bytes_per_step'])} ({source}), "
+            f"  collective-permute per device per step: {format_bytes(p['permute_bytes_per_step'])} ({source}{both}), "
             f"{expected} expected (pipeline_cost: one microbatch per iteration, forward and backward)"
         )
     lines.append(
@@ -385,6 +389,7 @@ def context_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional[
         "tokens_per_device": cfg.data.seq_len // n,
         "permute_bytes_expected": ring_permute_bytes(cfg, lay),
         "permute_bytes_per_step": None if compiled_collectives is None else compiled_collectives.get("collective-permute", 0),
+        "with_pipeline": lay["pipeline"] is not None,  # the compiled permutes are the pipeline's too
     }
 
 
@@ -395,6 +400,9 @@ def context_lines(c: dict, source: str = "compiler") -> list[str]:
     head = f"context: the sequence split {c['devices']} ways, {c['tokens_per_device']:,} tokens per device; ring attention"
     if c["permute_bytes_per_step"] is None:
         return [head, f"  collective-permute per device per step: {expected} (ring_permute_bytes: {formula}; not compiled)"]
+    if c.get("with_pipeline"):
+        formula += ", in each stage's share of the pipeline's iterations"
+        source += ", the pipeline's and the context ring's together"
     return [
         head,
         f"  collective-permute per device per step: {format_bytes(c['permute_bytes_per_step'])} ({source}), "
@@ -557,15 +565,21 @@ def ring_permute_bytes(cfg: TrainConfig, lay: dict) -> int:
     ``--remat`` none or full (the ring's residuals are kept, not recomputed) and with
     ``--document-mask``; the step also moves a few tensors of the zigzag layout outside the
     layers (0.1% more on ``context=4,fsdp=2``, 13% on ``context=2,fsdp=2,model=2``).
+
+    Beside a ``stage`` axis each device runs its stage's ``L / (S R)`` layers on one
+    microbatch per iteration, bubble included: ``L`` becomes ``L (R M + S - 1) / (S R M)``.
     """
-    rules, dims, d = lay["rules"], lay["model"].dims, cfg.data
+    rules, dims, d, pipe = lay["rules"], lay["model"].dims, cfg.data, lay["pipeline"]
     n = rules.length_shard_count
+    layers = dims.layers
+    if pipe is not None:
+        layers = dims.layers * pipe.iterations / (pipe.stages * pipe.repeats * pipe.microbatches)
     tokens = d.batch_size / rules.batch_shard_count / cfg.optim.grad_accum * d.seq_len / n
     kv_heads = dims.kv_heads / _tensor_split(rules, "kv_heads", dims.kv_heads)
     itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
     kv = 2 * tokens * kv_heads * dims.head_width
     per_layer = 2 * (n - 1) * kv * itemsize + n * kv * 4
-    return int(dims.layers * per_layer * cfg.optim.grad_accum)
+    return int(layers * per_layer * cfg.optim.grad_accum)
 
 
 def _tensor_split(rules, name: str, size: int) -> int:

@@ -115,8 +115,6 @@ def check_shapes(cfg: TrainConfig, rules: MeshRules, model: RunModel) -> None:
                 f"--seq-len {d.seq_len} must be a multiple of {context}: the sequence is split {context} ways "
                 f"(mesh axes {axes}); e.g. --seq-len {-(-d.seq_len // context) * context}"
             )
-        if rules.sizes.get(STAGE, 1) > 1:
-            raise ConfigError(f"a context axis ({axes}) beside a stage axis is not supported yet: use one of them")
     n = rules.sizes.get(EXPERT, 1)
     if n > 1 and model.family is not None:
         experts = getattr(model.config, "num_local_experts", None)
