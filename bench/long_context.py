@@ -36,6 +36,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from nnxscale.layers import loss as losslib  # noqa: E402
+from nnxscale.layers import mlp_chunks  # noqa: E402
 from nnxscale.sharding.layout import format_bytes  # noqa: E402
 from nnxscale.training.config import TrainConfig  # noqa: E402
 from nnxscale.training.state import init_state, setup  # noqa: E402
@@ -46,13 +47,14 @@ GIB = 1 << 30
 
 @contextlib.contextmanager
 def baseline():
-    """The step as it was before: XLA's attention (set per config) and one loss chunk."""
-    saved = losslib.CHUNK_BYTES
-    losslib.CHUNK_BYTES = 1 << 62
+    """The step as it was before: XLA's attention (set per config), one loss chunk, the MLP
+    over every token at once."""
+    saved = losslib.CHUNK_BYTES, mlp_chunks.CHUNK_BYTES
+    losslib.CHUNK_BYTES = mlp_chunks.CHUNK_BYTES = 1 << 62
     try:
         yield
     finally:
-        losslib.CHUNK_BYTES = saved
+        losslib.CHUNK_BYTES, mlp_chunks.CHUNK_BYTES = saved
 
 
 def compiled_memory(cfg: TrainConfig):

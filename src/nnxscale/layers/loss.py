@@ -39,7 +39,7 @@ def chunk_count(batch: int, length: int, vocab: int, shards: int = 1, budget: Op
     return next((d for d in range(max(need, 1), length + 1) if length % d == 0), length)
 
 
-def _token_shards() -> int:
+def token_shards() -> int:
     """How many ways the activation rules in force split the tokens (batch and length)."""
     rules = current_rules()
     if rules is None:
@@ -77,7 +77,7 @@ def chunked_cross_entropy(
     if chunks is None:
         if vocab is None:
             vocab = jax.eval_shape(project, jax.ShapeDtypeStruct((B, 1, C), hidden.dtype)).shape[-1]
-        chunks = chunk_count(B, T, vocab, _token_shards())
+        chunks = chunk_count(B, T, vocab, token_shards())
     if T % chunks:
         raise ValueError(f"{chunks} chunks do not divide the {T} tokens of a sequence")
 
@@ -88,14 +88,23 @@ def chunked_cross_entropy(
         losses = token_losses(hidden, targets)
         return losses.mean() if weights is None else jnp.sum(losses * w) / jnp.sum(w)
 
-    def strided(a):  # (B, T, ...) -> (n, B, T / n, ...): chunk i holds tokens i, i + n, ...
-        a = a.reshape(B, T // chunks, chunks, *a.shape[2:])
-        return jnp.moveaxis(a, 2, 0)
-
     @jax.checkpoint
     def body(total, xs):
         x, t, wi = xs
         return total + jnp.sum(token_losses(x, t) * wi), None
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (strided(hidden), strided(targets), strided(w)))
+    xs = (strided(hidden, chunks), strided(targets, chunks), strided(w, chunks))
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), xs)
     return total / jnp.sum(w)
+
+
+def strided(a, chunks: int):
+    """``(B, T, ...) -> (chunks, B, T / chunks, ...)``: chunk ``i`` holds tokens ``i, i + n, ...``."""
+    B, T = a.shape[:2]
+    return jnp.moveaxis(a.reshape(B, T // chunks, chunks, *a.shape[2:]), 2, 0)
+
+
+def unstrided(a):
+    """The inverse of :func:`strided`: ``(chunks, B, T / chunks, ...) -> (B, T, ...)``."""
+    n, B, t = a.shape[:3]
+    return jnp.moveaxis(a, 0, 2).reshape(B, t * n, *a.shape[3:])

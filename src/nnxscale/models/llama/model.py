@@ -14,6 +14,7 @@ from nnxscale.errors import ModelError
 from nnxscale.layers import kv_cache
 from nnxscale.layers.attention import attention as attend
 from nnxscale.layers.stack import Rows, scan_layers, stack_layers
+from nnxscale.layers.mlp_chunks import chunked_mlp
 from nnxscale.models.common.documents import layer_args
 from nnxscale.models.common.dropout import dropout, dropout_keys
 from nnxscale.models.llama.config import LlamaConfig, RopeScaling
@@ -88,8 +89,20 @@ class LlamaMLP(nnx.Module):
         self.down_proj = nnx.Linear(F, C, kernel_init=logical(_normal, "mlp", "embed"), **kw)
 
     def __call__(self, x):  # (B, T, C)
-        h = constrain(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), "batch", "length", "mlp")  # (B, T, F)
-        return self.down_proj(h)  # (B, T, C)
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+
+        def mlp(x, w_gate, w_up, w_down):  # each projection as its nnx.Linear computes it, with the weight given
+            h = jax.nn.silu(_dense(gate, x, w_gate)) * _dense(up, x, w_up)
+            return _dense(down, constrain(h, "batch", "length", "mlp"), w_down)  # (B, T, F) -> (B, T, C)
+
+        weights = [(gate.kernel[...], 1), (up.kernel[...], 1), (down.kernel[...], 0)]  # each with its intermediate axis
+        return chunked_mlp(mlp, x, weights, up.out_features)  # long sequences: in slices of the intermediate
+
+
+def _dense(layer: nnx.Linear, x, w):
+    """``layer(x)`` with the kernel ``w`` (no bias): what ``nnx.Linear.__call__`` computes."""
+    x, w, _ = layer.promote_dtype((x, w, None), dtype=layer.dtype)
+    return layer.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=layer.precision)
 
 
 class LlamaDecoderLayer(nnx.Module):

@@ -1,0 +1,77 @@
+"""A transformer MLP over chunks of its intermediate dimension.
+
+An MLP's intermediate activations are the widest of a layer: ``(tokens x intermediate)``,
+512 MiB float32 for one 16,384-token sequence of llama-3.2-1b (8,192 wide), and its
+backward holds several of them at once. :func:`chunked_mlp` computes the MLP one slice of
+the intermediate dimension at a time inside a rematerialized ``lax.scan`` and sums the
+slices' outputs: ``down(act(x @ W1) * (x @ W2)) = sum_j down_j(act(x @ W1_j) * (x @ W2_j))``.
+Each weight slice, and its gradient, is touched once, so FSDP gathers and reduces exactly
+what it does without chunks (chunks of tokens instead, tried first, gathered the weights or
+reduced their gradients once per chunk: 26% more all-reduce on llama-3.2-1b at 16k tokens).
+
+Chunks are counted so that one slice's intermediate stays under :data:`CHUNK_BYTES` per
+device; short sequences take one chunk, which is the plain computation, the same program
+as without chunking. Where the activation rules split the intermediate over a mesh axis
+(tensor parallelism) there are no chunks: each slice's output would be all-reduced over
+that axis, once per chunk, and the split already divides the intermediate per device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from nnxscale.layers.loss import token_shards
+from nnxscale.sharding.activations import current_rules
+from nnxscale.sharding.axes import entry_axes
+
+#: One chunk's float32 intermediate activation, per device, stays under this.
+CHUNK_BYTES = 128 << 20
+
+
+def chunk_count(tokens: int, width: int, shards: int = 1, budget: Optional[int] = None) -> int:
+    """The fewest chunks (a divisor of ``width``) for which ``tokens x width / chunks`` float32
+    values, split ``shards`` ways, fit ``budget`` bytes."""
+    budget = CHUNK_BYTES if budget is None else budget
+    need = math.ceil(tokens * width * 4 / max(shards, 1) / budget)
+    return next((d for d in range(max(need, 1), width + 1) if width % d == 0), width)
+
+
+def _tensor_parallel(width: int) -> bool:
+    rules = current_rules()
+    if rules is None:
+        return False
+    spec = rules.activation_spec(("mlp",), (width,))
+    return any(rules.sizes[a] > 1 for e in spec for a in entry_axes(e))
+
+
+def chunked_mlp(fn: Callable, x, weights: Sequence[tuple], width: int, *, budget: Optional[int] = None):
+    """``fn(x, *weights)`` computed as the sum of ``fn(x, *slices)`` over slices of the
+    intermediate dimension (of size ``width``), rematerialized one at a time.
+
+    ``weights``: ``(array, axis)`` pairs, ``axis`` the array's intermediate dimension; slice
+    ``j`` of ``n`` takes indices ``j, j + n, ...`` of it. ``fn`` must be a sum over that
+    dimension (an MLP: its activation acts on each intermediate unit alone). The result has
+    ``fn``'s dtype; the slices are summed in float32. ``budget``: default :data:`CHUNK_BYTES`.
+    """
+    tokens = math.prod(x.shape[:-1])
+    chunks = 1 if _tensor_parallel(width) else chunk_count(tokens, width, token_shards(), budget)
+    if chunks == 1:
+        return fn(x, *(w for w, _ in weights))
+
+    def sliced(w, axis):  # (..., width, ...) -> (chunks, ..., width / chunks, ...)
+        shape = w.shape[:axis] + (width // chunks, chunks) + w.shape[axis + 1 :]
+        return jnp.moveaxis(w.reshape(shape), axis + 1, 0)
+
+    slices = tuple(sliced(w, axis) for w, axis in weights)
+    out = jax.eval_shape(fn, x, *(jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in slices))
+
+    @jax.checkpoint
+    def body(total, ws):
+        return total + fn(x, *ws).astype(jnp.float32), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros(out.shape, jnp.float32), slices)
+    return total.astype(out.dtype)
