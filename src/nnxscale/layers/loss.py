@@ -103,8 +103,3 @@ def strided(a, chunks: int):
     B, T = a.shape[:2]
     return jnp.moveaxis(a.reshape(B, T // chunks, chunks, *a.shape[2:]), 2, 0)
 
-
-def unstrided(a):
-    """The inverse of :func:`strided`: ``(chunks, B, T / chunks, ...) -> (B, T, ...)``."""
-    n, B, t = a.shape[:3]
-    return jnp.moveaxis(a, 0, 2).reshape(B, t * n, *a.shape[3:])
