@@ -262,33 +262,7 @@ def setup(
         stacked = check_pipeline(pipe, cfg, rules, m.name, [(a.shape, sh.spec) for a, sh in zip(shapes, shardings)])
     mask = decay_mask(abs_model_state)
     tx, schedule = make_optimizer(cfg, mask)
-    replicated = NamedSharding(mesh, P())
-
-    def state_from(params):
-        return {
-            "params": params,
-            "opt_state": tx.init(params),
-            "step": jnp.zeros((), jnp.int32),
-            "key": jax.random.key_data(jax.random.key(cfg.seed)),
-        }
-
-    abs_params = pure_dict(abs_model_state)  # ShapeDtypeStructs: no second trace of the model
-    abs_state = jax.eval_shape(state_from, abs_params)
-    opt_sh = optax.tree_map_params(
-        tx,
-        lambda _, sharding: sharding,
-        abs_state["opt_state"],
-        param_sh,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
-    state_sh = {"params": param_sh, "opt_state": opt_sh, "step": replicated, "key": replicated}
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, state_sh
-    )
-
-    def init_fn(params):
-        return state_from(params)
+    abstract, state_sh, init_fn = _train_state(cfg, tx, pure_dict(abs_model_state), param_sh, mesh)
 
     batch_sharding = rules.sharding(rules.batch_spec())
     batch = jax.ShapeDtypeStruct((d.batch_size, d.seq_len), jnp.int32, sharding=batch_sharding)
@@ -311,6 +285,34 @@ def setup(
         stacked_layers=stacked,
         model_state=abs_model_state,
     )
+
+
+def _train_state(cfg: TrainConfig, tx, abs_params, param_sh, mesh):
+    """``(abstract state, its shardings, init_fn)`` of the train state around ``abs_params``
+    (ShapeDtypeStructs, so the model is not traced again): the optimizer state sharded like
+    the parameters it belongs to, the step and the PRNG key replicated."""
+    replicated = NamedSharding(mesh, P())
+
+    def state_from(params):
+        return {
+            "params": params,
+            "opt_state": tx.init(params),
+            "step": jnp.zeros((), jnp.int32),
+            "key": jax.random.key_data(jax.random.key(cfg.seed)),
+        }
+
+    abs_state = jax.eval_shape(state_from, abs_params)
+    opt_sh = optax.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        abs_state["opt_state"],
+        param_sh,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    state_sh = {"params": param_sh, "opt_state": opt_sh, "step": replicated, "key": replicated}
+    abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abs_state, state_sh)
+    return abstract, state_sh, state_from
 
 
 def init_state(s: Setup, params=None):
