@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -419,6 +420,27 @@ def test_flat_names_of_0_1_still_work_with_one_deprecation_line(tmp_path, capsys
     assert config_conflicts({**old, "dropout": 0.1}, got.to_dict()) == [
         "model.dropout: run directory has 0.1, this command has 0.0"
     ]
+
+
+def test_a_config_written_before_newer_fields_is_the_same_run():
+    """``tests/data/config_a887e9d.json`` is the config.json that nnxscale wrote at a887e9d
+    (2026-11-23, before the package redesign, --document-mask, --skip-bad-rows and
+    --text-field) for ``train --model gpt2-tiny --mesh data=8 --batch-size 16 --seq-len 32
+    --steps 6 --save-every 3 --log-every 1 --eval-every 0 --warmup-steps 2 --min-lr-ratio 1.0``.
+    The same command today is the same run: the fields it lacks have their defaults there,
+    which is what that version did. (Refused as a different run before this was fixed; the
+    run directory itself resumed and continued with the losses of an uninterrupted run.)"""
+    from nnxscale.cli.commands import _config, build_parser
+    from nnxscale.training.config import config_conflicts
+
+    saved = json.loads((Path(__file__).parent / "data" / "config_a887e9d.json").read_text())["train"]
+    argv = ["train", "--model", "gpt2-tiny", "--mesh", "data=8", "--batch-size", "16", "--seq-len", "32", "--steps", "10",
+            "--save-every", "5", "--log-every", "1", "--eval-every", "0", "--warmup-steps", "2", "--min-lr-ratio", "1.0"]  # fmt: skip
+    now = _config(build_parser().parse_args(argv)).to_dict()
+    now["optim"]["decay_steps"] = saved["optim"]["decay_steps"]  # the trainer keeps the first command's schedule
+    assert config_conflicts(saved, now) == []
+    now["data"]["document_mask"] = True  # a field the old run did not have, set otherwise: a different run
+    assert config_conflicts(saved, now) == ["data.document_mask: run directory has False, this command has True"]
 
 
 def test_config_file_with_an_unknown_field(tmp_path, capsys):

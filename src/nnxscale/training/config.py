@@ -483,14 +483,20 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 def config_conflicts(saved: dict, new: dict) -> list[str]:
     """Fields outside :data:`RESUMABLE_FIELDS` whose values differ, as readable lines
-    (a run directory written with the flat names of 0.1 compares by their new places)."""
+    (a run directory written with the flat names of 0.1 compares by their new places).
+
+    A field that a run directory's config lacks (written before nnxscale had it) has its
+    default there: what the older version did. Without this, every run directory written
+    before ``--document-mask`` (and two data fields) was refused as a different run."""
     a, b = flatten(upgrade(saved)), flatten(upgrade(new))
+    defaults = flatten(TrainConfig().to_dict())
     out = []
     for key in sorted(set(a) | set(b)):
         if key in RESUMABLE_FIELDS:
             continue
-        if a.get(key) != b.get(key):
-            out.append(f"{key}: run directory has {a.get(key)!r}, this command has {b.get(key)!r}")
+        was, now = a.get(key, defaults.get(key)), b.get(key, defaults.get(key))
+        if was != now:
+            out.append(f"{key}: run directory has {was!r}, this command has {now!r}")
     return out
 
 
