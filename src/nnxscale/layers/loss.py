@@ -35,8 +35,14 @@ def chunk_count(batch: int, length: int, vocab: int, shards: int = 1, budget: Op
     """The fewest chunks (a divisor of ``length``) whose logits fit ``budget`` bytes per device,
     when the tokens are split ``shards`` ways."""
     budget = CHUNK_BYTES if budget is None else budget
-    need = math.ceil(batch * length * vocab * 4 / max(shards, 1) / budget)
-    return next((d for d in range(max(need, 1), length + 1) if length % d == 0), length)
+    return fewest_chunks(length, batch * length * vocab * 4 / max(shards, 1), budget)
+
+
+def fewest_chunks(size: int, nbytes: float, budget: int) -> int:
+    """The fewest chunks, a divisor of ``size``, that cut ``nbytes`` to at most ``budget`` each
+    (``size`` chunks when none does)."""
+    need = math.ceil(nbytes / budget)
+    return next((d for d in range(max(need, 1), size + 1) if size % d == 0), size)
 
 
 def token_shards() -> int:

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from nnxscale.layers.loss import token_shards
+from nnxscale.layers.loss import fewest_chunks, token_shards
 from nnxscale.sharding.activations import current_rules
 from nnxscale.sharding.axes import entry_axes
 
@@ -36,8 +36,7 @@ def chunk_count(tokens: int, width: int, shards: int = 1, budget: Optional[int] 
     """The fewest chunks (a divisor of ``width``) for which ``tokens x width / chunks`` float32
     values, split ``shards`` ways, fit ``budget`` bytes."""
     budget = CHUNK_BYTES if budget is None else budget
-    need = math.ceil(tokens * width * 4 / max(shards, 1) / budget)
-    return next((d for d in range(max(need, 1), width + 1) if width % d == 0), width)
+    return fewest_chunks(width, tokens * width * 4 / max(shards, 1), budget)
 
 
 def _tensor_parallel(width: int) -> bool:
