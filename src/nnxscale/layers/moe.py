@@ -33,11 +33,24 @@ _normal = nnx.initializers.normal(0.02)
 
 
 class RouterStats(NamedTuple):
-    """What one MoE layer's routing did, for the objective and the metrics."""
+    """What one MoE layer's routing did, for the objective and the metrics (with a leading
+    layers axis when stacked). The fields are means over tokens, so the statistics of equal
+    parts of a batch (a pipeline's microbatches, its batch shards) average to the batch's;
+    the load-balancing loss is formed from them afterwards."""
 
-    aux_loss: jax.Array  # the Switch Transformer's load-balancing loss (route_stats)
+    fraction: jax.Array  # (E,) the fraction of tokens sending one of their k assignments to e (sums to k)
+    probability: jax.Array  # (E,) the mean router probability of e
     z_loss: jax.Array  # mean over tokens of logsumexp(router logits)^2
-    load: jax.Array  # (E,) each expert's share of the N * k assignments (sums to 1)
+
+    @property
+    def aux_loss(self) -> jax.Array:
+        """The Switch Transformer's load-balancing loss: ``E * sum_e fraction_e * probability_e``."""
+        return self.fraction.shape[-1] * jnp.sum(self.fraction * self.probability, axis=-1)
+
+    @property
+    def load(self) -> jax.Array:
+        """``(E,)`` each expert's share of the ``N * k`` assignments (sums to 1)."""
+        return self.fraction / jnp.sum(self.fraction, axis=-1, keepdims=True)
 
 
 def route(logits, k: int):
@@ -56,10 +69,8 @@ def route_stats(logits, experts, num_experts: int) -> RouterStats:
     logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     counts = jnp.zeros((num_experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
-    n = logits.shape[0]
-    aux = num_experts * jnp.sum((counts / n) * jnp.mean(probs, axis=0))
     z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
-    return RouterStats(aux, z, counts / jnp.sum(counts))
+    return RouterStats(counts / logits.shape[0], jnp.mean(probs, axis=0), z)
 
 
 def _run_groups(xs, sizes, w_gate, w_up, w_down, rows: Optional[int] = None):
