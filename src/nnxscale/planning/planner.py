@@ -520,9 +520,7 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
         out.append(("expert all-to-all", expert_all_to_all_bytes(cfg, lay) / full))
     tensor = math.prod(s for a, s in rules.sizes.items() if a not in (*rules.batch_axes, *rules.length_axes, STAGE))
     pipe = lay.get("pipeline")
-    layers = dims.layers
-    if pipe is not None:  # a stage runs L/S layers, over R*M + S - 1 iterations of R*M microbatches' worth
-        layers = dims.layers / pipe.stages * pipe.iterations / (pipe.repeats * pipe.microbatches)
+    layers = _layers_run(dims.layers, pipe)
     if tensor > 1:
         d = cfg.data
         tokens = d.batch_size / rules.batch_shard_count * d.seq_len / rules.length_shard_count
@@ -569,17 +567,24 @@ def ring_permute_bytes(cfg: TrainConfig, lay: dict) -> int:
     Beside a ``stage`` axis each device runs its stage's ``L / (S R)`` layers on one
     microbatch per iteration, bubble included: ``L`` becomes ``L (R M + S - 1) / (S R M)``.
     """
-    rules, dims, d, pipe = lay["rules"], lay["model"].dims, cfg.data, lay["pipeline"]
+    rules, dims, d = lay["rules"], lay["model"].dims, cfg.data
     n = rules.length_shard_count
-    layers = dims.layers
-    if pipe is not None:
-        layers = dims.layers * pipe.iterations / (pipe.stages * pipe.repeats * pipe.microbatches)
+    layers = _layers_run(dims.layers, lay["pipeline"])
     tokens = d.batch_size / rules.batch_shard_count / cfg.optim.grad_accum * d.seq_len / n
     kv_heads = dims.kv_heads / _tensor_split(rules, "kv_heads", dims.kv_heads)
     itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
     kv = 2 * tokens * kv_heads * dims.head_width
     per_layer = 2 * (n - 1) * kv * itemsize + n * kv * 4
     return int(layers * per_layer * cfg.optim.grad_accum)
+
+
+def _layers_run(layers: int, pipe) -> float:
+    """How many layers' worth of one device's full batch a device runs per pass: all of them,
+    or in a pipeline ``L / S`` layers over ``R*M + S - 1`` iterations of ``R*M`` microbatches'
+    worth (the bubble included)."""
+    if pipe is None:
+        return layers
+    return layers / pipe.stages * pipe.iterations / (pipe.repeats * pipe.microbatches)
 
 
 def _tensor_split(rules, name: str, size: int) -> int:

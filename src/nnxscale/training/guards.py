@@ -82,7 +82,6 @@ class StopSignals:
         self.signal = signum
         os.write(2, f"\nnnxscale: {name}: stopping as soon as it is safe; {name} again stops at once, unsaved\n".encode())
 
-
     def _interrupt(self, signum: int) -> None:
         self._restore()  # the caller's handlers again, before its KeyboardInterrupt
         name = signal.Signals(signum).name
