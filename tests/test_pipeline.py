@@ -155,6 +155,41 @@ def test_pipelined_equals_scan_layers(spec):
             assert boundary == cost.boundary_bytes, what
 
 
+class _CountingBlock(Block):
+    """Block that also returns means over its tokens (as a mixture's router statistics)."""
+
+    def __call__(self, x, scale, key=None):
+        y = super().__call__(x, scale, key)
+        return y, {"mean": jnp.mean(y, axis=(0, 1)), "square": jnp.mean(jnp.square(x))}
+
+
+@pytest.mark.parametrize("spec,repeats,microbatches", [("stage=2,data=4", 2, 2), ("stage=4,data=2", 1, 4)])
+def test_statistics_of_pipelined_layers_are_the_whole_batchs(spec, repeats, microbatches):
+    """Layers that return means over their tokens (``aux``): pipelined, each layer's are
+    averaged over the microbatches and batch shards and come out in layer order, equal to
+    the unpipelined scan's over the whole batch; so are the gradients through them."""
+    mesh = nnxscale.make_mesh(spec)
+    rules = nnxscale.resolve("auto", mesh, min_shard_bytes=0)
+    layers = nnxscale.place(stack_layers(lambda r: _CountingBlock(D, r), L, rngs=nnx.Rngs(0)), mesh, rules)
+    graphdef, state = nnx.split(layers)
+    x = jax.random.normal(jax.random.key(1), (B, T, D))
+    pipe = Pipeline.for_mesh(mesh, microbatches, repeats)
+
+    def loss(state, x, pipeline):
+        with nnxscale.use_rules(rules), use_pipeline(pipeline):
+            out, stats = scan_layers(nnx.merge(graphdef, state), x, SCALE, aux=True)
+        weights = jnp.arange(1.0, L + 1)[:, None]  # every layer's statistics count differently
+        return jnp.sum(out**2) + jnp.sum(weights * stats["mean"]) + jnp.sum(stats["square"]), stats
+
+    (_, want), grads_want = jax.jit(jax.value_and_grad(lambda s, x: loss(s, x, None), argnums=(0, 1), has_aux=True))(state, x)
+    staged = to_stage_order(state, pipe)
+    (_, got), (d_state, d_x) = jax.jit(jax.value_and_grad(lambda s, x: loss(s, x, pipe), argnums=(0, 1), has_aux=True))(staged, x)
+    assert got["mean"].shape == (L, D) and got["square"].shape == (L,)
+    assert _max_rel(got, want) < 1e-6
+    d_state = to_layer_order(d_state, pipe, jax.tree.map(lambda v: v.sharding, state))
+    assert _max_rel((d_state, d_x), grads_want) < 1e-5
+
+
 def test_dropout_keys_are_folded_per_microbatch_and_shard():
     """Layer ``l`` on microbatch ``m`` in data shard ``j`` of ``J`` draws from
     ``fold_in(keys[l], m * J + j)``: the pipeline equals that, computed piece by piece."""

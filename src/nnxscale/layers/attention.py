@@ -40,7 +40,7 @@ import numpy as np
 
 from nnxscale.errors import ConfigError
 from nnxscale.layers.attention_names import IMPLEMENTATIONS
-from nnxscale.sharding.mesh import context_mesh
+from nnxscale.sharding.mesh import context_mesh, varying_like
 
 #: ``auto`` uses the blockwise kernel from this many query tokens on (where cuDNN does not apply).
 AUTO_BLOCKWISE_FROM = 2048
@@ -312,7 +312,7 @@ def _forward_body(meta: _Meta, qb, kb, vb, qpb, kpb, qsb, ksb):
 
             return jax.lax.cond(_tile_needed(meta, qp, kp, qs, ks), visit, lambda c: c, carry)
 
-        init = _varying_like((
+        init = varying_like((
             jnp.full((B, K, G, bq), _NEG, jnp.float32),
             jnp.zeros((B, K, G, bq), jnp.float32),
             jnp.zeros((B, K, G, bq, H), jnp.float32),
@@ -369,29 +369,13 @@ def _backward(meta: _Meta, qb, kb, vb, qpb, kpb, qsb, ksb, out, lse, d_out):
 
             return jax.lax.cond(_tile_needed(meta, qp, kp, qs, ks), visit, lambda c: c, inner)
 
-        zeros = _varying_like(jnp.zeros(k.shape, jnp.float32), k, qb, d_out)
+        zeros = varying_like(jnp.zeros(k.shape, jnp.float32), k, qb, d_out)
         dq, dk, dv = jax.lax.fori_loop(0, nq, step, (dq, zeros, zeros))
         return dq, (dk, dv)
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (kb, vb, kpb, ksb))
-    dq, (dk, dv) = jax.lax.scan(one_key_block, _varying_like(jnp.zeros(qb.shape, jnp.float32), qb, kb, d_out), xs)
+    dq, (dk, dv) = jax.lax.scan(one_key_block, varying_like(jnp.zeros(qb.shape, jnp.float32), qb, kb, d_out), xs)
     return dq, jnp.moveaxis(dk, 0, 1), jnp.moveaxis(dv, 0, 1)
-
-
-def _varying_like(tree, *refs):
-    """``tree`` varying over every manual mesh axis that one of ``refs`` varies over.
-
-    Inside ``shard_map`` (a ring nested in a pipeline stage) a loop's carry and both branches
-    of a ``cond`` must have the same type, manual axes included; zeros made here vary over
-    none until told. Outside ``shard_map``, ``tree`` unchanged."""
-    axes = set()
-    for ref in refs:
-        kind = jax.typeof(ref)
-        manual = getattr(kind, "manual_axis_type", None)  # jax 0.10; before, the set was `.vma`
-        axes |= set(manual.varying if manual is not None else getattr(kind, "vma", ()))
-    if not axes:
-        return tree
-    return jax.tree.map(lambda x: jax.lax.pcast(x, tuple(sorted(axes)), to="varying"), tree)
 
 
 def _no_grad(x):
@@ -444,8 +428,8 @@ def _ring_backward(meta, axis, n, qb, kb, vb, qpb, kpb, qsb, ksb, out, lse, d_ou
     """The blocks go round again; each one's key/value gradient travels with it and is home
     after the n-th shift. ``(dq, dk, dv)`` float32, in tiles."""
     kv = (kb, vb, kpb, ksb)
-    dq = _varying_like(jnp.zeros(qb.shape, jnp.float32), qb, d_out)
-    dkv = _varying_like((jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32)), kb, d_out)
+    dq = varying_like(jnp.zeros(qb.shape, jnp.float32), qb, d_out)
+    dkv = varying_like((jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32)), kb, d_out)
     for i in range(n):
         dq_i, dk_i, dv_i = _backward(meta, qb, kv[0], kv[1], qpb, kv[2], qsb, kv[3], out, lse, d_out)
         dq = dq + dq_i
@@ -497,7 +481,7 @@ def _ring_fwd(ring: _Ring, q, k, v, qp, kp, qs, ks):
     y, out, lse = ring.map(local, 7, 3)(q, k, v, qp, kp, qs, ks)
     # The result varies over what the operands vary over (an enclosing pipeline stage's
     # manual axes): left invariant, its gradient would be summed over those axes.
-    return _varying_like(y, q, k, v), (q, k, v, qp, kp, qs, ks, out, lse)
+    return varying_like(y, q, k, v), (q, k, v, qp, kp, qs, ks, out, lse)
 
 
 def _ring_bwd(ring: _Ring, res, dy):
@@ -513,7 +497,7 @@ def _ring_bwd(ring: _Ring, res, dy):
                 dk.reshape(B, nk * bk, K, H)[:, :S].astype(k.dtype), dv.reshape(B, nk * bk, K, H)[:, :S].astype(v.dtype))  # fmt: skip
 
     dq, dk, dv = ring.map(local, 10, 3)(q, k, v, qp, kp, qs, ks, out, lse, dy)
-    dq, dk, dv = _varying_like(dq, q), _varying_like(dk, k), _varying_like(dv, v)  # the operands' types
+    dq, dk, dv = varying_like(dq, q), varying_like(dk, k), varying_like(dv, v)  # the operands' types
     return (dq, dk, dv, *(_no_grad(x) for x in (qp, kp, qs, ks)))
 
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxscale.sharding.activations import constrain
+from nnxscale.sharding.mesh import sum_to_type, varying_like
 from nnxscale.sharding.rules import LOGICAL_KEY, logical
 
 _normal = nnx.initializers.normal(0.02)
@@ -92,13 +93,20 @@ def _run_groups(xs, sizes, w_gate, w_up, w_down, rows: Optional[int] = None):
     ends, cum = jnp.cumsum(per), jnp.cumsum(sizes)
     starts = cum - sizes
     i = jnp.arange(M)
-    g = jnp.searchsorted(cum, i, side="right")  # each row's group; E: past the groups
+    g = _groups_before(cum, i)  # each row's group; E: past the groups
     gc = jnp.minimum(g, E - 1)
     pos = jnp.where(g < E, (ends[gc] - per[gc]) * tile + i - starts[gc], tiles * tile)  # its row in the tiles
-    group = jnp.minimum(jnp.searchsorted(ends, jnp.arange(tiles), side="right"), E - 1).astype(jnp.int32)
+    group = jnp.minimum(_groups_before(ends, jnp.arange(tiles)), E - 1).astype(jnp.int32)
     padded = jnp.zeros((tiles * tile, xs.shape[1]), xs.dtype).at[pos].set(xs, mode="drop")
     out = _tiled_swiglu(padded.reshape(tiles, tile, -1), group, ends[-1], w_gate, w_up, w_down)
     return out.reshape(tiles * tile, -1).at[pos].get(mode="fill", fill_value=0)
+
+
+def _groups_before(ends, i):
+    """How many of the ascending ``ends (E,)`` are at most each ``i``: the group of row ``i``
+    (``jnp.searchsorted(ends, i, side="right")``, which fails to trace in a pipeline stage
+    beside automatic axes, jax 0.10; ``E`` is small, so one comparison per row and group)."""
+    return jnp.sum(i[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
 
 
 def _native_grouped_matmul() -> bool:
@@ -127,7 +135,8 @@ def _tiled_forward(x, group, used, w_gate, w_up, w_down):
         return put(y, y_t), put(a, a_t), put(b, b_t)
 
     zeros = lambda width: jnp.zeros(x.shape[:2] + (width,), x.dtype)  # noqa: E731
-    return jax.lax.fori_loop(0, used, body, (zeros(x.shape[-1]), zeros(F), zeros(F)))
+    carry = varying_like((zeros(x.shape[-1]), zeros(F), zeros(F)), x, group, w_gate, w_up, w_down)
+    return jax.lax.fori_loop(0, used, body, carry)
 
 
 def _tiled_fwd(x, group, used, w_gate, w_up, w_down):
@@ -152,8 +161,11 @@ def _tiled_bwd(res, dy):
         return dx, d_gate.at[e].add(x_t.T @ da), d_up.at[e].add(x_t.T @ db), d_down.at[e].add(h.T @ dy_t)
 
     zero = (jnp.zeros_like(x), jnp.zeros_like(w_gate), jnp.zeros_like(w_up), jnp.zeros_like(w_down))
+    zero = varying_like(zero, *res, dy)
     dx, d_gate, d_up, d_down = jax.lax.fori_loop(0, used, body, zero)
-    return dx, None, None, d_gate, d_up, d_down
+    # Inside a shard_map each gradient is summed over the axes its operand is the same on.
+    grads = [sum_to_type(g, primal) for g, primal in zip((dx, d_gate, d_up, d_down), (x, w_gate, w_up, w_down))]
+    return grads[0], None, None, *grads[1:]
 
 
 _tiled_swiglu.defvjp(_tiled_fwd, _tiled_bwd)
@@ -182,12 +194,17 @@ class _Split(NamedTuple):
     batch: tuple[str, ...]  # the mesh axes the tokens are split over (manual in the shard_map)
     expert: Optional[str]  # the one of them that also splits the experts, or None
     size: int  # its size
+    inside: bool = False  # in a pipeline stage's shard_map, which is manual over the expert axis already
 
 
 def _split(num_experts: int) -> Optional[_Split]:
     """The split of the rules in force, or None (one device, or no axis splits the batch).
     The experts are split over the ``expert`` axis when the rules put them there, it splits
-    the tokens too, and it divides the experts (the trainer checks that it does)."""
+    the tokens too, and it divides the experts (the trainer checks that it does).
+
+    Inside a pipeline stage (a ``shard_map``, :mod:`nnxscale.layers.pipeline`) the stage
+    is manual over the expert axis when the experts are split over it, and the layer runs
+    its part there; with no such axis (None) the experts run like any layer of the stage."""
     from jax.sharding import Mesh
 
     from nnxscale.sharding.activations import current_rules
@@ -198,13 +215,15 @@ def _split(num_experts: int) -> Optional[_Split]:
     if rules is None:
         return None
     batch = tuple(a for a in rules.batch_axes if rules.sizes[a] > 1)
-    if not batch:
-        return None
     axes, _ = resolve_name("expert", rules.rules.params, rules.sizes)
     size = rules.sizes.get(EXPERT, 1)
     expert = EXPERT if tuple(axes or ()) == (EXPERT,) and EXPERT in batch and num_experts % size == 0 else None
-    mesh = rules.mesh if isinstance(rules.mesh, Mesh) else jax.sharding.get_abstract_mesh()
-    return _Split(mesh, tuple(a for a in rules.batch_axes if a in batch), expert, size if expert else 1)
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:
+        return _Split(context, (), expert, size, inside=True) if expert in context.manual_axes else None
+    if not batch:
+        return None
+    return _Split(rules.mesh if isinstance(rules.mesh, Mesh) else context, batch, expert, size if expert else 1)
 
 
 def _exchange(x, experts, weights, w_gate, w_up, w_down, *, axis: str, size: int):
@@ -255,10 +274,13 @@ def sharded_moe(x, logits, k: int, w_gate, w_up, w_down, split: _Split):
             return grouped_swiglu(x, experts, weights, w_gate, w_up, w_down), experts
         return _exchange(x, experts, weights, w_gate, w_up, w_down, axis=split.expert, size=split.size), experts
 
+    operands = (x, logits, w_gate, w_up, w_down)
+    if split.inside:  # a pipeline stage's shard_map is manual over the expert axis already
+        return local(*operands)
     tokens = P(split.batch if len(split.batch) > 1 else split.batch[0])
-    experts_spec = P(split.expert)  # split over the expert axis, or whole on every shard
-    return jax.shard_map(local, mesh=split.mesh, in_specs=(tokens, tokens) + (experts_spec,) * 3, out_specs=(tokens, tokens),
-                         axis_names=frozenset(split.batch), check_vma=False)(x, logits, w_gate, w_up, w_down)  # fmt: skip
+    specs = (tokens, tokens) + (P(split.expert),) * 3  # the experts split over the expert axis, or whole on every shard
+    return jax.shard_map(local, mesh=split.mesh, in_specs=specs, out_specs=(tokens, tokens), axis_names=frozenset(split.batch),
+                         check_vma=False)(*operands)  # fmt: skip
 
 
 class MoE(nnx.Module):
@@ -288,11 +310,11 @@ class MoE(nnx.Module):
         logits = self.gate(tokens.astype(jnp.float32))  # (N, E), float32 as HF's router
         cast = lambda w: w[...].astype(self.dtype)  # noqa: E731
         experts_w = (cast(self.w1), cast(self.w3), cast(self.w2))
-        split = _split(self.w1.shape[0])
+        split = _split(logits.shape[-1])
         if split is None:
             weights, experts = route(logits, self.top_k)
             y = grouped_swiglu(tokens.astype(self.dtype), experts, weights, *experts_w)
         else:
             y, experts = sharded_moe(tokens.astype(self.dtype), logits, self.top_k, *experts_w, split)
-        stats = route_stats(logits, experts, self.w1.shape[0])
+        stats = route_stats(logits, experts, logits.shape[-1])
         return constrain(y.reshape(B, T, C), "batch", "length", "embed"), stats

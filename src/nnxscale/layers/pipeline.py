@@ -58,6 +58,15 @@ reduce-scatters their gradients, so a step gathers each of the stage's layers
 ``(R*M + S - 1)/R`` times where unpipelined FSDP gathers it once: prefer ``data`` beside
 ``stage``. Tensor-parallel axes are unchanged (their all-reduces run per microbatch).
 
+**A mixture of experts.** The ``expert`` axis, which splits a mixture's experts and the
+batch, is manual inside the pipeline too (:func:`manual_axes`): every device keeps its
+share of its stage's experts, and each microbatch's tokens go to them and back with
+``all_to_all`` within the stage (:mod:`nnxscale.layers.moe`); nothing of the experts is
+gathered. Layers that return statistics of their tokens (``aux``: a router's fraction
+of tokens per expert, its mean probabilities) have them averaged over the microbatches
+and the batch shards, which for means over equal parts is the whole batch's: the
+load-balancing loss and the logged load are those of an unpipelined step.
+
 **Outside the pipeline.** The embedding and the head run replicated over the stage axis:
 every stage computes them on the device's whole batch, and two all-reduces over
 ``stage`` move that batch's activations, the pipeline's output to every stage (forward)
@@ -101,9 +110,10 @@ from jax.sharding import PartitionSpec as P
 from nnxscale.errors import ConfigError
 from nnxscale.layers.stack import Rows, layers_run_by, num_layers, scan_state
 from nnxscale.sharding.activations import current_rules
-from nnxscale.sharding.axes import STAGE, entry_axes
+from nnxscale.sharding.axes import EXPERT, STAGE, entry_axes
 from nnxscale.sharding.layout import itemsize
-from nnxscale.sharding.mesh import context_mesh, format_mesh, mesh_axis_sizes
+from nnxscale.sharding.mesh import context_mesh, format_mesh, mesh_axis_sizes, vary
+from nnxscale.sharding.rules import LOGICAL_NAMES, resolve_name
 from nnxscale.sharding.state import state_specs
 
 
@@ -280,7 +290,7 @@ def _mesh_for(pipeline: Pipeline, mesh):
 
 
 def pipeline_layers(
-    layers: nnx.Module, x, *args, pipeline: Optional[Pipeline] = None, mesh=None, keys=None, remat="none"
+    layers: nnx.Module, x, *args, pipeline: Optional[Pipeline] = None, mesh=None, keys=None, remat="none", aux=False
 ):
     """Run stacked ``layers`` on ``x`` as ``pipeline`` does: the result of :func:`scan_layers`.
 
@@ -301,8 +311,12 @@ def pipeline_layers(
         ``jax.random.fold_in(keys[l], m*J + j)`` for microbatch ``m`` in batch shard ``j``
         of the ``J`` the pipeline splits manually (see the module docstring).
       remat: a policy of :data:`~nnxscale.layers.stack.REMAT_POLICIES`, applied to every layer.
+      aux: every layer returns ``(x, aux)``, ``aux`` a pytree of means over its tokens (a
+        mixture's :class:`~nnxscale.layers.moe.RouterStats`). Each layer's is averaged over
+        the microbatches and batch shards, which equals the whole batch's.
 
-    Returns ``(B, ...)`` like ``x``, replicated over the stage axis.
+    Returns ``(B, ...)`` like ``x``, replicated over the stage axis; with ``aux``,
+    ``(that, aux stacked over the layers in layer order)`` as :func:`~nnxscale.scan_layers` returns.
     """
     if pipeline is None:
         active = _ACTIVE.get()
@@ -317,7 +331,7 @@ def pipeline_layers(
     pipeline.check(n, x.shape[0], rules.batch_shard_count if rules is not None else 1)
     M, axis = pipeline.microbatches, pipeline.axis
     graphdef, state = nnx.split(layers)
-    data = _data_axes(state, rules)
+    data, state_spec = _manual_axes(state, rules, axis)
     rows = P(None, data) if data else P()
 
     split = lambda a: a.reshape((a.shape[0] // M, M) + a.shape[1:]).swapaxes(0, 1)  # noqa: E731  (M, B/M, ...)
@@ -328,40 +342,69 @@ def pipeline_layers(
     shared = tuple(None if i in per_row else a for i, a in enumerate(args))
     row_args = tuple(split(args[i].value) for i in per_row)
     operands = [state, split(x), shared, row_args]
-    specs = [P(axis), rows, P(), rows]
+    specs = [state_spec, rows, P(), rows]
     if keys is not None:  # into stage order, like the layers: a gather of L keys
         operands.append(keys[pipeline.layer_order(n)])
         specs.append(P(axis))
-    program = functools.partial(_stage, graphdef=graphdef, pipeline=pipeline, data=data, remat=remat, per_row=per_row)
-    run = jax.shard_map(
-        program, mesh=context_mesh(mesh), in_specs=tuple(specs), out_specs=rows, axis_names=frozenset((axis,) + data)
-    )
+    program = functools.partial(_stage, graphdef=graphdef, pipeline=pipeline, data=data, remat=remat, per_row=per_row,
+                                aux=aux)  # fmt: skip
+    run = jax.shard_map(program, mesh=context_mesh(mesh), in_specs=tuple(specs), out_specs=(rows, P(axis)) if aux else rows,
+                        axis_names=frozenset((axis,) + data))  # fmt: skip
     token = _ACTIVE.set(None)  # layers that scan stacks of their own run them unpipelined
     try:
         with layers_run_by(None):
             out = run(*operands)
     finally:
         _ACTIVE.reset(token)
+    if aux:  # the statistics come out in stage order (position i holds layer layer_order[i])
+        out, stats = out
+        back = np.argsort(pipeline.layer_order(n))
+        return out.swapaxes(0, 1).reshape(x.shape), jax.tree.map(lambda a: a[back], stats)
     return out.swapaxes(0, 1).reshape(x.shape)  # (B, ...)
 
 
-def _data_axes(state, rules) -> tuple[str, ...]:
-    """The batch axes that split no stacked parameter: the pipeline runs manual over them.
+def manual_axes(specs, rules) -> tuple[str, ...]:
+    """The batch axes a pipeline stage runs manual over, for stacked parameters laid out as
+    ``specs`` (their PartitionSpecs) by ``rules``.
 
-    Manual, a stage's gradients are summed over them once per step (the transpose of one
-    ``pcast``); left to the partitioner, they would be all-reduced after every iteration,
-    ``R*M + S - 1`` times over. Batch axes that also split parameters (FSDP) stay
-    automatic, and the partitioner gathers each layer's weights where it is used.
+    The batch axes that split no parameter: manual, a stage's gradients are summed over
+    them once per step (the transpose of one ``pcast``); left to the partitioner, they would
+    be all-reduced after every iteration, ``R*M + S - 1`` times over. Batch axes that also
+    split parameters (FSDP) stay automatic, and the partitioner gathers each layer's weights
+    where it is used, in every iteration.
+
+    The expert axis is manual too when it splits a mixture's experts (first in their
+    dimension's split, and not on the layers axis): each device then keeps its own experts
+    inside the stage, and the layer sends tokens to them with ``all_to_all`` there
+    (:mod:`nnxscale.layers.moe`); nothing of them is gathered.
     """
-    if rules is None:
-        return ()
-    specs = jax.tree.leaves(state_specs(state, rules.mesh, rules), is_leaf=lambda x: isinstance(x, P))
     used = {a for spec in specs for entry in spec for a in entry_axes(entry)}
-    return tuple(a for a in rules.batch_axes if a not in used)
+    data = tuple(a for a in rules.batch_axes if a not in used)
+    if EXPERT not in used or EXPERT not in rules.batch_axes:
+        return data
+    entries = [(i, entry_axes(e)) for spec in specs for i, e in enumerate(spec) if EXPERT in entry_axes(e)]
+    names = [n for n in LOGICAL_NAMES if n != "batch" and EXPERT in (resolve_name(n, rules.rules.params, rules.sizes)[0] or ())]
+    if names == ["expert"] and all(i > 0 and axes[0] == EXPERT for i, axes in entries):
+        return data + (EXPERT,)
+    return data
+
+
+def _manual_axes(state, rules, axis: str):
+    """``(the batch axes the pipeline runs manual over, the stacked state's in_specs)``
+    (:func:`manual_axes`)."""
+    if rules is None:
+        return (), P(axis)
+    specs = state_specs(state, rules.mesh, rules)
+    flat = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    manual = manual_axes(flat, rules)
+    if EXPERT not in manual:
+        return manual, P(axis)
+    by_leaf = lambda spec: P(axis, *(EXPERT if EXPERT in entry_axes(e) else None for e in spec[1:]))  # noqa: E731
+    return manual, jax.tree.map(by_leaf, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def _stage(state, microbatches, args, row_args, keys=None, *, graphdef, pipeline: Pipeline, data: tuple, remat,
-           per_row: tuple):  # fmt: skip
+           per_row: tuple, aux: bool = False):  # fmt: skip
     """One stage's program. ``state``: its ``R*L/(S*R)`` layers; ``microbatches`` ``(M, B/M, ...)``;
     ``row_args``: the :class:`Rows` arguments (at positions ``per_row`` of ``args``), ``(M, B/M, ...)``.
 
@@ -381,8 +424,7 @@ def _stage(state, microbatches, args, row_args, keys=None, *, graphdef, pipeline
     by_repeat = lambda a: a.reshape((a.shape[0] // R, R) + a.shape[1:]) if circular else a  # noqa: E731
     layers = jax.tree.map(by_repeat, state)
     keys = None if keys is None else by_repeat(keys)
-    if data:  # one gradient sum over the data axes per step, at the end (see _data_axes)
-        layers = jax.lax.pcast(layers, data, to="varying")
+    layers = vary(layers, data)  # one gradient sum over the batch axes per step, at the end (see manual_axes)
     shard = jax.lax.axis_index(data) if data else 0
     shards = math.prod(jax.lax.axis_size(a) for a in data)
     buffer = jax.lax.pcast(microbatches, axis, to="varying")  # (M, B/M, ...)
@@ -410,14 +452,36 @@ def _stage(state, microbatches, args, row_args, keys=None, *, graphdef, pipeline
         layer_args = list(args)
         for i, a in zip(per_row, row_args, strict=True):  # this item's microbatch of each per-row argument
             layer_args[i] = jax.lax.dynamic_index_in_dim(a, k % M, keepdims=False)
-        out = scan_state(graphdef, layers, h, *layer_args, keys=group_keys, remat=remat, pick=repeat)
-        return (buffer, jax.lax.ppermute(out, axis, shift)), None
+        out = scan_state(graphdef, layers, h, *layer_args, keys=group_keys, remat=remat, pick=repeat, aux=aux)
+        out, stats = out if aux else (out, None)
+        return (buffer, jax.lax.ppermute(out, axis, shift)), stats
 
     received = jnp.zeros_like(buffer[0])
-    (buffer, received), _ = jax.lax.scan(iteration, (buffer, received), jnp.arange(pipeline.iterations))
+    steps = jnp.arange(pipeline.iterations)
+    (buffer, received), stats = jax.lax.scan(iteration, (buffer, received), steps)
     buffer = collect(buffer, received, pipeline.iterations)
     # Every stage needs the outputs for what follows the pipeline (the head): one all-reduce.
-    return jax.lax.psum(jnp.where(s == 0, buffer, jnp.zeros_like(buffer)), axis)
+    out = jax.lax.psum(jnp.where(s == 0, buffer, jnp.zeros_like(buffer)), axis)
+    if not aux:
+        return out
+    return out, _stage_stats(stats, steps - s, M, R, data)
+
+
+def _stage_stats(stats, items, M: int, R: int, data: tuple):
+    """A stage's layers' statistics, averaged over the microbatches (and batch shards):
+    ``stats`` leaves ``(iterations, L/(S*R), ...)``, one per iteration, of which those with
+    a work item (``0 <= items < R*M``) count, each for its repeat; returns ``(R*L/(S*R), ...)``
+    in the stage's order (layer ``j`` of repeat ``r`` at ``j*R + r``)."""
+    repeat = jnp.clip(items // M, 0, R - 1)
+    real = (items >= 0) & (items < R * M)
+    weight = jnp.where(real[:, None] & (repeat[:, None] == jnp.arange(R)), 1.0 / M, 0.0)  # (iterations, R)
+
+    def average(a):
+        mean = jnp.einsum("tr,tg...->gr...", weight, a.astype(jnp.float32))
+        mean = jax.lax.pmean(mean, data) if data else mean
+        return mean.reshape((-1,) + mean.shape[2:]).astype(a.dtype)
+
+    return jax.tree.map(average, stats)
 
 
 # --------------------------------------------------------------------------------------

@@ -196,10 +196,7 @@ def scan_layers(layers: nnx.Module, x, *args, keys=None, remat: Union[str, bool,
                               "without a stage axis")  # fmt: skip
         return _scan_cached(layers, x, _unwrap(args), keys, cache)
     if runner is not None:
-        if aux:
-            raise ConfigError("layers that return statistics (a mixture of experts) do not run as a pipeline yet: "
-                              "train on a mesh without a stage axis")  # fmt: skip
-        return runner(layers, x, *args, keys=keys, remat=remat)
+        return runner(layers, x, *args, keys=keys, remat=remat, aux=aux) if aux else runner(layers, x, *args, keys=keys, remat=remat)
     graphdef, state = nnx.split(layers)
     return scan_state(graphdef, state, x, *_unwrap(args), keys=keys, remat=remat, aux=aux)
 

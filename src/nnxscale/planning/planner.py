@@ -285,7 +285,8 @@ def plan(
             "the analytical estimate does not model the pipeline (fitted without one: no microbatch buffer, bubble or "
             "permutes, and every layer's activations on every device): trust the compiled figures"
         )
-        calibration += pipeline_notes(pipe, lay["rules"], [r.spec for r in lay["rows"] if r.is_param])
+        routed = getattr(lay["model"].config, "num_experts_per_tok", 0) > 0
+        calibration += pipeline_notes(pipe, lay["rules"], [r.spec for r in lay["rows"] if r.is_param], routed=routed)
     if compile == "never" or (compile == "auto" and n > max_compile_devices):
         notes = [] if compile == "never" else [f"{n} devices is more than --max-compile-devices {max_compile_devices}: estimated"]
         notes += calibration
@@ -539,7 +540,8 @@ def expert_all_to_all_bytes(cfg: TrainConfig, lay: dict) -> int:
     """What a mixture's tokens move per device and step over an ``expert`` axis, sent only
     as they are: ``tokens per device x k x width x bytes x 2 (there and back) x 2 (forward
     and backward) x layers``, x 3 instead of x 2 when rematerialization repeats the forward
-    pass's exchanges, times the accumulation steps. Dropless on CPU, where there is no
+    pass's exchanges, times the accumulation steps; in a pipeline the layers are a stage's
+    share of the iterations, bubble included (:func:`_layers_run`). Dropless on CPU, where there is no
     ``ragged_all_to_all``, each peer's slot holds all of a device's assignments: the
     compiled step moves ``expert`` times this (mixtral-mini on ``expert=8``: 8.02x,
     ``bench/moe.py``, 2026-11-24), and with bfloat16 compute XLA:CPU sends them as float32
@@ -549,7 +551,7 @@ def expert_all_to_all_bytes(cfg: TrainConfig, lay: dict) -> int:
     tokens = d.batch_size / rules.batch_shard_count * d.seq_len / rules.length_shard_count
     itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
     passes = 3 if cfg.model.remat != "none" else 2
-    return int(tokens * k * dims.width * itemsize * 2 * passes * dims.layers)
+    return int(tokens * k * dims.width * itemsize * 2 * passes * _layers_run(dims.layers, lay.get("pipeline")))
 
 
 def ring_permute_bytes(cfg: TrainConfig, lay: dict) -> int:

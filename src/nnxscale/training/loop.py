@@ -281,7 +281,8 @@ class _Run:
         if s.pipeline is not None:
             self.log(describe_pipeline(s))
             shardings = jax.tree.leaves(s.param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
-            for note in pipeline_notes(s.pipeline, s.rules, [sh.spec for sh in shardings]):
+            routed = getattr(s.model.config, "num_experts_per_tok", 0) > 0
+            for note in pipeline_notes(s.pipeline, s.rules, [sh.spec for sh in shardings], routed=routed):
                 self.log(f"lint: {note}")
 
     # -- the loop -----------------------------------------------------------------------

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
 from nnxscale.data import text as text
 from nnxscale.layers import attention
-from nnxscale.layers.pipeline import Pipeline, to_layer_order, to_stage_order
+from nnxscale.layers.pipeline import Pipeline, manual_axes, to_layer_order, to_stage_order
 from nnxscale.layers.stack import LAYERS
 from nnxscale.models import (
     architecture_differences,
@@ -201,19 +201,30 @@ def check_pipeline(pipe: Pipeline, cfg: TrainConfig, rules: MeshRules, name: str
     return depths[-1]
 
 
-def pipeline_notes(pipe: Pipeline, rules: MeshRules, specs) -> list[str]:
+def pipeline_notes(pipe: Pipeline, rules: MeshRules, specs, *, routed: bool = False) -> list[str]:
     """What to know about a pipeline beside the other mesh axes (``specs``: the parameters'
-    PartitionSpecs): FSDP beside ``stage`` gathers every layer once per iteration."""
+    PartitionSpecs): FSDP beside ``stage`` gathers every layer once per iteration (a
+    mixture's expert axis does not: the stage is manual over it, :func:`manual_axes`).
+    ``routed``: the model is a mixture of experts, whose tokens a stage routes per shard of
+    its manual axes only."""
     used = {a for spec in specs for entry in spec for a in entry_axes(entry)}
-    fsdp = [a for a in rules.batch_axes if a in used and rules.sizes[a] > 1]
-    if not fsdp:
-        return []
-    gathers = pipe.iterations / pipe.repeats
-    return [
-        f"FSDP ({', '.join(fsdp)}) beside the stage axis: every pipeline iteration gathers its layers' weights and "
-        f"reduce-scatters their gradients, so a step gathers each of a stage's layers {gathers:g} times "
-        f"((R*M + S - 1)/R) where FSDP without a pipeline gathers it once; prefer data beside stage"
-    ]
+    manual = manual_axes(specs, rules)
+    fsdp = [a for a in rules.batch_axes if a in used and rules.sizes[a] > 1 and a not in manual]
+    notes = []
+    if fsdp:
+        gathers = pipe.iterations / pipe.repeats
+        notes.append(
+            f"FSDP ({', '.join(fsdp)}) beside the stage axis: every pipeline iteration gathers its layers' weights and "
+            f"reduce-scatters their gradients, so a step gathers each of a stage's layers {gathers:g} times "
+            f"((R*M + S - 1)/R) where FSDP without a pipeline gathers it once; prefer data beside stage"
+        )
+    if routed and fsdp:
+        notes.append(
+            f"a mixture of experts in a pipeline stage routes its tokens per shard of {', '.join(manual) or 'no axis'}; "
+            f"{', '.join(fsdp)} splits them too and the compiler moves them between its shards (more all-to-all): "
+            "prefer data and expert beside stage"
+        )
+    return notes
 
 
 # One function on purpose (about 90 lines with its docstring): every sharding of a run is derived here, in one order,
