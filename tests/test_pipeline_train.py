@@ -7,6 +7,7 @@ pipelined runs log the same losses and gradient norms, and a checkpoint moves in
 out of a circular pipeline with the run continuing as if it never had.
 """
 
+import dataclasses
 import shutil
 
 import numpy as np
@@ -162,3 +163,10 @@ def test_plan_reports_the_bubble_and_the_permutes_of_pipeline_cost(text_data, ca
     estimated = plan(cfg, compile="never")  # the layout and the analytical cost without compiling
     assert estimated.pipeline["permute_bytes_per_step"] is None
     assert estimated.pipeline["permute_bytes_expected"] == cost.permute_bytes
+    assert not any("bfloat16" in note for note in step.notes)
+
+    # With bfloat16 compute the lowered permutes are bfloat16 and XLA:CPU's compiled ones
+    # float32: twice the expected, which the plan says.
+    half = plan(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="bfloat16")))
+    assert half.pipeline["permute_bytes_per_step"] == 2 * half.pipeline["permute_bytes_expected"] == cost.permute_bytes
+    assert any("permutes as float32" in note for note in half.notes)

@@ -294,15 +294,7 @@ def plan(
                         collective_bytes=est["collective_bytes_by_kind"], source="estimate", notes=notes,
                         pipeline=pipeline_figures(cfg, lay), context=context_figures(cfg, lay))  # fmt: skip
     compiled = compiled_figures(cfg, n)
-    state_bytes = lay["param_bytes"] + lay["optimizer_bytes"]
-    notes = list(calibration)
-    if compiled["argument_bytes"] > state_bytes + lay["batch_bytes"] + (64 << 10):
-        notes.append("the compiled step's arguments exceed the layout's state and batch bytes")
-    if _split(lay["rows"], lay["rules"])["experts"]:
-        e = lay["rules"].sizes[EXPERT]
-        wide = "; with bfloat16 compute XLA:CPU sends them as float32, 2x more" if cfg.model.dtype == "bfloat16" else ""
-        notes.append(f"the compiled all-to-all is dropless on CPU: each of the {e} peers' slots holds all of a device's "
-                     f"(token, expert) assignments, {e}x the textbook's (XLA:CPU has no ragged_all_to_all){wide}")  # fmt: skip
+    notes = list(calibration) + compiled_notes(cfg, lay, compiled)
     return StepPlan(
         **common,
         temp_bytes=compiled["temp_bytes"],
@@ -316,6 +308,25 @@ def plan(
         pipeline=pipeline_figures(cfg, lay, compiled["collective_bytes"]),
         context=context_figures(cfg, lay, compiled["collective_bytes"]),
     )
+
+
+def compiled_notes(cfg: TrainConfig, lay: dict, compiled: dict) -> list[str]:
+    """What to know when reading a compiled step's figures against the layout's."""
+    import jax
+
+    notes = []
+    if compiled["argument_bytes"] > lay["param_bytes"] + lay["optimizer_bytes"] + lay["batch_bytes"] + (64 << 10):
+        notes.append("the compiled step's arguments exceed the layout's state and batch bytes")
+    if _split(lay["rows"], lay["rules"])["experts"]:
+        e = lay["rules"].sizes[EXPERT]
+        wide = "; with bfloat16 compute XLA:CPU sends them as float32, 2x more" if cfg.model.dtype == "bfloat16" else ""
+        notes.append(f"the compiled all-to-all is dropless on CPU: each of the {e} peers' slots holds all of a device's "
+                     f"(token, expert) assignments, {e}x the textbook's (XLA:CPU has no ragged_all_to_all){wide}")  # fmt: skip
+    on_cpu = jax.default_backend() == "cpu" or "CPU devices" in compiled["source"]
+    if lay["pipeline"] is not None and cfg.model.dtype == "bfloat16" and on_cpu:
+        notes.append("with bfloat16 compute XLA:CPU sends the pipeline's permutes as float32 (the lowered program's are "
+                     "bfloat16): the compiled permutes are 2x the expected")  # fmt: skip
+    return notes
 
 
 def pipeline_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional[dict] = None) -> Optional[dict]:
