@@ -260,6 +260,8 @@ def test_a_checkpoint_without_checksums_or_data_fingerprint_restores_with_a_warn
            "restored unverified" in out, out  # fmt: skip
     assert "warning: checkpoint step 4 records no data fingerprint" in out, out
     assert "resumed" in out and "from step 4" in out, out
+    # the closing line names what the run directory holds, TensorBoard's events included
+    assert out.splitlines()[-1].endswith(f"Run directory: {run_dir} (metrics.jsonl, loss.png, checkpoints/, tensorboard/)"), out
 
 
 # Python reports the damaged step's abandoned reads as "exception ignored" when they are

@@ -313,9 +313,13 @@ def _train(args) -> int:
     val = f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""
     tps = f", {result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s else ""
     skipped = f", {result.skipped_steps} steps skipped (non-finite loss or gradient)" if result.skipped_steps else ""
+    from nnxscale.training.observe import TENSORBOARD_DIR
+
+    board = os.path.isdir(os.path.join(result.run_dir, TENSORBOARD_DIR))
+    written = "metrics.jsonl, loss.png, checkpoints/" + (f", {TENSORBOARD_DIR}/" if board else "")
     print(
         f"done: step {result.final_step}, loss {result.final_loss:.4f}{val}{tps}{skipped}, {result.wall_s:.0f} s. "
-        f"Run directory: {result.run_dir} (metrics.jsonl, loss.png, checkpoints/)"
+        f"Run directory: {result.run_dir} ({written})"
     )
     return 0
 
