@@ -163,6 +163,11 @@ def test_json_lines_and_parquet_give_the_tokens_of_their_documents_encoded_one_b
     for source, records in cases:
         got = datalib.load_tokens(source, tokenizer=bpe_tokenizer, records=records)
         assert got.tokens.tolist() == want, source
+        # the progress bar's bytes count the files as stored, compressed or not: they end at their total
+        corpus_of, stats, seen = text.read_corpus(source, records), text.EncodeStats(), []
+        for _ in text.encode_corpus(corpus_of, tok, stats):
+            seen.append(stats.read_bytes)
+        assert seen == sorted(seen) and seen[-1] == corpus_of.total_bytes(), (source, seen, corpus_of.total_bytes())
     code, out, err = run_main(capsys, ["tokenize", "--tokenizer", str(bpe_tokenizer), "--data", str(tmp_path / "c.parquet"),
                                        "--out", str(tmp_path / "c.npy"), "--no-progress"])  # fmt: skip
     assert code == 0, err

@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import io
 import json
 import os
 import sysconfig
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Optional, Union
 
@@ -202,8 +203,10 @@ def is_record_file(path: Path) -> bool:
     return path.name.lower().endswith(RECORD_SUFFIXES)
 
 
-def _record_documents(path: Path, records: Records, stats: "EncodeStats") -> Iterator[bytes]:
-    """The documents of one JSON Lines or Parquet file, a row at a time, as UTF-8 bytes."""
+def _record_documents(path: Path, records: Records, stats: "EncodeStats", at: Callable[[int], None]) -> Iterator[bytes]:
+    """The documents of one JSON Lines or Parquet file, a row at a time, as UTF-8 bytes.
+    ``at(n)``: about ``n`` of the file's bytes are read so far (for a progress bar: what a
+    compressed file holds is more than its size)."""
     field = records.text_field
 
     def bad(row: int, what: str) -> None:
@@ -223,7 +226,7 @@ def _record_documents(path: Path, records: Records, stats: "EncodeStats") -> Ite
         if field not in table.schema_arrow.names:
             raise DataError(f"{path}: no column {field!r} (columns: {', '.join(table.schema_arrow.names)}): "
                             "choose one with --text-field")  # fmt: skip
-        row = 0
+        row, rows, size = 0, max(table.metadata.num_rows, 1), path.stat().st_size
         for batch in table.iter_batches(columns=[field], batch_size=1024):
             for value in batch.column(0).to_pylist():
                 row += 1
@@ -231,28 +234,37 @@ def _record_documents(path: Path, records: Records, stats: "EncodeStats") -> Ite
                     yield value.encode("utf-8")
                 else:
                     bad(row, f"{field!r} is {type(value).__name__}, not text")
+            at(size * row // rows)
         return
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for row, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    value = json.loads(line)
-                except ValueError as e:
-                    bad(row, f"not JSON ({e})")
-                    continue
-                if not isinstance(value, dict) or field not in value:
-                    bad(row, f"no field {field!r} (choose one with --text-field)")
-                elif not isinstance(value[field], str):
-                    bad(row, f"{field!r} is {type(value[field]).__name__}, not text")
-                else:
-                    yield value[field].encode("utf-8")
+        with open(path, "rb") as raw:
+            binary = gzip.GzipFile(fileobj=raw) if path.name.lower().endswith(".gz") else raw
+            with io.TextIOWrapper(binary, encoding="utf-8") as f:
+                yield from _json_lines(f, raw, field, bad, at)
     except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
         raise DataError(f"{path}: cannot be read as UTF-8 JSON Lines ({type(e).__name__}: {e})") from None
     except OSError as e:
         raise storage_error("reading", path, e) from None
+
+
+def _json_lines(f, raw, field: str, bad: Callable[[int, str], None], at: Callable[[int], None]) -> Iterator[bytes]:
+    """The ``field`` of every row of the JSON Lines text ``f`` (read from the file ``raw``)."""
+    for row, line in enumerate(f, 1):
+        if row % 256 == 0:
+            at(raw.tell())  # the compressed bytes, for a .gz
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError as e:
+            bad(row, f"not JSON ({e})")
+            continue
+        if not isinstance(value, dict) or field not in value:
+            bad(row, f"no field {field!r} (choose one with --text-field)")
+        elif not isinstance(value[field], str):
+            bad(row, f"{field!r} is {type(value[field]).__name__}, not text")
+        else:
+            yield value[field].encode("utf-8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,10 +393,15 @@ def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, stats: EncodeStats) -> I
         """Every usable document, in order: each row of a record file, each other file whole."""
         for path in corpus.files:
             if is_record_file(path):
-                for data in _record_documents(path, corpus.records, stats):
-                    stats.read_bytes += len(data)
+                start = stats.read_bytes
+
+                def at(n: int) -> None:
+                    stats.read_bytes = start + n
+
+                for data in _record_documents(path, corpus.records, stats, at):
                     if data:
                         yield data
+                at(path.stat().st_size)
                 continue
             try:
                 data = path.read_bytes()
