@@ -16,6 +16,12 @@ batch ``--batch`` x ``--seq``, float32:
   the same active parameters per token (its MLP ``k`` x 256 wide, the router aside), same
   tokens, same mesh (``data=8``), timed in turns after warm-up (median of ``--steps``).
   A one-hot dispatch over every expert would cost about E/k = 4x the MLP's work.
+- ``capacity_all_to_all_over_formula``: the same ratio with ``--capacity-factor 1.25``
+  (each expert takes at most 1.25x its even share of a sequence's assignments; the rest
+  are dropped): a peer's slot holds what the capacity lets a device send it, so expect
+  about 1.25 instead of 8.
+- ``capacity_step_time_vs_dropless``: the measured step on ``expert=8`` with that capacity
+  over the dropless one, timed in the same turns.
 
 The last line is JSON.
 """
@@ -46,8 +52,16 @@ from _step import prepared_step  # noqa: E402  (bench/_step.py)
 DENSE = "llama-mini-dense-twin"  # registered below, for this bench only
 
 
-def config(model: str, mesh: str, batch: int, seq: int) -> TrainConfig:
-    return TrainConfig.from_flags(model=model, mesh=mesh, batch_size=batch, seq_len=seq, min_shard_bytes=0)
+CAPACITY = 1.25
+
+
+def config(model: str, mesh: str, batch: int, seq: int, **more) -> TrainConfig:
+    return TrainConfig.from_flags(model=model, mesh=mesh, batch_size=batch, seq_len=seq, min_shard_bytes=0, **more)
+
+
+def all_to_all(cfg: TrainConfig) -> int:
+    """The compiled step's all-to-all bytes per device."""
+    return nnxscale.plan(cfg, compile="always").collective_bytes.get("all-to-all", 0)
 
 
 def expert_bytes(s) -> int:
@@ -88,8 +102,14 @@ def main() -> None:
     print(f"expert=8 step compiled in {time.perf_counter() - t:.1f} s: all-to-all {a2a:,} B per device per step, "
           f"formula {formula:,} B (ratio {a2a / formula:.2f}); all-gather {plan.collective_bytes.get('all-gather', 0):,} B")  # fmt: skip
 
+    capped = all_to_all(config("mixtral-mini", "expert=8", args.batch, args.seq, capacity_factor=CAPACITY))
+    print(f"expert=8 with --capacity-factor {CAPACITY}: all-to-all {capped:,} B per device per step (ratio {capped / formula:.2f})")
+
     runs = {"mixtral-mini": prepared_step(config("mixtral-mini", "data=8", args.batch, args.seq)),
-            "dense twin": prepared_step(config(DENSE, "data=8", args.batch, args.seq))}  # fmt: skip
+            "dense twin": prepared_step(config(DENSE, "data=8", args.batch, args.seq)),
+            "expert=8": prepared_step(config("mixtral-mini", "expert=8", args.batch, args.seq)),
+            f"expert=8 cf {CAPACITY}": prepared_step(config("mixtral-mini", "expert=8", args.batch, args.seq,
+                                                            capacity_factor=CAPACITY))}  # fmt: skip
     for run in runs.values():
         for _ in range(3):
             run()
@@ -101,10 +121,12 @@ def main() -> None:
             times[k].append(time.perf_counter() - t)
     median = {k: statistics.median(v) for k, v in times.items()}
     for k, v in median.items():
-        print(f"{k:<14} {v * 1e3:8.1f} ms/step (median of {args.steps}, data=8)")
+        print(f"{k:<18} {v * 1e3:8.1f} ms/step (median of {args.steps})")
     print(json.dumps({
         "expert_bytes_ratio": round(ratio, 4), "all_to_all_over_formula": round(a2a / formula, 2),
         "step_time_vs_dense": round(median["mixtral-mini"] / median["dense twin"], 3),
+        "capacity_all_to_all_over_formula": round(capped / formula, 2),
+        "capacity_step_time_vs_dropless": round(median[f"expert=8 cf {CAPACITY}"] / median["expert=8"], 3),
         "all_to_all_bytes": a2a, "formula_bytes": formula, "batch": args.batch, "seq": args.seq,
     }))  # fmt: skip
 

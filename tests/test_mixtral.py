@@ -180,11 +180,83 @@ def test_training_is_the_same_on_expert_meshes_and_resumes_from_one_on_another(t
         assert r["router_aux_loss"] > 0 and r["router_z_loss"] > 0
 
 
+def test_a_capacity_keeps_each_experts_first_assignments_of_a_sequence():
+    """Capacity ``cap`` per (sequence, expert): every token's first choice before any second
+    choice, tokens in order, the rest dropped; the grouped experts then add exactly the kept
+    assignments (values and gradients against every expert run densely)."""
+    rng = np.random.default_rng(1)
+    N, T, C, F, E, k = 48, 16, 8, 12, 4, 2
+    logits = jnp.asarray(rng.normal(size=(N, E)) * 3, jnp.float32)
+    weights, experts = route(logits, k)
+    cap = moe.capacity(1.0, T, k, E)
+    assert cap == 8 and moe.capacity(None, T, k, E) is None and moe.capacity(0.01, T, k, E) == 1
+    kept = np.asarray(moe.within_capacity(experts, E, T, cap))
+    want, chosen = np.zeros((N, k), bool), np.asarray(experts)
+    for row in range(N // T):
+        taken = np.zeros(E, int)
+        for j in range(k):
+            for n in range(row * T, (row + 1) * T):
+                taken[chosen[n, j]] += 1
+                want[n, j] = taken[chosen[n, j]] <= cap
+    assert (kept == want).all() and 0 < (~kept).sum() < N * k / 2
+    stats = route_stats(logits, experts, E, jnp.asarray(kept))
+    assert float(stats.dropped) == pytest.approx((~kept).mean())
+
+    x = jnp.asarray(rng.normal(size=(N, C)), jnp.float32)
+    w1, w3 = (jnp.asarray(rng.normal(size=(E, C, F)) / 4, jnp.float32) for _ in range(2))
+    w2 = jnp.asarray(rng.normal(size=(E, F, C)) / 4, jnp.float32)
+    w_kept = jnp.where(kept, weights, 0.0)
+
+    def dense(x, w1, w3, w2):
+        every = jax.nn.silu(jnp.einsum("ecf,nc->nef", w1, x)) * jnp.einsum("ecf,nc->nef", w3, x)
+        every = jnp.einsum("efc,nef->nec", w2, every)
+        return jnp.einsum("nkc,nk->nc", jnp.take_along_axis(every, experts[:, :, None], axis=1), w_kept)
+
+    grouped = lambda *a: grouped_swiglu(a[0], experts, w_kept, *a[1:], kept=jnp.asarray(kept))  # noqa: E731
+    np.testing.assert_allclose(grouped(x, w1, w3, w2), dense(x, w1, w3, w2), rtol=1e-5, atol=1e-5)
+    grads = [jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2, 3))(x, w1, w3, w2) for f in (grouped, dense)]
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_with_a_capacity_factor_every_mesh_drops_the_same_assignments(tmp_path, text_data):
+    """--capacity-factor 1: data=8, expert=8 and stage=2,expert=4 train the same 3 steps and
+    log the same share of dropped assignments (the capacity is per sequence, and every
+    shard holds whole sequences); on expert=8 each peer's slot of the all-to-all holds what
+    the capacity lets a device send it, about the factor times the textbook's, not 8x."""
+
+    def run(mesh, **kw):
+        cfg = tiny_cfg(tmp_path / mesh, text_data, model="mixtral-tiny", mesh=mesh, steps=3, model__capacity_factor=1.0, **kw)
+        assert quiet_train(cfg).final_step == 3
+        return nnxscale.read_metrics(tmp_path / mesh)
+
+    want = run("data=8")
+    assert all(0.05 < r["router_dropped"] < 0.6 for r in want), [r["router_dropped"] for r in want]
+    for mesh, kw in (("expert=8", {}), ("stage=2,expert=4", {"parallel__microbatches": 2})):
+        got = run(mesh, **kw)
+        np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5, err_msg=mesh)
+        np.testing.assert_allclose([r["router_dropped"] for r in got], [r["router_dropped"] for r in want], atol=1e-7)
+
+    cfg = tiny_cfg("unused", text_data, model="mixtral-tiny", mesh="expert=8", model__capacity_factor=1.0)
+    plan = nnxscale.plan(cfg, compile="always")
+    textbook = dict(plan.textbook)["expert all-to-all"] * plan.full_param_bytes
+    c = PRESETS["mixtral-tiny"]
+    factor = c.num_local_experts * moe.capacity(1.0, 32, c.num_experts_per_tok, c.num_local_experts) / (32 * c.num_experts_per_tok)
+    assert plan.collective_bytes["all-to-all"] / textbook == pytest.approx(factor, rel=0.01) and factor == 1.0
+    assert any("capacity factor 1" in n for n in plan.notes), plan.notes
+    assert nnxscale.plan(cfg, compile="never").collective_bytes["all-to-all (experts)"] == pytest.approx(
+        plan.collective_bytes["all-to-all"], rel=0.01)
+
+
 def test_an_expert_axis_the_model_cannot_use_is_one_clear_error(text_data, monkeypatch):
     from nnxscale.errors import ConfigError
 
     with pytest.raises(ConfigError, match="has none: name that axis data"):
         nnxscale.setup(tiny_cfg("unused", text_data, model="gpt2-tiny", mesh="expert=8"))
+    with pytest.raises(ConfigError, match="--capacity-factor 1.25: gpt2-tiny .gpt2. has no such option"):
+        nnxscale.setup(tiny_cfg("unused", text_data, model="gpt2-tiny", model__capacity_factor=1.25))
+    with pytest.raises(ConfigError, match=r"--capacity-factor .model.capacity_factor. must be positive"):
+        nnxscale.setup(tiny_cfg("unused", text_data, model="mixtral-tiny", model__capacity_factor=0.0))
     monkeypatch.setitem(PRESETS, "mixtral-tiny", preset("mixtral-tiny", num_local_experts=6))
     with pytest.raises(ConfigError, match="expert=4 does not divide mixtral-tiny's 6 experts.*2, 3, 6"):
         nnxscale.setup(tiny_cfg("unused", text_data, model="mixtral-tiny", mesh="expert=4,data=2"))

@@ -20,6 +20,7 @@ on an ``expert`` mesh axis, or FSDP's), their widths ``embed`` and ``mlp`` as a 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -42,6 +43,7 @@ class RouterStats(NamedTuple):
     fraction: jax.Array  # (E,) the fraction of tokens sending one of their k assignments to e (sums to k)
     probability: jax.Array  # (E,) the mean router probability of e
     z_loss: jax.Array  # mean over tokens of logsumexp(router logits)^2
+    dropped: jax.Array  # the share of the N * k assignments over their expert's capacity (0: dropless)
 
     @property
     def aux_loss(self) -> jax.Array:
@@ -62,16 +64,40 @@ def route(logits, k: int):
     return weights / jnp.sum(weights, axis=-1, keepdims=True), experts.astype(jnp.int32)
 
 
-def route_stats(logits, experts, num_experts: int) -> RouterStats:
+def route_stats(logits, experts, num_experts: int, kept=None) -> RouterStats:
     """The balance of one layer's routing. ``aux_loss`` is Hugging Face Mixtral's
     ``load_balancing_loss_func`` for one layer: ``E * sum_e f_e * P_e`` with ``f_e`` the
     fraction of tokens sending one of their ``k`` assignments to ``e`` (summing to ``k``)
-    and ``P_e`` the mean router probability of ``e``; ``k`` for a perfectly even router."""
+    and ``P_e`` the mean router probability of ``e``; ``k`` for a perfectly even router.
+    ``f_e`` counts the router's choices, dropped ones too (``kept``: which were not)."""
     logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     counts = jnp.zeros((num_experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
     z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
-    return RouterStats(counts / logits.shape[0], jnp.mean(probs, axis=0), z)
+    dropped = jnp.zeros((), jnp.float32) if kept is None else 1.0 - jnp.mean(kept.astype(jnp.float32))
+    return RouterStats(counts / logits.shape[0], jnp.mean(probs, axis=0), z, dropped)
+
+
+def capacity(factor: Optional[float], length: int, k: int, num_experts: int) -> Optional[int]:
+    """How many of a sequence's ``length * k`` assignments one expert takes: ``factor``
+    times its even share, rounded up (GShard's expert capacity, per sequence); ``None``
+    (dropless) without a factor."""
+    return None if not factor else max(1, math.ceil(factor * length * k / num_experts))
+
+
+def within_capacity(experts, num_experts: int, length: int, cap: int):
+    """``(N, k)`` which assignments fit their expert's capacity ``cap`` in their sequence
+    (rows of ``length`` tokens): within a (sequence, expert), every token's first choice
+    comes before any second choice (GShard's priority), and tokens in order."""
+    N, k = experts.shape
+    row = (jnp.arange(N) // length)[None, :]
+    key = (row * num_experts + experts.T).reshape(-1)  # choice-major: all first choices, then all second choices
+    order = jnp.argsort(key, stable=True)
+    ranked = key[order]
+    first = jnp.concatenate([jnp.ones((1,), bool), ranked[1:] != ranked[:-1]])
+    starts = jax.lax.cummax(jnp.where(first, jnp.arange(N * k), 0))
+    rank = jnp.zeros((N * k,), jnp.int32).at[order].set(jnp.arange(N * k) - starts)
+    return (rank < cap).reshape(k, N).T
 
 
 def _run_groups(xs, sizes, w_gate, w_up, w_down, rows: Optional[int] = None):
@@ -171,17 +197,18 @@ def _tiled_bwd(res, dy):
 _tiled_swiglu.defvjp(_tiled_fwd, _tiled_bwd)
 
 
-def grouped_swiglu(x, experts, weights, w_gate, w_up, w_down):
-    """``sum_j weights[:, j] * expert_{experts[:, j]}(x)`` for ``x (N, C)``, dropless.
+def grouped_swiglu(x, experts, weights, w_gate, w_up, w_down, kept=None):
+    """``sum_j weights[:, j] * expert_{experts[:, j]}(x)`` for ``x (N, C)``, dropless, or
+    over the assignments ``kept`` (``(N, k)`` bool: the others add nothing, and cost nothing).
 
     ``w_gate, w_up (E, C, F)`` and ``w_down (E, F, C)``: each expert is
     ``down(silu(x @ gate) * (x @ up))``. The assignments are sorted by expert and each
     group is multiplied by its own expert's weights (:func:`_run_groups`)."""
     N, k = experts.shape
     E = w_gate.shape[0]
-    flat = experts.reshape(-1)  # (N * k,)
+    flat = experts.reshape(-1) if kept is None else jnp.where(kept, experts, E).reshape(-1)  # (N * k,); E: dropped, last
     order = jnp.argsort(flat, stable=True)
-    sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
+    sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1, mode="drop")
     out = _run_groups(x[order // k], sizes, w_gate, w_up, w_down)  # each assignment's token, grouped by expert
     out = jnp.zeros_like(out).at[order].set(out)  # back to (token, choice) order
     return jnp.einsum("nkc,nk->nc", out.reshape(N, k, -1).astype(jnp.float32), weights).astype(x.dtype)
@@ -226,7 +253,7 @@ def _split(num_experts: int) -> Optional[_Split]:
     return _Split(rules.mesh if isinstance(rules.mesh, Mesh) else context, batch, expert, size if expert else 1)
 
 
-def _exchange(x, experts, weights, w_gate, w_up, w_down, *, axis: str, size: int):
+def _exchange(x, experts, weights, w_gate, w_up, w_down, *, axis: str, size: int, kept=None, slot_rows=None):
     """One device's part of expert parallelism (inside a shard_map manual over ``axis``):
     its tokens ``x (N, C)`` and their ``experts``/``weights (N, k)``, its ``E / size`` experts.
 
@@ -234,19 +261,22 @@ def _exchange(x, experts, weights, w_gate, w_up, w_down, *, axis: str, size: int
     which runs its experts on what it received (grouped matmuls) and sends the results back
     (``all_to_all``). Dropless: a device may send all of its assignments to one peer, so each
     peer's slot holds ``N * k`` rows (``ragged_all_to_all``, which sends only what is there,
-    is not implemented by XLA:CPU).
+    is not implemented by XLA:CPU). With a capacity only the assignments ``kept`` travel,
+    and each slot holds ``slot_rows``, what the capacity lets a device send one peer.
     """
     per = w_gate.shape[0]  # this device's experts
     N, k = experts.shape
-    cap = N * k
+    A = N * k  # assignments
+    cap = A if slot_rows is None else slot_rows  # rows of a peer's slot
     flat = experts.reshape(-1)
-    dest = flat // per
-    order = jnp.argsort(flat, stable=True)  # grouped by destination, then expert
-    counts = jnp.zeros((size,), jnp.int32).at[dest].add(1)
+    key = flat if kept is None else jnp.where(kept.reshape(-1), flat, size * per)  # dropped: past every destination
+    dest = key // per
+    order = jnp.argsort(key, stable=True)  # grouped by destination, then expert; the dropped last
+    counts = jnp.zeros((size + 1,), jnp.int32).at[dest].add(1)
     starts = jnp.cumsum(counts) - counts
-    slot = (dest[order], jnp.arange(cap) - starts[dest[order]])  # (destination, row in its slot)
-    send = jnp.zeros((size, cap, x.shape[-1]), x.dtype).at[slot].set(x[order // k])
-    ids = jnp.full((size, cap), per, jnp.int32).at[slot].set(flat[order] % per)  # per: an empty row
+    slot = (dest[order], jnp.arange(A) - starts[dest[order]])  # (destination, row in its slot); dropped: none
+    send = jnp.zeros((size, cap, x.shape[-1]), x.dtype).at[slot].set(x[order // k], mode="drop")
+    ids = jnp.full((size, cap), per, jnp.int32).at[slot].set(flat[order] % per, mode="drop")  # per: an empty row
     recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True).reshape(size * cap, -1)
     rids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True).reshape(-1)
     group = jnp.argsort(rids, stable=True)  # by local expert; empty rows last
@@ -254,33 +284,55 @@ def _exchange(x, experts, weights, w_gate, w_up, w_down, *, axis: str, size: int
     out = _run_groups(recv[group], sizes, w_gate, w_up, w_down, rows=cap)
     out = jnp.zeros_like(out).at[group].set(out).reshape(size, cap, -1)
     back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)  # each assignment's result, in its slot
-    mine = jnp.zeros((cap, x.shape[-1]), back.dtype).at[order].set(back[slot])
+    mine = jnp.zeros((A, x.shape[-1]), back.dtype).at[order].set(back.at[slot].get(mode="fill", fill_value=0))
     return jnp.einsum("nkc,nk->nc", mine.reshape(N, k, -1).astype(jnp.float32), weights).astype(x.dtype)
 
 
-def sharded_moe(x, logits, k: int, w_gate, w_up, w_down, split: _Split):
-    """Route and run the experts on a mesh: ``(y (N, C), experts (N, k))`` of tokens ``x``
-    and their router ``logits (N, E)``. Each batch shard routes and sorts its own tokens
+def route_and_run(x, logits, k: int, w_gate, w_up, w_down, *, length: int, cap: Optional[int] = None,
+                  exchange: Optional[tuple[str, int]] = None):  # fmt: skip
+    """``(y (N, C), experts (N, k), kept (N, k) or None)``: tokens ``x`` routed by their
+    ``logits (N, E)`` to ``k`` experts each and run through them, on one device or one
+    shard. ``cap``: each expert takes at most ``cap`` assignments of a sequence (rows of
+    ``length`` tokens, :func:`within_capacity`); the others are dropped (``kept`` False:
+    they add nothing). ``exchange``: ``(axis, size)``, the experts are split over that
+    manual axis and the assignments travel to them (:func:`_exchange`)."""
+    weights, experts = route(logits, k)
+    N, E = logits.shape
+    kept = None if cap is None else within_capacity(experts, E, length, cap)
+    if kept is not None:
+        weights = jnp.where(kept, weights, 0.0)
+    if exchange is None:
+        return grouped_swiglu(x, experts, weights, w_gate, w_up, w_down, kept), experts, kept
+    axis, size = exchange
+    slot = None if cap is None else min(N * k, N // length * (E // size) * cap)  # what one peer can be sent
+    return _exchange(x, experts, weights, w_gate, w_up, w_down, axis=axis, size=size, kept=kept, slot_rows=slot), experts, kept
+
+
+def sharded_moe(x, logits, k: int, w_gate, w_up, w_down, split: _Split, *, length: int, cap: Optional[int] = None):
+    """:func:`route_and_run` on a mesh. Each batch shard routes and sorts its own tokens
     (``jax.shard_map`` manual over the batch axes; tensor-parallel axes stay with the
     compiler), so no device ever sorts, or holds, every token (left to the compiler, even
     the top-k of the router gathered every token's probabilities). With an expert axis the
     tokens travel to their experts' devices and back (:func:`_exchange`); otherwise every
-    shard runs the experts, gathered like any weight of the layout (FSDP), on its tokens."""
+    shard runs the experts, gathered like any weight of the layout (FSDP), on its tokens.
+    A shard holds whole sequences, so a capacity drops the same assignments on any mesh."""
     from jax.sharding import PartitionSpec as P
 
+    exchange = None if split.expert is None else (split.expert, split.size)
+
     def local(x, logits, w_gate, w_up, w_down):
-        weights, experts = route(logits, k)
-        if split.expert is None:
-            return grouped_swiglu(x, experts, weights, w_gate, w_up, w_down), experts
-        return _exchange(x, experts, weights, w_gate, w_up, w_down, axis=split.expert, size=split.size), experts
+        y, experts, kept = route_and_run(x, logits, k, w_gate, w_up, w_down, length=length, cap=cap, exchange=exchange)
+        return (y, experts) if kept is None else (y, experts, kept)
 
     operands = (x, logits, w_gate, w_up, w_down)
     if split.inside:  # a pipeline stage's shard_map is manual over the expert axis already
-        return local(*operands)
-    tokens = P(split.batch if len(split.batch) > 1 else split.batch[0])
-    specs = (tokens, tokens) + (P(split.expert),) * 3  # the experts split over the expert axis, or whole on every shard
-    return jax.shard_map(local, mesh=split.mesh, in_specs=specs, out_specs=(tokens, tokens), axis_names=frozenset(split.batch),
-                         check_vma=False)(*operands)  # fmt: skip
+        out = local(*operands)
+    else:
+        tokens = P(split.batch if len(split.batch) > 1 else split.batch[0])
+        specs = (tokens, tokens) + (P(split.expert),) * 3  # the experts split over the expert axis, or whole on every shard
+        out = jax.shard_map(local, mesh=split.mesh, in_specs=specs, out_specs=(tokens,) * (2 if cap is None else 3),
+                            axis_names=frozenset(split.batch), check_vma=False)(*operands)  # fmt: skip
+    return out if cap is not None else (*out, None)
 
 
 class MoE(nnx.Module):
@@ -293,10 +345,11 @@ class MoE(nnx.Module):
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *, dtype, param_dtype,
-                 rngs: nnx.Rngs):  # fmt: skip
+                 rngs: nnx.Rngs, capacity_factor: Optional[float] = None):  # fmt: skip
         C, F, E = hidden, intermediate, num_experts
         self.top_k = top_k
         self.dtype = dtype
+        self.capacity_factor = capacity_factor
         self.gate = nnx.Linear(C, E, use_bias=False, dtype=jnp.float32, param_dtype=param_dtype,
                                kernel_init=logical(_normal, "embed", None), rngs=rngs)  # fmt: skip
         init = lambda names, shape: nnx.Param(_normal(rngs.params(), shape, param_dtype), **{LOGICAL_KEY: names})  # noqa: E731
@@ -304,17 +357,20 @@ class MoE(nnx.Module):
         self.w3 = init(("expert", "embed", "mlp"), (E, C, F))
         self.w2 = init(("expert", "mlp", "embed"), (E, F, C))
 
-    def __call__(self, x):
+    def __call__(self, x, *, dropless: bool = False):
+        """``dropless``: every assignment reaches its expert whatever ``capacity_factor``
+        (decoding with a cache does so: a prompt's tokens are not dropped)."""
         B, T, C = x.shape
         tokens = x.reshape(B * T, C)
         logits = self.gate(tokens.astype(jnp.float32))  # (N, E), float32 as HF's router
+        E = logits.shape[-1]
         cast = lambda w: w[...].astype(self.dtype)  # noqa: E731
         experts_w = (cast(self.w1), cast(self.w3), cast(self.w2))
-        split = _split(logits.shape[-1])
+        cap = None if dropless else capacity(self.capacity_factor, T, self.top_k, E)
+        split = _split(E)
         if split is None:
-            weights, experts = route(logits, self.top_k)
-            y = grouped_swiglu(tokens.astype(self.dtype), experts, weights, *experts_w)
+            y, experts, kept = route_and_run(tokens.astype(self.dtype), logits, self.top_k, *experts_w, length=T, cap=cap)
         else:
-            y, experts = sharded_moe(tokens.astype(self.dtype), logits, self.top_k, *experts_w, split)
-        stats = route_stats(logits, experts, logits.shape[-1])
+            y, experts, kept = sharded_moe(tokens.astype(self.dtype), logits, self.top_k, *experts_w, split, length=T, cap=cap)
+        stats = route_stats(logits, experts, E, kept)
         return constrain(y.reshape(B, T, C), "batch", "length", "embed"), stats

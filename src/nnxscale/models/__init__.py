@@ -61,7 +61,8 @@ def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Opt
     the layers and weighted by the config's ``router_aux_loss_coef`` and
     ``router_z_loss_coef``, are added, and it returns ``(loss, extras)``: the two router
     losses, each expert's share of the assignments (``expert_load``, averaged over the
-    layers) and its max over its mean, which the step reports in ``metrics.jsonl``.
+    layers) and its max over its mean, and with a capacity factor the share of the
+    assignments dropped (``router_dropped``), which the step reports in ``metrics.jsonl``.
 
     ``separator`` (``--document-mask``): the token that ends each document of a packed row.
     Attention stops at document boundaries, positions restart at each document, and the
@@ -90,6 +91,8 @@ def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Opt
     ce = chunked_cross_entropy(hidden, targets, model.logits, weights=weights, vocab=c.vocab_size)
     extras = {"router_aux_loss": aux, "router_z_loss": z, "expert_load": load,
               "expert_load_max_over_mean": jnp.max(load) / jnp.mean(load)}  # fmt: skip
+    if getattr(c, "capacity_factor", None):  # the share of the assignments over their expert's capacity
+        extras["router_dropped"] = jnp.mean(stats.dropped)
     return ce + c.router_aux_loss_coef * aux + c.router_z_loss_coef * z, extras
 
 
@@ -203,6 +206,7 @@ FAMILIES: dict[str, ModelFamily] = {
         pretrained_config=mixtral.pretrained_config,
         hf_model_types=("mixtral",),
         loss=chunked_next_token_loss,
+        run_options=("dropout", "dtype", "remat", "attention", "capacity_factor"),
     ),
 }
 

@@ -320,8 +320,13 @@ def compiled_notes(cfg: TrainConfig, lay: dict, compiled: dict) -> list[str]:
     if _split(lay["rows"], lay["rules"])["experts"]:
         e = lay["rules"].sizes[EXPERT]
         wide = "; with bfloat16 compute XLA:CPU sends them as float32, 2x more" if cfg.model.dtype == "bfloat16" else ""
-        notes.append(f"the compiled all-to-all is dropless on CPU: each of the {e} peers' slots holds all of a device's "
-                     f"(token, expert) assignments, {e}x the textbook's (XLA:CPU has no ragged_all_to_all){wide}")  # fmt: skip
+        factor = getattr(lay["model"].config, "capacity_factor", None)
+        if factor:
+            notes.append(f"the compiled all-to-all sends slots the capacity sizes: each of the {e} peers' holds what capacity "
+                         f"factor {factor:g} lets a device send it, {slot_factor(cfg, lay):.3g}x the textbook's{wide}")  # fmt: skip
+        else:
+            notes.append(f"the compiled all-to-all is dropless on CPU: each of the {e} peers' slots holds all of a device's "
+                         f"(token, expert) assignments, {e}x the textbook's (XLA:CPU has no ragged_all_to_all){wide}")  # fmt: skip
     on_cpu = jax.default_backend() == "cpu" or "CPU devices" in compiled["source"]
     if lay["pipeline"] is not None and cfg.model.dtype == "bfloat16" and on_cpu:
         notes.append("with bfloat16 compute XLA:CPU sends the pipeline's permutes as float32 (the lowered program's are "
@@ -565,14 +570,27 @@ def expert_all_to_all_bytes(cfg: TrainConfig, lay: dict) -> int:
     return int(tokens * k * dims.width * itemsize * 2 * passes * _layers_run(dims.layers, lay.get("pipeline")))
 
 
-def dropless_all_to_all_bytes(cfg: TrainConfig, lay: dict) -> int:
+def slot_factor(cfg: TrainConfig, lay: dict) -> float:
+    """The exchange's buffers over what its assignments need (:func:`expert_all_to_all_bytes`).
+    Dropless, each of the ``expert`` peers' slots holds all of a device's assignments (no
+    ``ragged_all_to_all``): ``expert`` times. With a capacity factor a slot holds what the
+    capacity lets a device send one peer, ``E / expert`` experts' capacity per sequence:
+    ``E cap / (T k)`` times, about the factor (:func:`nnxscale.layers.moe.capacity`)."""
+    from nnxscale.layers.moe import capacity
+
+    c, size = lay["model"].config, lay["rules"].sizes[EXPERT]
+    k, E, T = c.num_experts_per_tok, c.num_local_experts, cfg.data.seq_len
+    cap = capacity(getattr(c, "capacity_factor", None), T, k, E)
+    return size if cap is None else min(size, E * cap / (T * k))
+
+
+def compiled_all_to_all_bytes(cfg: TrainConfig, lay: dict) -> int:
     """What the exchange of :mod:`nnxscale.layers.moe` sends over the ``expert`` axis, as XLA:CPU
-    compiles it: each of the ``expert`` peers' slots holds all of a device's assignments
-    (dropless, without ``ragged_all_to_all``), ``expert`` times :func:`expert_all_to_all_bytes`,
-    and bfloat16 is sent as float32 (2x). Within 1% of the compiled step (the experts' ids
-    travel too: mixtral-mini on ``expert=8``, 8.02x the formula)."""
+    compiles it: :func:`slot_factor` times :func:`expert_all_to_all_bytes`, and bfloat16 is
+    sent as float32 (2x). Within 1% of the compiled step (the experts' ids travel too:
+    mixtral-mini on ``expert=8``, 8.02x the formula dropless)."""
     wide = 2 if cfg.model.dtype == "bfloat16" else 1
-    return expert_all_to_all_bytes(cfg, lay) * lay["rules"].sizes[EXPERT] * wide
+    return int(expert_all_to_all_bytes(cfg, lay) * slot_factor(cfg, lay) * wide)
 
 
 def ring_permute_bytes(cfg: TrainConfig, lay: dict) -> int:
@@ -745,7 +763,7 @@ def estimate(cfg: TrainConfig, lay: Optional[dict] = None) -> dict[str, Any]:
     if lay["rules"].length_shard_count > 1:  # the ring's permutes: counted, not fitted
         by_kind["collective-permute (ring)"] = ring_permute_bytes(cfg, lay)
     if _split(lay["rows"], lay["rules"])["experts"]:  # the experts' exchange: counted, not fitted
-        by_kind["all-to-all (experts)"] = dropless_all_to_all_bytes(cfg, lay)
+        by_kind["all-to-all (experts)"] = compiled_all_to_all_bytes(cfg, lay)
     return {
         "temp_bytes_per_device": temp,
         "peak_bytes_per_device": int(lay["param_bytes"] + lay["optimizer_bytes"] + lay["batch_bytes"] + temp),

@@ -55,6 +55,10 @@ class ModelSettings:
                              "else xla up to 2,047 tokens, blockwise from 2,048); xla (jax.nn.dot_product_attention: "
                              "the full T x T scores); blockwise (flash-attention recurrence in plain JAX: memory "
                              "linear in T); cudnn", choices=ATTENTION_IMPLEMENTATIONS)  # fmt: skip
+    capacity_factor: Optional[float] = setting(None, "--capacity-factor", "a mixture of experts (mixtral): each expert "
+                                               "takes at most this factor x its even share of a sequence's assignments "
+                                               "in training, the rest are dropped and counted (router_dropped); "
+                                               "default: dropless")  # fmt: skip
     init_from: Optional[str] = setting(None, "--init-from", "start from a seed checkpoint (nnxscale init) or a Hugging "
                                        "Face directory of the model's family")  # fmt: skip
 
@@ -222,6 +226,7 @@ class TrainConfig:
             "steps": steps,
             "seed": (lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]"),
             "model.dropout": below_one,
+            "model.capacity_factor": (lambda v: v is None or v > 0, "positive (or unset: dropless)"),
             "logging.log_every": at_least(1),
             "logging.eval_every": (lambda v: v >= 0, "0 (never) or positive"),
             "checkpoint.save_every": (lambda v: v >= 0, "0 (only at the end) or positive"),

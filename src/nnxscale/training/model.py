@@ -25,7 +25,7 @@ from nnxscale.models import (
 from nnxscale.training.config import ConfigError, TrainConfig, flag
 
 #: TrainConfig fields that set a family's config (see ``ModelFamily.run_options``).
-RUN_OPTIONS = ("dropout", "dtype", "remat", "attention")
+RUN_OPTIONS = ("dropout", "dtype", "remat", "attention", "capacity_factor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,12 +114,12 @@ def run_model(
         if not callable(model):
             raise ConfigError(f"model= must be a function rngs -> nnx.Module, got {type(model).__name__}")
         if changed:
-            given = ", ".join(f"{flag(k)} {v}" for k, v in changed.items())
+            given = ", ".join(f"{flag('model.' + k)} {v}" for k, v in changed.items())
             raise ConfigError(f"{given}: these set a family preset's options; your own module (model=) sets its own")
         return RunModel(cfg.model.name, model, loss or next_token_loss)
     family, preset = model_architecture(cfg.model.name, recorded)
     if unsupported := [k for k in changed if k not in family.run_options]:
-        given = ", ".join(f"{flag(k)} {changed[k]}" for k in unsupported)
+        given = ", ".join(f"{flag('model.' + k)} {changed[k]}" for k in unsupported)
         raise ConfigError(f"{given}: {cfg.model.name} ({family.name}) has no such option; it takes {', '.join(family.run_options)}")
     config = dataclasses.replace(preset, **{k: getattr(cfg.model, k) for k in family.run_options})
     objective = loss or family.loss

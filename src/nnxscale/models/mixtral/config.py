@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from nnxscale.errors import ModelError
 from nnxscale.models.common.model_config import choose_preset
@@ -24,6 +25,10 @@ class MixtralConfig(LlamaConfig):
     router_aux_loss_coef: float = 0.02
     router_z_loss_coef: float = 0.001
     rope_theta: float = 1000000.0
+    #: None: dropless (Mixtral's routing, Hugging Face's logits). A factor: each expert takes
+    #: at most factor x its even share of a sequence's assignments in training; the rest
+    #: are dropped (:func:`nnxscale.layers.moe.capacity`). Not a Hugging Face field.
+    capacity_factor: Optional[float] = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -33,6 +38,9 @@ class MixtralConfig(LlamaConfig):
                 f"MixtralConfig.num_experts_per_tok={self.num_experts_per_tok} is larger than "
                 f"num_local_experts={self.num_local_experts}: a token cannot pick more experts than there are"
             )
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
+            raise ModelError(f"MixtralConfig.capacity_factor must be a positive number (or None: dropless), got {cf!r}")
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:

@@ -23,7 +23,8 @@ class MixtralDecoderLayer(nnx.Module):
         self.self_attn = LlamaAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size,
                                         impl=c.attention, **kw)  # fmt: skip
         self.post_attention_layernorm = _rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
-        self.block_sparse_moe = MoE(c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok, **kw)
+        self.block_sparse_moe = MoE(c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok,
+                                    capacity_factor=c.capacity_factor, **kw)  # fmt: skip
         self.dropout = c.dropout
 
     def __call__(self, x, cos, sin, positions=None, segments=None, key=None, cache=None):  # x (B, T, C)
@@ -31,7 +32,8 @@ class MixtralDecoderLayer(nnx.Module):
         if cache is not None:  # decoding (no dropout)
             a, cache = self.self_attn(self.input_layernorm(x), cos, sin, positions, cache=cache)
             x = x + a
-            return constrain(x + self.block_sparse_moe(self.post_attention_layernorm(x))[0], "batch", "length", "embed"), cache
+            y = self.block_sparse_moe(self.post_attention_layernorm(x), dropless=True)[0]
+            return constrain(x + y, "batch", "length", "embed"), cache
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         x = x + dropout(self.self_attn(self.input_layernorm(x), cos, sin, positions, segments), self.dropout, k1)
         y, stats = self.block_sparse_moe(self.post_attention_layernorm(x))
