@@ -10,6 +10,11 @@ by expert and each expert multiplies exactly its own tokens (a grouped matmul:
 costs ``k`` experts' FLOPs per token, not ``E`` (a one-hot einsum over every expert costs
 ``E / k`` times more).
 
+Optionally (``capacity_factor``) each expert takes at most that factor times its even share
+of a sequence's assignments (:func:`capacity`, :func:`within_capacity`): the rest are
+dropped, add nothing and cost nothing, and on an expert axis each peer's slot of the
+exchange holds only what the capacity allows instead of all of a device's assignments.
+
 Besides its output, :class:`MoE` returns what training needs to keep the router balanced,
 per layer (:class:`RouterStats`): the Switch Transformer's load-balancing loss, the router
 z-loss (ST-MoE), and each expert's share of the assignments.
