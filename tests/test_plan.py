@@ -130,7 +130,9 @@ def test_plan_command_json_sweep_and_errors(capsys):
 
     assert main(["plan", "--model", "gpt2-tiny", "--mesh", "data=8", "--batch-size", "16", "--seq-len", "64", "--sweep", "--json"]) == 0
     out = capsys.readouterr().out
-    plans = json.loads(out.strip().splitlines()[-1])
+    swept = json.loads(out.strip().splitlines()[-1])
+    plans = swept["plans"]
+    assert swept["not_planned"] == []  # a batch of 16 splits over every 8-way mesh
     assert len({(p["mesh"], p["remat"]) for p in plans}) == len(plans)  # each configuration once
     assert len({p["mesh"] for p in plans}) >= 4 and len({p["remat"] for p in plans}) == 3
     # The sweep estimates (no compile): each figure within 15% of (bench/plan_accuracy.py: 12% worst fitted)
@@ -144,9 +146,11 @@ def test_plan_command_json_sweep_and_errors(capsys):
 
     # A candidate that cannot run the configuration is named with the reason, not dropped:
     # a batch of 4 splits over none of the 8-way meshes.
-    assert main(["plan", "--model", "gpt2-tiny", "--mesh", "data=8", "--batch-size", "4", "--seq-len", "64", "--sweep"]) == 0
+    assert main(["plan", "--model", "gpt2-tiny", "--mesh", "data=8", "--batch-size", "4", "--seq-len", "64", "--sweep", "--json"]) == 0
     out = capsys.readouterr().out
     assert "not planned: data=8: --batch-size 4 must be a multiple of 8" in out, out
+    skipped = {s["mesh"]: s["reason"] for s in json.loads(out.strip().splitlines()[-1])["not_planned"]}  # and in the JSON
+    assert skipped["data=8"].startswith("--batch-size 4 must be a multiple of 8") and "fsdp=8" in skipped
     assert "not planned: fsdp=8: --batch-size 4" in out, out
     assert any(line.startswith("data=4,model=2 ") for line in out.splitlines()), out  # 4 rows over data=4: planned
 

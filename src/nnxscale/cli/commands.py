@@ -242,7 +242,7 @@ def _plan_parser(sub) -> None:
                     help="auto: compile up to --max-compile-devices, estimate beyond (default; --sweep: never)")  # fmt: skip
     pl.add_argument("--max-compile-devices", type=int, default=None, help="largest mesh to compile; larger ones are estimated (default: 1024)")
     pl.add_argument("--table", action="store_true", help="also print the per-Variable sharding table")
-    pl.add_argument("--json", action="store_true", help="end with one JSON line: the plan (a list of plans with --sweep)")
+    pl.add_argument("--json", action="store_true", help="end with one JSON line: the plan (with --sweep: the plans, and the meshes not planned with the reason)")
     _add_common(pl)
 
 
@@ -427,7 +427,8 @@ def _plan(args) -> int:
               f"{cfg.model.dtype} compute, sorted by peak memory per device")  # fmt: skip
         print(planlib.sweep_table(plans, skipped))
         if args.json:
-            print(json.dumps([p.to_dict() for p in plans]))
+            not_planned = [{"mesh": mesh, "reason": reason} for mesh, reason in skipped.items()]
+            print(json.dumps({"plans": [p.to_dict() for p in plans], "not_planned": not_planned}))
         return 0
     step = planlib.plan(cfg, device_memory=memory, compile=args.compile or "auto", max_compile_devices=max_devices)
     print(step)

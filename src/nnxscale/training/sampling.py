@@ -13,7 +13,7 @@ from flax import nnx
 from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
 from nnxscale.data import text as text
 from nnxscale.errors import NnxscaleError
-from nnxscale.models.common.generate import Sampling, generate
+from nnxscale.models.common.generate import Sampling, check_max_new_tokens, generate
 from nnxscale.sharding.axes import BATCH_AXES, CONTEXT, DATA, STAGE
 from nnxscale.sharding.mesh import format_mesh, make_mesh, resolve_mesh_shape
 from nnxscale.training.config import ConfigError, TrainConfig, with_overrides
@@ -127,8 +127,7 @@ def sample(
     context is the model's (its family's), or the run's sequence length for your own module.
     """
     sampling = Sampling(temperature, top_k, top_p, seed).check()
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be a positive integer (got {max_new_tokens})")
+    check_max_new_tokens(max_new_tokens)  # before the checkpoint is read
     texts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not texts or not all(isinstance(t, str) for t in texts):
         raise ConfigError("prompt: give a text, or a non-empty list of texts")

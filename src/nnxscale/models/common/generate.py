@@ -39,6 +39,13 @@ from nnxscale.sharding.activations import constrain, use_rules
 
 #: The largest seed: a uint32, as the trainer's (``nnxscale.training.config.MAX_SEED``).
 MAX_SEED = 2**32 - 1
+
+
+def check_max_new_tokens(n) -> int:
+    """``n``, a positive number of tokens to generate; else ConfigError in one line."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"--max-new-tokens must be a positive integer (got {n})")
+    return n
 #: Cache and window lengths are rounded up to a multiple of this (fewer programs to compile).
 ROUND_TO = 64
 
@@ -222,8 +229,7 @@ class Generator:
         default the longest prompt and ``max_new_tokens``, rounded up to :data:`ROUND_TO`.
         Programs are compiled per length: the bench times a few tokens of a long run this way."""
         sampling.check()
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ConfigError(f"--max-new-tokens must be a positive integer (got {max_new_tokens})")
+        check_max_new_tokens(max_new_tokens)
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ConfigError("every prompt needs at least one token (start an empty one with the end-of-text token)")
         C = self.context
