@@ -182,8 +182,9 @@ def test_training_is_the_same_on_expert_meshes_and_resumes_from_one_on_another(t
 
 def test_a_capacity_keeps_each_experts_first_assignments_of_a_sequence():
     """Capacity ``cap`` per (sequence, expert): every token's first choice before any second
-    choice, tokens in order, the rest dropped; the grouped experts then add exactly the kept
-    assignments (values and gradients against every expert run densely)."""
+    choice, earlier tokens first (by their positions, whatever the order they are stored
+    in), the rest dropped; the grouped experts then add exactly the kept assignments
+    (values and gradients against every expert run densely)."""
     rng = np.random.default_rng(1)
     N, T, C, F, E, k = 48, 16, 8, 12, 4, 2
     logits = jnp.asarray(rng.normal(size=(N, E)) * 3, jnp.float32)
@@ -199,6 +200,10 @@ def test_a_capacity_keeps_each_experts_first_assignments_of_a_sequence():
                 taken[chosen[n, j]] += 1
                 want[n, j] = taken[chosen[n, j]] <= cap
     assert (kept == want).all() and 0 < (~kept).sum() < N * k / 2
+    order = np.concatenate([rng.permutation(T) for _ in range(N // T)])  # each sequence stored out of order
+    stored = order + np.repeat(np.arange(N // T) * T, T)
+    again = moe.within_capacity(experts[stored], E, T, cap, positions=jnp.asarray(order))
+    assert (np.asarray(again) == kept[stored]).all()
     stats = route_stats(logits, experts, E, jnp.asarray(kept))
     assert float(stats.dropped) == pytest.approx((~kept).mean())
 
@@ -220,10 +225,11 @@ def test_a_capacity_keeps_each_experts_first_assignments_of_a_sequence():
 
 
 def test_with_a_capacity_factor_every_mesh_drops_the_same_assignments(tmp_path, text_data):
-    """--capacity-factor 1: data=8, expert=8 and stage=2,expert=4 train the same 3 steps and
-    log the same share of dropped assignments (the capacity is per sequence, and every
-    shard holds whole sequences); on expert=8 each peer's slot of the all-to-all holds what
-    the capacity lets a device send it, about the factor times the textbook's, not 8x."""
+    """--capacity-factor 1: data=8, context=2,expert=4 (each sequence in zigzag order) and
+    stage=2,expert=4 train the same 3 steps and log the same share of dropped assignments
+    (the capacity is per sequence, every shard holds whole sequences, and the order of the
+    tokens does not decide); on expert=8 each peer's slot of the all-to-all holds what the
+    capacity lets a device send it, about the factor times the textbook's, not 8x."""
 
     def run(mesh, **kw):
         cfg = tiny_cfg(tmp_path / mesh, text_data, model="mixtral-tiny", mesh=mesh, steps=3, model__capacity_factor=1.0, **kw)
@@ -232,7 +238,7 @@ def test_with_a_capacity_factor_every_mesh_drops_the_same_assignments(tmp_path, 
 
     want = run("data=8")
     assert all(0.05 < r["router_dropped"] < 0.6 for r in want), [r["router_dropped"] for r in want]
-    for mesh, kw in (("expert=8", {}), ("stage=2,expert=4", {"parallel__microbatches": 2})):
+    for mesh, kw in (("context=2,expert=4", {}), ("stage=2,expert=4", {"parallel__microbatches": 2})):
         got = run(mesh, **kw)
         np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5, err_msg=mesh)
         np.testing.assert_allclose([r["router_dropped"] for r in got], [r["router_dropped"] for r in want], atol=1e-7)

@@ -90,14 +90,21 @@ def capacity(factor: Optional[float], length: int, k: int, num_experts: int) -> 
     return None if not factor else max(1, math.ceil(factor * length * k / num_experts))
 
 
-def within_capacity(experts, num_experts: int, length: int, cap: int):
+def within_capacity(experts, num_experts: int, length: int, cap: int, positions=None):
     """``(N, k)`` which assignments fit their expert's capacity ``cap`` in their sequence
-    (rows of ``length`` tokens): within a (sequence, expert), every token's first choice
-    comes before any second choice (GShard's priority), and tokens in order."""
+    (rows of ``length`` tokens). Within a (sequence, expert), every token's first choice
+    comes before any second choice, and earlier tokens before later ones (GShard's
+    priority). ``positions`` (``(N,)`` ints): each token's place in its sequence, when the
+    sequence is stored out of order (the zigzag layout of a ``context`` axis), so that the
+    same assignments are dropped whatever the layout; by default the order stored."""
     N, k = experts.shape
     row = (jnp.arange(N) // length)[None, :]
     key = (row * num_experts + experts.T).reshape(-1)  # choice-major: all first choices, then all second choices
-    order = jnp.argsort(key, stable=True)
+    order = jnp.arange(N * k)
+    if positions is not None:  # earlier positions first, then (stable) the choices, then the keys
+        order = jnp.argsort(jnp.tile(positions, k), stable=True)
+        order = order[jnp.argsort(order // N, stable=True)]
+    order = order[jnp.argsort(key[order], stable=True)]
     ranked = key[order]
     first = jnp.concatenate([jnp.ones((1,), bool), ranked[1:] != ranked[:-1]])
     starts = jax.lax.cummax(jnp.where(first, jnp.arange(N * k), 0))
@@ -293,17 +300,17 @@ def _exchange(x, experts, weights, w_gate, w_up, w_down, *, axis: str, size: int
     return jnp.einsum("nkc,nk->nc", mine.reshape(N, k, -1).astype(jnp.float32), weights).astype(x.dtype)
 
 
-def route_and_run(x, logits, k: int, w_gate, w_up, w_down, *, length: int, cap: Optional[int] = None,
+def route_and_run(x, logits, k: int, w_gate, w_up, w_down, *, length: int, cap: Optional[int] = None, positions=None,
                   exchange: Optional[tuple[str, int]] = None):  # fmt: skip
     """``(y (N, C), experts (N, k), kept (N, k) or None)``: tokens ``x`` routed by their
     ``logits (N, E)`` to ``k`` experts each and run through them, on one device or one
     shard. ``cap``: each expert takes at most ``cap`` assignments of a sequence (rows of
-    ``length`` tokens, :func:`within_capacity`); the others are dropped (``kept`` False:
-    they add nothing). ``exchange``: ``(axis, size)``, the experts are split over that
-    manual axis and the assignments travel to them (:func:`_exchange`)."""
+    ``length`` tokens at ``positions``, :func:`within_capacity`); the others are dropped
+    (``kept`` False: they add nothing). ``exchange``: ``(axis, size)``, the experts are
+    split over that manual axis and the assignments travel to them (:func:`_exchange`)."""
     weights, experts = route(logits, k)
     N, E = logits.shape
-    kept = None if cap is None else within_capacity(experts, E, length, cap)
+    kept = None if cap is None else within_capacity(experts, E, length, cap, positions)
     if kept is not None:
         weights = jnp.where(kept, weights, 0.0)
     if exchange is None:
@@ -313,7 +320,8 @@ def route_and_run(x, logits, k: int, w_gate, w_up, w_down, *, length: int, cap: 
     return _exchange(x, experts, weights, w_gate, w_up, w_down, axis=axis, size=size, kept=kept, slot_rows=slot), experts, kept
 
 
-def sharded_moe(x, logits, k: int, w_gate, w_up, w_down, split: _Split, *, length: int, cap: Optional[int] = None):
+def sharded_moe(x, logits, k: int, w_gate, w_up, w_down, split: _Split, *, length: int, cap: Optional[int] = None,
+                positions=None):  # fmt: skip
     """:func:`route_and_run` on a mesh. Each batch shard routes and sorts its own tokens
     (``jax.shard_map`` manual over the batch axes; tensor-parallel axes stay with the
     compiler), so no device ever sorts, or holds, every token (left to the compiler, even
@@ -325,16 +333,17 @@ def sharded_moe(x, logits, k: int, w_gate, w_up, w_down, split: _Split, *, lengt
 
     exchange = None if split.expert is None else (split.expert, split.size)
 
-    def local(x, logits, w_gate, w_up, w_down):
-        y, experts, kept = route_and_run(x, logits, k, w_gate, w_up, w_down, length=length, cap=cap, exchange=exchange)
+    def local(x, logits, w_gate, w_up, w_down, positions):
+        y, experts, kept = route_and_run(x, logits, k, w_gate, w_up, w_down, length=length, cap=cap, positions=positions,
+                                         exchange=exchange)  # fmt: skip
         return (y, experts) if kept is None else (y, experts, kept)
 
-    operands = (x, logits, w_gate, w_up, w_down)
+    operands = (x, logits, w_gate, w_up, w_down, positions)
     if split.inside:  # a pipeline stage's shard_map is manual over the expert axis already
         out = local(*operands)
     else:
         tokens = P(split.batch if len(split.batch) > 1 else split.batch[0])
-        specs = (tokens, tokens) + (P(split.expert),) * 3  # the experts split over the expert axis, or whole on every shard
+        specs = (tokens, tokens) + (P(split.expert),) * 3 + (tokens,)  # the experts split over the expert axis, or whole
         out = jax.shard_map(local, mesh=split.mesh, in_specs=specs, out_specs=(tokens,) * (2 if cap is None else 3),
                             axis_names=frozenset(split.batch), check_vma=False)(*operands)  # fmt: skip
     return out if cap is not None else (*out, None)
@@ -362,9 +371,11 @@ class MoE(nnx.Module):
         self.w3 = init(("expert", "embed", "mlp"), (E, C, F))
         self.w2 = init(("expert", "mlp", "embed"), (E, F, C))
 
-    def __call__(self, x, *, dropless: bool = False):
+    def __call__(self, x, *, dropless: bool = False, positions=None):
         """``dropless``: every assignment reaches its expert whatever ``capacity_factor``
-        (decoding with a cache does so: a prompt's tokens are not dropped)."""
+        (decoding with a cache does so: a prompt's tokens are not dropped). ``positions``
+        (``(T,)`` or ``(B, T)`` ints): each token's place in its sequence when it is stored
+        out of order, for the capacity's priority (:func:`within_capacity`)."""
         B, T, C = x.shape
         tokens = x.reshape(B * T, C)
         logits = self.gate(tokens.astype(jnp.float32))  # (N, E), float32 as HF's router
@@ -372,10 +383,14 @@ class MoE(nnx.Module):
         cast = lambda w: w[...].astype(self.dtype)  # noqa: E731
         experts_w = (cast(self.w1), cast(self.w3), cast(self.w2))
         cap = None if dropless else capacity(self.capacity_factor, T, self.top_k, E)
+        where = None  # the tokens' places in their sequences: for the capacity's priority
+        if cap is not None:
+            where = jnp.broadcast_to(jnp.arange(T) if positions is None else positions, (B, T)).reshape(B * T).astype(jnp.int32)
         split = _split(E)
+        kw = dict(length=T, cap=cap, positions=where)
         if split is None:
-            y, experts, kept = route_and_run(tokens.astype(self.dtype), logits, self.top_k, *experts_w, length=T, cap=cap)
+            y, experts, kept = route_and_run(tokens.astype(self.dtype), logits, self.top_k, *experts_w, **kw)
         else:
-            y, experts, kept = sharded_moe(tokens.astype(self.dtype), logits, self.top_k, *experts_w, split, length=T, cap=cap)
+            y, experts, kept = sharded_moe(tokens.astype(self.dtype), logits, self.top_k, *experts_w, split, **kw)
         stats = route_stats(logits, experts, E, kept)
         return constrain(y.reshape(B, T, C), "batch", "length", "embed"), stats

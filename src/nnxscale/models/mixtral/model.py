@@ -36,7 +36,7 @@ class MixtralDecoderLayer(nnx.Module):
             return constrain(x + y, "batch", "length", "embed"), cache
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         x = x + dropout(self.self_attn(self.input_layernorm(x), cos, sin, positions, segments), self.dropout, k1)
-        y, stats = self.block_sparse_moe(self.post_attention_layernorm(x))
+        y, stats = self.block_sparse_moe(self.post_attention_layernorm(x), positions=positions)
         x = x + dropout(y, self.dropout, k2)
         return constrain(x, "batch", "length", "embed"), stats
 
