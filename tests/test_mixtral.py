@@ -311,6 +311,10 @@ def test_a_pipeline_stage_keeps_its_own_experts_and_sends_them_tokens(text_data)
     assert plan.collective_bytes["all-to-all"] / textbook == pytest.approx(4, rel=0.01)
     assert plan.pipeline["permute_bytes_per_step"] == plan.pipeline["permute_bytes_expected"]
     assert not any("FSDP" in n for n in plan.notes), plan.notes  # the expert axis is not FSDP in the stage
+    # beside fsdp the stage routes per expert shard only, and the plan says what that costs
+    beside = tiny_cfg("unused", text_data, model="mixtral-tiny", mesh="stage=2,expert=2,fsdp=2", parallel__microbatches=2)
+    notes = nnxscale.plan(beside, compile="never").notes
+    assert any("routes its tokens per shard of expert; fsdp splits them too" in n for n in notes), notes
 
 
 def test_the_textbook_gathers_only_a_devices_own_experts_beside_fsdp(text_data):

@@ -285,8 +285,7 @@ def plan(
             "the analytical estimate does not model the pipeline (fitted without one: no microbatch buffer, bubble or "
             "permutes, and every layer's activations on every device): trust the compiled figures"
         )
-        routed = getattr(lay["model"].config, "num_experts_per_tok", 0) > 0
-        calibration += pipeline_notes(pipe, lay["rules"], [r.spec for r in lay["rows"] if r.is_param], routed=routed)
+        calibration += pipeline_notes(pipe, lay["rules"], [r.spec for r in lay["rows"] if r.is_param], routed=lay["model"].routed)
     if compile == "never" or (compile == "auto" and n > max_compile_devices):
         notes = [] if compile == "never" else [f"{n} devices is more than --max-compile-devices {max_compile_devices}: estimated"]
         notes += calibration

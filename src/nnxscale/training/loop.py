@@ -281,8 +281,7 @@ class _Run:
         if s.pipeline is not None:
             self.log(describe_pipeline(s))
             shardings = jax.tree.leaves(s.param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
-            routed = getattr(s.model.config, "num_experts_per_tok", 0) > 0
-            for note in pipeline_notes(s.pipeline, s.rules, [sh.spec for sh in shardings], routed=routed):
+            for note in pipeline_notes(s.pipeline, s.rules, [sh.spec for sh in shardings], routed=s.model.routed):
                 self.log(f"lint: {note}")
 
     # -- the loop -----------------------------------------------------------------------

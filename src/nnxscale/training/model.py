@@ -49,6 +49,11 @@ class RunModel:
     def dims(self) -> Optional[ModelDims]:
         return None if self.family is None else self.family.dims(self.config)
 
+    @property
+    def routed(self) -> bool:
+        """Whether the family's model is a mixture of experts (its class sets ``routed``)."""
+        return self.family is not None and bool(getattr(self.family.build, "routed", False))
+
     def describe(self) -> dict:
         """What ``config.json`` records of the model: the family and its config."""
         if self.family is None:
