@@ -46,6 +46,8 @@ def check_max_new_tokens(n) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"--max-new-tokens must be a positive integer (got {n})")
     return n
+
+
 #: Cache and window lengths are rounded up to a multiple of this (fewer programs to compile).
 ROUND_TO = 64
 
