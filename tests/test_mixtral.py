@@ -318,6 +318,21 @@ def test_a_pipeline_stage_keeps_its_own_experts_and_sends_them_tokens(text_data)
     assert any("routes its tokens per shard of expert; fsdp splits them too" in n for n in notes), notes
 
 
+def test_the_sweep_proposes_expert_meshes_for_a_mixture(text_data):
+    """plan --sweep's candidates for a mixture of 8 experts on 8 devices add an expert axis of
+    8, 4 and 2 (alone, or beside data and fsdp); for 6 experts only 2 divides both; and the
+    sweep plans them (estimates, nothing compiled)."""
+    from nnxscale.planning.planner import candidate_meshes
+    from nnxscale.sharding.mesh import format_mesh
+
+    meshes = candidate_meshes(8, 4, 64, experts=8)
+    assert {"expert=8", "data=2,expert=4", "fsdp=2,expert=4", "data=4,expert=2", "fsdp=4,expert=2"} <= set(meshes)
+    assert [m for m in candidate_meshes(8, 4, 64, experts=6) if "expert" in m] == ["data=4,expert=2", "fsdp=4,expert=2"]
+    assert not any("expert" in m for m in candidate_meshes(8, 4, 64))
+    plans, skipped = nnxscale.sweep(tiny_cfg("unused", text_data, model="mixtral-tiny"), 8, remats=("full",))
+    assert {"expert=8", "data=2,expert=4"} <= {format_mesh(p.mesh) for p in plans} and not skipped
+
+
 def test_the_textbook_gathers_only_a_devices_own_experts_beside_fsdp(text_data):
     """On fsdp=2,expert=4 the experts are split 4 ways by expert and gathered over fsdp only:
     FSDP's textbook counts a quarter of them, and the tokens' all-to-all is still there

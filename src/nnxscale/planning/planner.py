@@ -936,13 +936,17 @@ def _child_main() -> None:
 SWEEP_CONTEXT_FROM = 8192
 
 
-def candidate_meshes(n: int, heads: int, seq_len: int = 0) -> list[str]:
+def candidate_meshes(n: int, heads: int, seq_len: int = 0, experts: int = 0) -> list[str]:
     """Meshes of ``n`` devices worth comparing: data, fsdp, and either with a model axis
     that divides ``heads`` (query and key/value heads alike: tensor parallelism within at
     most 8 devices); for sequences of :data:`SWEEP_CONTEXT_FROM` tokens or more, a
     ``context`` axis alone and beside ``fsdp`` (where it divides the sequence in ``2 x
-    context`` head-tail chunks)."""
+    context`` head-tail chunks); for a mixture of ``experts``, an ``expert`` axis of the
+    three largest sizes dividing both, alone or beside ``data`` and ``fsdp``."""
     out = [f"data={n}", f"fsdp={n}"]
+    sizes = [e for e in range(min(n, experts), 1, -1) if experts % e == 0 and n % e == 0][:3]
+    for e in sizes:
+        out += [f"expert={n}"] if e == n else [f"data={n // e},expert={e}", f"fsdp={n // e},expert={e}"]
     if seq_len >= SWEEP_CONTEXT_FROM:
         for c in (n, 8, 4, 2):
             if 1 < c <= n and n % c == 0 and seq_len % (2 * c) == 0:
@@ -977,9 +981,10 @@ def sweep(
 
     if cfg.parallel.microbatches is not None:
         raise ConfigError("--sweep plans meshes without a stage axis: plan a pipeline without --sweep (drop --microbatches)")
-    dims = run_model(cfg, separator=_separator(cfg)).dims
+    model = run_model(cfg, separator=_separator(cfg))
+    dims, experts = model.dims, getattr(model.config, "num_local_experts", 0) if model.routed else 0
     plans, skipped = [], {}
-    for mesh in candidate_meshes(devices, math.gcd(dims.heads, dims.kv_heads), cfg.data.seq_len):
+    for mesh in candidate_meshes(devices, math.gcd(dims.heads, dims.kv_heads), cfg.data.seq_len, experts):
         for remat in remats:
             c = with_overrides(cfg, {"parallel.mesh": mesh, "model.remat": remat})
             try:
