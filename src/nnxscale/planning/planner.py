@@ -600,8 +600,8 @@ def exchange_temp_bytes(cfg: TrainConfig, lay: dict) -> int:
     half of one ``C`` wide, and without rematerialization every layer keeps ``2 (F / tp + C)``
     per row for the backward pass. In a pipeline a layer works on one microbatch at a
     time, and a stage keeps its share of the iterations (:func:`_layers_run`). Counted in
-    the compute dtype (the exchange's buffers are
-    bfloat16 under bfloat16 compute, unlike most of XLA:CPU's). Calibrated on 2026-11-25
+    the compute dtype (the exchange's buffers are bfloat16 under bfloat16 compute, unlike
+    most of XLA:CPU's). Calibrated on 2026-11-25
     against the compiled steps of mixtral-tiny and mixtral-mini on ``expert=8``,
     ``fsdp=2,expert=4`` and ``data=2,expert=4`` (each remat policy) and mixtral-8x7b on
     ``fsdp=8,expert=8``."""
