@@ -26,7 +26,6 @@ import jax.numpy as jnp
 
 from nnxscale.layers.loss import fewest_chunks, token_shards
 from nnxscale.sharding.activations import current_rules
-from nnxscale.sharding.axes import entry_axes
 
 #: One chunk's float32 intermediate activation, per device, stays under this.
 CHUNK_BYTES = 128 << 20
@@ -41,10 +40,7 @@ def chunk_count(tokens: int, width: int, shards: int = 1, budget: Optional[int] 
 
 def _tensor_parallel(width: int) -> bool:
     rules = current_rules()
-    if rules is None:
-        return False
-    spec = rules.activation_spec(("mlp",), (width,))
-    return any(rules.sizes[a] > 1 for e in spec for a in entry_axes(e))
+    return rules is not None and rules.activation_split("mlp", width) > 1
 
 
 def chunked_mlp(fn: Callable, x, weights: Sequence[tuple], width: int, *, budget: Optional[int] = None):

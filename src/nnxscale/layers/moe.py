@@ -300,6 +300,14 @@ def _exchange(x, experts, weights, w_gate, w_up, w_down, *, axis: str, size: int
     return jnp.einsum("nkc,nk->nc", mine.reshape(N, k, -1).astype(jnp.float32), weights).astype(x.dtype)
 
 
+def slot_rows(tokens: int, length: int, k: int, num_experts: int, size: int, cap: Optional[int]) -> int:
+    """Rows of one peer's slot in the exchange over an expert axis of ``size`` devices, for a
+    device's ``tokens`` (sequences of ``length``): all of its ``tokens * k`` assignments
+    (dropless), or what a capacity ``cap`` lets it send one peer, its ``E / size`` experts'
+    capacity in each sequence."""
+    return tokens * k if cap is None else min(tokens * k, tokens // length * (num_experts // size) * cap)
+
+
 def route_and_run(x, logits, k: int, w_gate, w_up, w_down, *, length: int, cap: Optional[int] = None, positions=None,
                   exchange: Optional[tuple[str, int]] = None):  # fmt: skip
     """``(y (N, C), experts (N, k), kept (N, k) or None)``: tokens ``x`` routed by their
@@ -316,7 +324,7 @@ def route_and_run(x, logits, k: int, w_gate, w_up, w_down, *, length: int, cap: 
     if exchange is None:
         return grouped_swiglu(x, experts, weights, w_gate, w_up, w_down, kept), experts, kept
     axis, size = exchange
-    slot = None if cap is None else min(N * k, N // length * (E // size) * cap)  # what one peer can be sent
+    slot = None if cap is None else slot_rows(N, length, k, E, size, cap)
     return _exchange(x, experts, weights, w_gate, w_up, w_down, axis=axis, size=size, kept=kept, slot_rows=slot), experts, kept
 
 

@@ -27,7 +27,6 @@ weights, logits).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -575,12 +574,12 @@ def slot_factor(cfg: TrainConfig, lay: dict) -> float:
     ``ragged_all_to_all``): ``expert`` times. With a capacity factor a slot holds what the
     capacity lets a device send one peer, ``E / expert`` experts' capacity per sequence:
     ``E cap / (T k)`` times, about the factor (:func:`nnxscale.layers.moe.capacity`)."""
-    from nnxscale.layers.moe import capacity
+    from nnxscale.layers.moe import capacity, slot_rows
 
     c, size = lay["model"].config, lay["rules"].sizes[EXPERT]
     k, E, T = c.num_experts_per_tok, c.num_local_experts, cfg.data.seq_len
     cap = capacity(getattr(c, "capacity_factor", None), T, k, E)
-    return size if cap is None else min(size, E * cap / (T * k))
+    return size * slot_rows(T, T, k, E, size, cap) / (T * k)  # a sequence's assignments and the slots they fill
 
 
 def compiled_all_to_all_bytes(cfg: TrainConfig, lay: dict) -> int:
@@ -609,7 +608,7 @@ def exchange_temp_bytes(cfg: TrainConfig, lay: dict) -> int:
     c = lay["model"].config
     tokens = d.batch_size / rules.batch_shard_count / cfg.optim.grad_accum * d.seq_len / rules.length_shard_count
     rows = tokens * c.num_experts_per_tok * slot_factor(cfg, lay)
-    F = c.intermediate_size / _tensor_split(rules, "mlp", c.intermediate_size)
+    F = c.intermediate_size / rules.activation_split("mlp", c.intermediate_size)
     itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
     pipe = lay.get("pipeline")
     working = rows / (pipe.microbatches if pipe is not None else 1) * (8 * F + dims.width / 2)
@@ -636,7 +635,7 @@ def ring_permute_bytes(cfg: TrainConfig, lay: dict) -> int:
     n = rules.length_shard_count
     layers = _layers_run(dims.layers, lay["pipeline"])
     tokens = d.batch_size / rules.batch_shard_count / cfg.optim.grad_accum * d.seq_len / n
-    kv_heads = dims.kv_heads / _tensor_split(rules, "kv_heads", dims.kv_heads)
+    kv_heads = dims.kv_heads / rules.activation_split("kv_heads", dims.kv_heads)
     itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
     kv = 2 * tokens * kv_heads * dims.head_width
     per_layer = 2 * (n - 1) * kv * itemsize + n * kv * 4
@@ -650,11 +649,6 @@ def _layers_run(layers: int, pipe) -> float:
     if pipe is None:
         return layers
     return layers / pipe.stages * pipe.iterations / (pipe.repeats * pipe.microbatches)
-
-
-def _tensor_split(rules, name: str, size: int) -> int:
-    """How many ways the activation rules split the logical axis ``name`` (of ``size``)."""
-    return math.prod(rules.sizes[a] for e in rules.activation_spec((name,), (size,)) for a in entry_axes(e))
 
 
 # --------------------------------------------------------------------------------------
@@ -737,7 +731,7 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
     b = d.batch_size / rules.batch_shard_count / accum
     T, C, L, N, V = d.seq_len / rules.length_shard_count, dims.width, dims.layers, dims.heads, dims.vocab_size
     s = 4
-    split = functools.partial(_tensor_split, rules)
+    split = rules.activation_split
     tp, tph, tpv = split("mlp", dims.mlp_width), split("heads", N), split("vocab", V)
     # Scores per query: every key (xla), or one tile of keys at a time (blockwise, the
     # ring), which the kernel's backward recomputes instead of keeping.

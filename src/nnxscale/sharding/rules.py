@@ -393,6 +393,10 @@ class MeshRules:
     def activation_spec(self, names: Sequence, shape: Optional[Sequence[int]] = None) -> P:
         return self.activation_layout(names, shape).spec
 
+    def activation_split(self, name: str, size: int) -> int:
+        """How many ways the activation rules split the logical axis ``name`` of ``size``."""
+        return math.prod(self.sizes[a] for e in self.activation_spec((name,), (size,)) for a in entry_axes(e))
+
     def batch_spec(self, ndim: int = 2) -> P:
         """PartitionSpec of a ``(batch, length, ...)`` input batch (the length split too on a
         ``context`` axis)."""
