@@ -476,7 +476,7 @@ def test_a_failure_that_cannot_be_recorded_is_said(monkeypatch, capsys):
 
     exits = []
     monkeypatch.setattr(distributed, "_job", distributed.Job(process_id=1, num_processes=2))
-    monkeypatch.setattr(distributed, "_client", Refusing)
+    monkeypatch.setattr(distributed.jax_private, "distributed_client", Refusing)
     monkeypatch.setattr(distributed, "_acknowledge", lambda client: None)
     monkeypatch.setattr(distributed, "_exit", exits.append)
     monkeypatch.setattr(distributed, "_leaving", threading.Lock())
@@ -490,7 +490,7 @@ def test_a_failure_that_cannot_be_recorded_is_said(monkeypatch, capsys):
         def key_value_set(self, key, value):
             raise RuntimeError("ALREADY_EXISTS: key nnxscale_failed")
 
-    monkeypatch.setattr(distributed, "_client", Taken)
+    monkeypatch.setattr(distributed.jax_private, "distributed_client", Taken)
     monkeypatch.setattr(distributed, "_leaving", threading.Lock())
     distributed.leave(3, "boom")
     assert capsys.readouterr().err == "" and exits == [3, 3]

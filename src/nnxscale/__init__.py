@@ -45,6 +45,7 @@ _EXPORTS = {
     "CheckpointError": "nnxscale.errors",
     "DamagedCheckpointError": "nnxscale.errors",
     "JobError": "nnxscale.errors",
+    "JaxVersionError": "nnxscale.errors",
     # meshes
     "make_mesh": "nnxscale.sharding.mesh",
     "parse_mesh_spec": "nnxscale.sharding.mesh",

@@ -85,6 +85,10 @@ class DivergenceError(NnxscaleError, FloatingPointError):
     """Training stopped: the loss or gradient norm stayed non-finite for too many steps."""
 
 
+class JaxVersionError(NnxscaleError, RuntimeError):
+    """The installed jax lacks a name nnxscale relies on (one of JAX's private ones)."""
+
+
 #: errno -> what a user would call it (others: the system's own text, ``os.strerror``).
 _OS_REASONS = {
     errno.ENOSPC: "disk full",

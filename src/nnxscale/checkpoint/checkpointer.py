@@ -626,9 +626,9 @@ def _sync(name: str) -> None:
     A barrier of JAX's coordination service, not a device collective (see the module
     docstring)."""
     if jax.process_count() > 1:
-        from nnxscale.jobs.distributed import _client
+        from nnxscale.jobs import jax_private
 
-        _client().wait_at_barrier(f"nnxscale_{name}_{next(_barriers)}", 600_000)
+        jax_private.distributed_client().wait_at_barrier(f"nnxscale_{name}_{next(_barriers)}", 600_000)
 
 
 _FILTERED_LOGGERS = ("absl", "asyncio", "concurrent.futures")

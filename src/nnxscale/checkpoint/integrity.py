@@ -349,11 +349,9 @@ def global_sums(local: np.ndarray) -> np.ndarray:
     """
     if jax.process_count() == 1:
         return local
-    from nnxscale.jobs.distributed import (
-        _client,  # the one seam to JAX's private client
-    )
+    from nnxscale.jobs import jax_private
 
-    client = _client()
+    client = jax_private.distributed_client()
     prefix = f"nnxscale/checksums/{next(_exchanges)}"
     client.key_value_set(f"{prefix}/{jax.process_index()}", ",".join(to_hex(local)))
     parts = []

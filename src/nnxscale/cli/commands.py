@@ -70,11 +70,11 @@ def _note_devices_already_set(n: int, source: str, asked: bool) -> None:
     """jax is imported: XLA read its device count when its CPU backend started. Say so when
     ``n`` was asked for and the running backend has another count (a backend not started
     yet is left alone: asking would start it, before a job of several processes is joined)."""
-    from jax._src import xla_bridge
-
     import jax
 
-    if not asked or not xla_bridge.backends_are_initialized() or jax.default_backend() != "cpu":
+    from nnxscale.jobs import jax_private
+
+    if not asked or not jax_private.backends_are_initialized() or jax.default_backend() != "cpu":
         return
     have = jax.local_device_count()
     if have != n:

@@ -5,6 +5,7 @@ cluster), watches its peers through the coordination service so a dead process e
 job fast, and votes on stopping; ``launch`` starts the processes of a job on this
 machine; ``watchdog`` ends a process that stops making progress, with its stacks;
 ``process`` says who owns the process (the command, or the program that called nnxscale).
+``jax_private`` is the one place nnxscale reaches JAX's private ``jax._src`` names.
 
 Loads lazily, on first use of a name: the CLI reads parts of the tree before jax may be imported.
 """

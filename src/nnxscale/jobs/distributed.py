@@ -61,6 +61,7 @@ import time
 from collections.abc import Mapping
 from typing import Optional
 
+from nnxscale.jobs import jax_private
 from nnxscale.errors import JobError
 
 #: Environment variables with the meaning of the flags of the same name.
@@ -235,7 +236,7 @@ def join(spec: JobSpec = JobSpec()) -> Job:
     finally:
         watch.cancel()
     _no_persistent_cache_in_a_cpu_job()
-    client = _client()
+    client = jax_private.distributed_client()
     _job = Job(
         process_id=jax.process_index(),
         num_processes=jax.process_count(),
@@ -283,10 +284,9 @@ def _no_persistent_cache_in_a_cpu_job() -> None:
 
 def _set_persistent_cache(on: bool) -> None:
     import jax
-    from jax._src import compilation_cache  # it remembers whether it is in use once asked
 
     jax.config.update("jax_enable_compilation_cache", on)
-    compilation_cache.reset_cache()
+    jax_private.reset_compilation_cache()  # it remembers whether it is in use once asked
 
 
 @contextlib.contextmanager
@@ -322,9 +322,7 @@ def _host_names(client, process_id: int, timeout_s: int) -> tuple[str, ...]:
 
 def _detected_cluster():
     """The cluster environment JAX would bootstrap from, or ``None`` (mpi4py is opt-in in JAX too)."""
-    from jax._src import clusters  # JAX's own detection; no public API lists it
-
-    for env in clusters.ClusterEnv._cluster_types:
+    for env in jax_private.cluster_types():  # JAX's own detection; no public API lists it
         if not env.opt_in_only_method and env.is_env_present():
             return env
     return None
@@ -340,12 +338,6 @@ def _cluster_size(cluster) -> int:
         ) from None
 
 
-def _client():
-    from jax._src import (
-        distributed as jax_distributed,  # the client jax.distributed.initialize made
-    )
-
-    return jax_distributed.global_state.client
 
 
 class _InitDeadline:
@@ -479,7 +471,7 @@ def leave(code: int, reason: str) -> int:
     if not _leaving.acquire(blocking=False):  # the watchdog is already ending this process
         while True:
             time.sleep(1)
-    client = _client()
+    client = jax_private.distributed_client()
     failure = json.dumps({"process": job.process_id, "code": code, "reason": reason})
     try:
         client.key_value_set(_FAILED_KEY, failure)

@@ -1,0 +1,53 @@
+"""Every name nnxscale takes from JAX's private ``jax._src``, one function each.
+
+JAX promises nothing about ``jax._src``: a release may move or drop any of these. So they
+are reached here and nowhere else, each through :func:`_private`, which turns a name that
+is gone into one :class:`~nnxscale.errors.JaxVersionError` naming it, the running jax and
+what nnxscale used it for (the CLI prints that as one line). ``tests/test_jax_private.py``
+calls each of them, so a JAX release that drops one fails there first, by name.
+
+Checked present in jax 0.10.2 (Python 3.11's newest) and 0.12.0.1 (3.12's and 3.13's).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from nnxscale.errors import JaxVersionError
+
+
+def _private(module: str, *attributes: str, used_for: str):
+    """``jax._src.<module>.<attributes...>``, or a :class:`JaxVersionError` saying it is gone."""
+    import jax
+
+    name = ".".join(["jax._src", module, *attributes])
+    try:
+        value = importlib.import_module(f"jax._src.{module}")
+        for attribute in attributes:
+            value = getattr(value, attribute)
+    except (ImportError, AttributeError):
+        raise JaxVersionError(
+            f"jax {jax.__version__} has no {name}, which nnxscale uses {used_for}: install a jax that "
+            f"nnxscale supports (pyproject's range) or report it"
+        ) from None
+    return value
+
+
+def reset_compilation_cache() -> None:
+    """Make JAX ask again whether its persistent compilation cache is on (it remembers)."""
+    _private("compilation_cache", "reset_cache", used_for="to turn the compilation cache off and on")()
+
+
+def cluster_types() -> list:
+    """The cluster environments ``jax.distributed.initialize`` can detect (SLURM, Open MPI, ...)."""
+    return list(_private("clusters", "ClusterEnv", "_cluster_types", used_for="to detect a cluster as JAX does"))
+
+
+def distributed_client():
+    """The coordination-service client of ``jax.distributed.initialize``, or ``None`` before it."""
+    return _private("distributed", "global_state", used_for="to reach the job's coordination service").client
+
+
+def backends_are_initialized() -> bool:
+    """Whether a JAX backend has started in this process (asking ``jax.devices()`` would start one)."""
+    return _private("xla_bridge", "backends_are_initialized", used_for="to see whether jax has started")()

@@ -1,0 +1,38 @@
+"""JAX's private names that nnxscale relies on, each called as nnxscale calls it.
+
+A JAX release that moves one fails here by name (and nnxscale itself says which, in one
+line, instead of an ImportError deep in a job)."""
+
+import jax
+import pytest
+
+from nnxscale.jobs import jax_private
+from nnxscale.errors import JaxVersionError, NnxscaleError
+
+
+def test_the_compilation_cache_can_be_reset():
+    jax_private.reset_compilation_cache()
+
+
+def test_jax_lists_its_cluster_environments():
+    names = {env.__name__ for env in jax_private.cluster_types()}
+    # JAX's own detectors for the launchers docs/multiprocess.md names.
+    assert {"SlurmCluster", "OmpiCluster"} <= names, names
+    for env in jax_private.cluster_types():
+        assert callable(env.is_env_present) and isinstance(env.opt_in_only_method, bool)
+
+
+def test_the_distributed_client_is_none_before_a_job():
+    assert jax_private.distributed_client() is None  # no jax.distributed.initialize in this process
+
+
+def test_jax_says_whether_its_backend_started():
+    jax.devices()
+    assert jax_private.backends_are_initialized() is True
+
+
+def test_a_name_jax_dropped_is_one_error_naming_it():
+    with pytest.raises(JaxVersionError, match=r"jax \S+ has no jax\._src\.clusters\.ClusterEnv\._gone, which nnxscale uses to test"):
+        jax_private._private("clusters", "ClusterEnv", "_gone", used_for="to test")
+    with pytest.raises(NnxscaleError, match=r"has no jax\._src\.no_such_module"):
+        jax_private._private("no_such_module", used_for="to test")
