@@ -9,6 +9,8 @@ import inspect
 import os
 import typing
 
+import pytest
+
 # LLVM at -O0 for the suite and the processes it starts: the tiny test models spend most of
 # their time compiling. The whole suite from a cold cache took 5 min 15 s at -O0 and 6 min 08 s
 # at -O1 (8.9 and 10.8 min of CPU; 2 cores, jaxlib 0.10.2, 2026-11-24): backend compiles of
@@ -17,10 +19,42 @@ import typing
 # instead of 3.5-3.7 s and ran as fast. No fast-math either way; the last bits of a result
 # may differ from the defaults', and the suite only compares runs made under the same flags,
 # or to a tolerance.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-).strip()
+#
+# These are speed flags, and a jaxlib that does not know one aborts the process at its first
+# device query (jaxlib 0.12 dropped --xla_cpu_use_fusion_emitters; pytest's capture then
+# swallowed the abort and the suite exited 1 with no word). So each is tried once in a child
+# process and kept only where that jaxlib accepts it; the verdict travels to the workers and
+# to the processes the tests start in the environment.
+DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+SPEED_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+_VERDICT = "NNXSCALE_TEST_XLA_FLAGS"
+
+
+def _backend_starts(flags: str) -> tuple[bool, str]:
+    """Whether jax's CPU backend starts under ``XLA_FLAGS=flags``, and what it printed if not."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, text=True)
+    return probe.returncode == 0, probe.stderr.strip()[-2000:]
+
+
+def _suite_xla_flags() -> str:
+    if _VERDICT in os.environ:  # decided by the pytest process that started this one
+        return os.environ[_VERDICT]
+    base = (os.environ.get("XLA_FLAGS", "") + " " + DEVICES_FLAG).strip()
+    ok, why = _backend_starts(base)
+    if not ok:
+        raise pytest.UsageError(f"jax's CPU backend does not start with XLA_FLAGS={base!r}:\n{why}")
+    kept = SPEED_FLAGS
+    if not _backend_starts(" ".join([base, *kept]))[0]:
+        kept = [flag for flag in SPEED_FLAGS if _backend_starts(f"{base} {flag}")[0]]
+    os.environ[_VERDICT] = " ".join([base, *kept])
+    return os.environ[_VERDICT]
+
+
+os.environ["XLA_FLAGS"] = _suite_xla_flags()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the suite and the processes it starts, under the
 # project's ignored build folder: identical programs compile once per cache (a cold CI run
@@ -31,7 +65,6 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
-import pytest  # noqa: E402
 
 assert jax.device_count() == 8, "tests need 8 simulated CPU devices"
 

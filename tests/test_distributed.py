@@ -135,15 +135,28 @@ def end(*procs: subprocess.Popen) -> None:
         p.communicate()
 
 
-def assert_same_losses(got: list[dict], want: list[dict], what: str) -> None:
-    """Losses to rel 1e-5 (the issue's float tolerance). Gradient norms to 5e-4: another mesh
-    sums in another order, and over tens of Adam steps the norm drifts further than the loss
-    (measured 1.2e-4 at step 31 after moving 2 -> 4 -> 1 processes)."""
-    want = {r["step"]: r for r in want}
+def assert_same_losses(got: list[dict], want: list[dict], what: str, other: list[dict]) -> None:
+    """Losses and gradient norms as close to ``want`` as ``other``, the same run on another
+    mesh in one process, is at that step or before (3x; at least 1e-5 relative).
+
+    Another mesh sums in another order; over tens of Adam steps the runs drift apart, by how
+    much depends on the corpus (this Python's own library). On Python 3.11's the gap stayed
+    under 1e-5 in the loss (1.2e-4 in the gradient norm) over 40 steps; on 3.13's the run
+    turns chaotic at step 19 (a gradient-norm spike) and another mesh moves the loss 1.5e-3
+    by step 39. So the corpus's own sensitivity to the order of a sum, measured in the same
+    test, sets the bound: a job of several processes must stay as close to one process as a
+    change of mesh does (3x: the job changes meshes twice and process counts three times). A
+    wrong step (a shard's data misplaced, a gradient summed twice) differs by far more, from
+    the first steps on, where both runs agree to 1e-6."""
+    want, other = {r["step"]: r for r in want}, {r["step"]: r for r in other}
     assert got, what
+    bounds, bound = {}, {"loss": 0.0, "grad_norm": 0.0}
+    for step in sorted(want):
+        bound = {k: max(v, abs(other[step][k] / want[step][k] - 1)) for k, v in bound.items()}
+        bounds[step] = bound
     for r in got:
-        np.testing.assert_allclose(r["loss"], want[r["step"]]["loss"], rtol=1e-5, err_msg=f"{what} step {r['step']}")
-        np.testing.assert_allclose(r["grad_norm"], want[r["step"]]["grad_norm"], rtol=5e-4, err_msg=f"{what} step {r['step']}")
+        for key, gap in bounds[r["step"]].items():
+            np.testing.assert_allclose(r[key], want[r["step"]][key], rtol=max(3 * gap, 1e-5), err_msg=f"{what}: {key} at step {r['step']}")
 
 
 # --------------------------------------------------------------------------------------
@@ -217,7 +230,9 @@ def test_processes_train_like_one_stop_together_on_a_signal_and_resume_anywhere(
     train_here(capsys, run_dir, text_data, "data=8", steps)
     got = read_metrics(run_dir)
     assert [r["step"] for r in got] == list(range(1, steps + 1))  # every step once
-    assert_same_losses(got, ref, "1 -> 2 (fsdp=2,model=4) -> 2 (data=8) -> 1 processes")
+    other = tmp_path / "other"
+    train_here(capsys, other, text_data, "fsdp=2,model=4", steps, "--min-shard-bytes", "0")  # one process, another order
+    assert_same_losses(got, ref, "1 -> 2 (fsdp=2,model=4) -> 2 (data=8) -> 1 processes", read_metrics(other))
 
 
 # --------------------------------------------------------------------------------------
