@@ -46,10 +46,10 @@ def test_train_is_the_function_whatever_was_imported_before():
 
 def test_the_tree_is_packages_with_an_api_each():
     """Top level: the packages of ``_SUBMODULES`` (each a folder with a docstring and an
-    ``__all__`` whose every name resolves), the deprecated aliases of ``_MOVED``, and
-    ``__main__``; no export shadows a module, and no module is named both ways."""
+    ``__all__`` whose every name resolves) and ``__main__``; no export shadows a module,
+    and no module is named both ways."""
     modules = {m.name for m in pkgutil.iter_modules(nnxscale.__path__)}
-    assert modules == set(nnxscale._SUBMODULES) | set(nnxscale._MOVED) | {"__main__"}
+    assert modules == set(nnxscale._SUBMODULES) | {"__main__"}
     assert not set(nnxscale._EXPORTS) & modules  # an export shadowing a module, or the reverse
     for name in nnxscale._SUBMODULES:
         package = importlib.import_module(f"nnxscale.{name}")
@@ -103,18 +103,6 @@ def test_no_import_cycle():
 
     for module in sorted(graph):
         visit(module, [])
-
-
-def test_moved_modules_are_the_new_ones_with_a_deprecation_warning():
-    for old, new in nnxscale._MOVED.items():
-        fresh(
-            "import importlib, warnings\n"
-            "with warnings.catch_warnings(record=True) as seen:\n"
-            "    warnings.simplefilter('always')\n"
-            f"    old = importlib.import_module('nnxscale.{old}')\n"
-            f"assert old is importlib.import_module('{new}')\n"
-            f"assert any(issubclass(w.category, DeprecationWarning) and '{new}' in str(w.message) for w in seen), seen\n"
-        )
 
 
 def test_library_errors_share_one_base_class():

@@ -16,9 +16,7 @@ The public API is what this file names, and the public names of its packages:
   ``teaching`` (the single-device simulations and shard_map layers, used by no trainer).
 
 Naming: a module inside a package is that package's implementation; what the package's
-``__init__`` names is its API. Old paths of moved public modules (``nnxscale.stack``,
-``nnxscale.pipeline``, ``nnxscale.distributed``, ``nnxscale.simulate``) still import, with
-a DeprecationWarning, for one release.
+``__init__`` names is its API.
 
 No name is both a function and a package: ``nnxscale.train`` is the function,
 ``nnxscale.training`` the package. Everything loads lazily, on first use, so that ``import
@@ -140,17 +138,12 @@ _EXPORTS = {
 # public submodules: namespaces, used by their qualified names
 _SUBMODULES = ("models", "errors", "progress", "sharding", "layers", "training", "data", "checkpoint", "planning", "jobs", "teaching", "cli")
 
-# old paths of moved public modules: aliases of the new ones for one release (a DeprecationWarning on import)
-_MOVED = {"stack": "nnxscale.layers.stack", "pipeline": "nnxscale.layers.pipeline", "distributed": "nnxscale.jobs.distributed", "simulate": "nnxscale.teaching.simulate"}
-
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["__version__"]
 
 
 def __getattr__(name: str):
     if name in _SUBMODULES:
         return importlib.import_module(f"nnxscale.{name}")  # the import binds it here too
-    if name in _MOVED:
-        return importlib.import_module(f"nnxscale.{name}")  # the alias module warns, then is the new one
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'nnxscale' has no attribute {name!r}")
