@@ -125,6 +125,12 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
+#: The schedules a training step can run: ``gpipe`` (GPipe, or circular with ``repeats > 1``:
+#: a forward scan that JAX differentiates) and ``1f1b`` (:mod:`nnxscale.layers.one_f_one_b`:
+#: memory independent of the microbatches).
+SCHEDULES = ("gpipe", "1f1b")
+
+
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """A pipeline schedule: ``microbatches`` flow through ``stages`` stages, ``repeats`` times.
@@ -143,12 +149,18 @@ class Pipeline:
     microbatches: int
     repeats: int = 1
     axis: str = STAGE
+    one_f_one_b: bool = False  # the training step runs the 1F1B schedule (nnxscale.layers.one_f_one_b)
 
     def __post_init__(self):
         for name in ("stages", "microbatches", "repeats"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"pipeline {name} must be a positive integer, got {value!r}")
+        if self.one_f_one_b and self.repeats > 1:
+            raise ConfigError(
+                f"--pipeline-schedule 1f1b with --pipeline-repeats {self.repeats} (interleaved 1F1B) is not implemented "
+                "yet: use --pipeline-repeats 1 with 1f1b, or --pipeline-schedule gpipe for the circular schedule"
+            )
         if not isinstance(self.axis, str) or not self.axis:
             raise ConfigError(f"pipeline axis must be a mesh axis name, got {self.axis!r}")
         if self.microbatches < self.stages:
@@ -158,19 +170,25 @@ class Pipeline:
             )
 
     @classmethod
-    def for_mesh(cls, mesh, microbatches: int, repeats: int = 1, axis: str = STAGE) -> "Pipeline":
-        """The pipeline over ``mesh``'s ``axis`` (a ``Mesh`` or an ``{axis: size}`` mapping)."""
+    def for_mesh(cls, mesh, microbatches: int, repeats: int = 1, axis: str = STAGE, schedule: str = "gpipe") -> "Pipeline":
+        """The pipeline over ``mesh``'s ``axis`` (a ``Mesh`` or an ``{axis: size}`` mapping);
+        ``schedule``: one of :data:`SCHEDULES`."""
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"unknown pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
         sizes = mesh_axis_sizes(mesh)
         if axis not in sizes:
             raise ConfigError(
                 f"microbatches={microbatches} asks for a pipeline, but mesh {format_mesh(sizes)} has no {axis!r} axis "
                 f"to put its stages on: add one (e.g. {axis}=2,data=4), or leave microbatches unset"
             )
-        return cls(stages=sizes[axis], microbatches=microbatches, repeats=repeats, axis=axis)
+        return cls(stages=sizes[axis], microbatches=microbatches, repeats=repeats, axis=axis,
+                   one_f_one_b=schedule == "1f1b")  # fmt: skip
 
     @property
     def schedule(self) -> str:
-        """``"gpipe"`` or ``"circular"``."""
+        """``"gpipe"``, ``"circular"`` or ``"1f1b"``."""
+        if self.one_f_one_b:
+            return "1f1b"
         return "gpipe" if self.repeats == 1 else "circular"
 
     @property
