@@ -60,7 +60,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import ConfigError
-from nnxscale.layers.stack import Rows, layers_run_by, scan_state
+from nnxscale.layers.stack import Rows, layers_run_by, remat_policy, scan_state
 from nnxscale.sharding.activations import current_rules
 from nnxscale.sharding.mesh import context_mesh, vary
 
@@ -236,6 +236,10 @@ class _Program:
     def __init__(self, objective, graphdef, found, pipeline, data, separator, rebuild, layers_state):
         self.objective, self.graphdef, self.found, self.pipe = objective, graphdef, found, pipeline
         self.data, self.separator, self.rebuild, self.layers_state = data, separator, rebuild, layers_state
+        # Without remat the backward tick recomputes the stage from its input (one
+        # microbatch's activations at a time); with a remat policy the forward tick's
+        # pullback keeps what the policy saves (under "full" each layer's input) in the ring.
+        self.keep_residuals = remat_policy(found.remat) != "none"
 
     def __call__(self, stack, rest, inputs, targets, key):
         S, M, axis, data = self.pipe.stages, self.pipe.microbatches, self.pipe.axis, self.data
@@ -298,10 +302,33 @@ class _Program:
             return scan_state(found.graphdef, layer_state, h, *args, keys=stage_keys(keys), remat=found.remat)
 
         K = ring_slots(S)
-        x0, _ = jax.eval_shape(lambda r: prefix(r, 0), rest)
-        act = jnp.zeros(x0.shape, x0.dtype)
-        act = vary(act, manual)
-        ring = vary(jnp.zeros((K,) + x0.shape, x0.dtype), manual)
+        x0, (args0, keys0) = jax.eval_shape(lambda r: prefix(r, 0), rest)
+        weight_ids = {id(a) for a in jax.tree.leaves(layers)}
+
+        def stage_vjp(h, args, keys):
+            """The stage's ``jax.vjp`` as its output, its pullback's leaves and structure, and
+            which leaves are residuals: those that are not the stage's weights."""
+            out, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys), layers, h)
+            leaves, structure = jax.tree.flatten(pullback)
+            return out, leaves, structure, tuple(i for i, a in enumerate(leaves) if id(a) not in weight_ids)
+
+        if self.keep_residuals:
+            # The remat policy's residuals (per layer: its input under "full") wait in the ring,
+            # and the backward tick runs the stored pullback: no second forward pass.
+            found_kept = {}
+
+            def residual_shapes(h, args, keys):
+                _, leaves, _, kept = stage_vjp(h, args, keys)
+                found_kept["kept"] = kept
+                return [leaves[i] for i in kept]
+
+            shapes = jax.eval_shape(lambda a, k: residual_shapes(vary(jnp.zeros(x0.shape, x0.dtype), manual), a, k),
+                                    args0, keys0)  # fmt: skip
+            kept_static = found_kept["kept"]
+        else:
+            shapes = [x0]  # the stage input, from which the backward tick recomputes the stage
+        act = vary(jnp.zeros(x0.shape, x0.dtype), manual)
+        ring = [vary(jnp.zeros((K,) + a.shape, a.dtype), manual) for a in shapes]
         zeros = lambda t: vary(jax.tree.map(jnp.zeros_like, t), manual)  # noqa: E731
         extras_shape = jax.eval_shape(lambda r: tail(r, jnp.zeros(x0.shape, x0.dtype), 0)[1], rest)
         carry = {
@@ -313,6 +340,8 @@ class _Program:
             "loss": vary(jnp.float32(0), manual),
             "extras": vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), extras_shape), manual),
         }
+        put = lambda ring, values, slot: [jax.lax.dynamic_update_index_in_dim(r, v, slot, 0) for r, v in zip(ring, values)]  # noqa: E731
+        get = lambda ring, slot: [jax.lax.dynamic_index_in_dim(r, slot, keepdims=False) for r in ring]  # noqa: E731
         down = [(i, (i + 1) % S) for i in range(S)]
         up = [((i + 1) % S, i) for i in range(S)]
         last = s == S - 1
@@ -324,8 +353,13 @@ class _Program:
                 f = t - s  # this stage's forward microbatch
                 x, (args, keys) = prefix(rest, f)
                 h = jnp.where(s == 0, x, carry["act"])
-                carry["ring"] = jax.lax.dynamic_update_index_in_dim(carry["ring"], h, f % K, 0)
-                out = run_stage(layers, h, args, keys)
+                if self.keep_residuals:
+                    out, leaves, _, kept = stage_vjp(h, args, keys)
+                    _check_kept(kept, kept_static)
+                    carry["ring"] = put(carry["ring"], [leaves[i] for i in kept], f % K)
+                else:
+                    carry["ring"] = put(carry["ring"], [h], f % K)
+                    out = run_stage(layers, h, args, keys)
                 carry["act"] = jax.lax.ppermute(out, axis, down)
                 if backward:  # the last stage's output is microbatch t - (S-1), always real here
                     loss, tail_vjp, extras = jax.vjp(lambda r, y: tail(r, y, f), rest, out, has_aux=True)
@@ -340,10 +374,19 @@ class _Program:
                 real = (b >= 0) & (b < M)
                 cot = carry["cot"] if dy is None else jnp.where(last, dy, carry["cot"])
                 cot = jnp.where(real, cot, jnp.zeros_like(cot))
-                h = jax.lax.dynamic_index_in_dim(carry["ring"], b % K, keepdims=False)
+                stored = get(carry["ring"], b % K)
                 x, prefix_vjp, (args, keys) = jax.vjp(lambda r: prefix(r, b), rest, has_aux=True)
-                _, stage_vjp = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys), layers, h)
-                g_layers, dh = stage_vjp(cot)
+                if self.keep_residuals:
+                    # The pullback's structure, traced again here; its forward pass is dead code
+                    # (every residual comes from the ring), which XLA removes.
+                    _, leaves, structure, kept = stage_vjp(vary(jnp.zeros_like(x), manual), args, keys)
+                    _check_kept(kept, kept_static)
+                    for i, value in zip(kept, stored):
+                        leaves[i] = value
+                    pullback = jax.tree.unflatten(structure, leaves)
+                else:
+                    _, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys), layers, stored[0])
+                g_layers, dh = pullback(cot)
                 g_stack = jax.tree.leaves(g_layers)
                 carry["g_stack"] = jax.tree.map(jnp.add, carry["g_stack"], g_stack)
                 (g_rest,) = prefix_vjp(jnp.where((s == 0) & real, dh, jnp.zeros_like(dh)))
@@ -365,3 +408,8 @@ class _Program:
         g_stack = jax.lax.psum(carry["g_stack"], data) if data else carry["g_stack"]
         g_rest = jax.lax.psum(carry["g_rest"], manual)
         return loss, extras, g_stack, g_rest
+
+
+def _check_kept(kept: tuple, expected: tuple) -> None:
+    if kept != expected:  # the weights are told from the residuals by identity; a JAX change could break that
+        raise RuntimeError(f"1f1b: the stage's pullback keeps residuals {kept} here and {expected} when sized")
