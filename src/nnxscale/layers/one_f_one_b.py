@@ -62,15 +62,32 @@ from jax.sharding import PartitionSpec as P
 from nnxscale.errors import ConfigError
 from nnxscale.layers.stack import Rows, layers_run_by, remat_policy, scan_state
 from nnxscale.sharding.activations import current_rules
-from nnxscale.sharding.mesh import context_mesh, vary
+from nnxscale.sharding.mesh import context_mesh, format_mesh, vary
 
-__all__ = ["pipeline_value_and_grad", "ring_slots"]
+__all__ = ["check_mesh", "pipeline_value_and_grad", "ring_slots"]
 
 
 def ring_slots(stages: int) -> int:
     """Stage inputs a stage keeps in 1F1B: ``2S - 1`` (stage ``s`` needs ``2(S-1-s)+1``; SPMD
     gives every stage stage 0's)."""
     return 2 * stages - 1
+
+
+def check_mesh(pipeline, rules) -> None:
+    """Raise :class:`~nnxscale.errors.ConfigError` where 1F1B does not run yet: beside a
+    tensor-parallel axis (one that splits neither the batch nor the sequence). There XLA:CPU
+    ran the tick's independent collectives in different orders on different devices and
+    waited forever (seen on ``stage=2,model=2,data=2``); GPipe runs there."""
+    if rules is None:
+        return
+    tensor = [a for a, n in rules.sizes.items() if n > 1 and a != pipeline.axis and a not in rules.batch_axes
+              and a not in rules.length_axes]  # fmt: skip
+    if tensor:
+        raise ConfigError(
+            f"--pipeline-schedule 1f1b does not run beside tensor-parallel axes yet ({', '.join(tensor)} in mesh "
+            f"{format_mesh(rules.sizes)}): put data, fsdp or context beside stage, or use "
+            "--pipeline-schedule gpipe"
+        )
 
 
 @dataclasses.dataclass
@@ -176,6 +193,7 @@ def pipeline_value_and_grad(
         )
     mesh = _mesh_for(pipeline, mesh)
     rules = current_rules()
+    check_mesh(pipeline, rules)
     found = _discover(objective, graphdef, params, inputs, targets, key)
 
     # The parameters: the stacked layers (split over the stages) and the rest (replicated over them).
@@ -303,11 +321,11 @@ class _Program:
 
         K = ring_slots(S)
         x0, (args0, keys0) = jax.eval_shape(lambda r: prefix(r, 0), rest)
-        weight_ids = {id(a) for a in jax.tree.leaves(layers)}
 
-        def stage_vjp(h, args, keys):
+        def stage_vjp(h, args, keys, layers=layers):
             """The stage's ``jax.vjp`` as its output, its pullback's leaves and structure, and
             which leaves are residuals: those that are not the stage's weights."""
+            weight_ids = {id(a) for a in jax.tree.leaves(layers)}
             out, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys), layers, h)
             leaves, structure = jax.tree.flatten(pullback)
             return out, leaves, structure, tuple(i for i, a in enumerate(leaves) if id(a) not in weight_ids)
@@ -360,7 +378,6 @@ class _Program:
                 else:
                     carry["ring"] = put(carry["ring"], [h], f % K)
                     out = run_stage(layers, h, args, keys)
-                carry["act"] = jax.lax.ppermute(out, axis, down)
                 if backward:  # the last stage's output is microbatch t - (S-1), always real here
                     loss, tail_vjp, extras = jax.vjp(lambda r, y: tail(r, y, f), rest, out, has_aux=True)
                     w = jnp.where(last, pick(weights, f), 0.0)
@@ -369,29 +386,35 @@ class _Program:
                     carry["loss"] = carry["loss"] + w * loss.astype(jnp.float32)
                     carry["extras"] = jax.tree.map(
                         lambda acc, e: acc + jnp.where(last, e.astype(jnp.float32) / M, 0.0), carry["extras"], extras)
+                # Collectives in a fixed order on every device: XLA:CPU may run independent ones
+                # in different orders on different devices, and then waits forever (seen beside
+                # tensor parallelism). So the permute waits for the tail, and the backward for it.
+                carry["act"] = jax.lax.ppermute(_after(out, carry["g_rest"], dy), axis, down)
             if backward:
                 b = t - 2 * (S - 1) + s  # this stage's backward microbatch
                 real = (b >= 0) & (b < M)
                 cot = carry["cot"] if dy is None else jnp.where(last, dy, carry["cot"])
                 cot = jnp.where(real, cot, jnp.zeros_like(cot))
                 stored = get(carry["ring"], b % K)
-                x, prefix_vjp, (args, keys) = jax.vjp(lambda r: prefix(r, b), rest, has_aux=True)
+                rest_b, cot, stored = _after((rest, cot, stored), carry["act"])
+                x, prefix_vjp, (args, keys) = jax.vjp(lambda r: prefix(r, b), rest_b, has_aux=True)
+                layers_b, cot, stored = _after((layers, cot, stored), x, args)
                 if self.keep_residuals:
                     # The pullback's structure, traced again here; its forward pass is dead code
                     # (every residual comes from the ring), which XLA removes.
-                    _, leaves, structure, kept = stage_vjp(vary(jnp.zeros_like(x), manual), args, keys)
+                    _, leaves, structure, kept = stage_vjp(vary(jnp.zeros_like(x), manual), args, keys, layers_b)
                     _check_kept(kept, kept_static)
                     for i, value in zip(kept, stored):
                         leaves[i] = value
                     pullback = jax.tree.unflatten(structure, leaves)
                 else:
-                    _, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys), layers, stored[0])
+                    _, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys), layers_b, stored[0])
                 g_layers, dh = pullback(cot)
                 g_stack = jax.tree.leaves(g_layers)
                 carry["g_stack"] = jax.tree.map(jnp.add, carry["g_stack"], g_stack)
                 (g_rest,) = prefix_vjp(jnp.where((s == 0) & real, dh, jnp.zeros_like(dh)))
                 carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], g_rest)
-                carry["cot"] = jax.lax.ppermute(dh, axis, up)
+                carry["cot"] = jax.lax.ppermute(_after(dh, carry["g_rest"], carry["g_stack"]), axis, up)
             return carry, None
 
         phases = (
@@ -403,13 +426,21 @@ class _Program:
             if stop > start:
                 body = lambda c, t, fwd=fwd, bwd=bwd: tick(c, t, fwd, bwd)  # noqa: E731
                 carry, _ = jax.lax.scan(body, carry, jnp.arange(start, stop))
-        loss = jax.lax.psum(carry["loss"], manual)
-        extras = jax.tree.map(lambda e: jax.lax.psum(e, manual) / shards, carry["extras"])
-        g_stack = jax.lax.psum(carry["g_stack"], data) if data else carry["g_stack"]
-        g_rest = jax.lax.psum(carry["g_rest"], manual)
+        # The sums over the manual axes, one after another and after the last permutes (see tick).
+        loss = jax.lax.psum(_after(carry["loss"], carry["act"], carry["cot"]), manual)
+        extras = jax.tree.map(lambda e: jax.lax.psum(e, manual) / shards, _after(carry["extras"], loss))
+        g_stack = _after(carry["g_stack"], extras, loss)
+        g_stack = jax.lax.psum(g_stack, data) if data else g_stack
+        g_rest = jax.lax.psum(_after(carry["g_rest"], g_stack), manual)
         return loss, extras, g_stack, g_rest
 
 
 def _check_kept(kept: tuple, expected: tuple) -> None:
     if kept != expected:  # the weights are told from the residuals by identity; a JAX change could break that
         raise RuntimeError(f"1f1b: the stage's pullback keeps residuals {kept} here and {expected} when sized")
+
+
+def _after(values, *deps):
+    """``values``, computed no earlier than every one of ``deps`` (an optimization barrier)."""
+    values, _ = jax.lax.optimization_barrier((values, deps))
+    return values
