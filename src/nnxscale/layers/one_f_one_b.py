@@ -64,7 +64,7 @@ from nnxscale.layers.stack import Rows, layers_run_by, remat_policy, scan_state
 from nnxscale.sharding.activations import current_rules
 from nnxscale.sharding.mesh import context_mesh, format_mesh, vary
 
-__all__ = ["check_mesh", "pipeline_value_and_grad", "ring_slots"]
+__all__ = ["check_supported", "pipeline_value_and_grad", "ring_slots"]
 
 
 def ring_slots(stages: int) -> int:
@@ -73,11 +73,20 @@ def ring_slots(stages: int) -> int:
     return 2 * stages - 1
 
 
-def check_mesh(pipeline, rules) -> None:
-    """Raise :class:`~nnxscale.errors.ConfigError` where 1F1B does not run yet: beside a
-    tensor-parallel axis (one that splits neither the batch nor the sequence). There XLA:CPU
-    ran the tick's independent collectives in different orders on different devices and
-    waited forever (seen on ``stage=2,model=2,data=2``); GPipe runs there."""
+_MIXTURE = (
+    "--pipeline-schedule 1f1b does not run a mixture of experts yet: its router's load-balancing loss is a product of "
+    "whole-batch means, which no microbatch's backward pass knows; use --pipeline-schedule gpipe"
+)
+
+
+def check_supported(pipeline, rules, *, routed: bool = False) -> None:
+    """Raise :class:`~nnxscale.errors.ConfigError` where 1F1B does not run yet: a mixture of
+    experts (``routed``), and beside a tensor-parallel axis (one that splits neither the
+    batch nor the sequence): there XLA:CPU ran the tick's independent collectives in
+    different orders on different devices and waited forever (seen on
+    ``stage=2,model=2,data=2``); GPipe runs there."""
+    if routed:
+        raise ConfigError(_MIXTURE)
     if rules is None:
         return
     tensor = [a for a, n in rules.sizes.items() if n > 1 and a != pipeline.axis and a not in rules.batch_axes
@@ -128,10 +137,7 @@ def _discover(objective, graphdef, params, inputs, targets, key) -> _Found:
     def record(model, layers, x, *args, keys=None, remat="none", aux=False):
         found.calls += 1
         if aux:
-            raise ConfigError(
-                "--pipeline-schedule 1f1b does not run a mixture of experts yet: its router's load-balancing loss is a "
-                "product of whole-batch means, which no microbatch's backward pass knows; use --pipeline-schedule gpipe"
-            )
+            raise ConfigError(_MIXTURE)
         if found.calls > 1:
             raise ConfigError(
                 "--pipeline-schedule 1f1b runs one stack of layers per loss, and this model's loss runs "
@@ -193,7 +199,7 @@ def pipeline_value_and_grad(
         )
     mesh = _mesh_for(pipeline, mesh)
     rules = current_rules()
-    check_mesh(pipeline, rules)
+    check_supported(pipeline, rules)
     found = _discover(objective, graphdef, params, inputs, targets, key)
 
     # The parameters: the stacked layers (split over the stages) and the rest (replicated over them).
@@ -209,7 +215,7 @@ def pipeline_value_and_grad(
     from nnxscale.sharding.axes import EXPERT
 
     if EXPERT in data:
-        raise ConfigError("--pipeline-schedule 1f1b does not run a mixture of experts yet; use --pipeline-schedule gpipe")
+        raise ConfigError(_MIXTURE)
     stack_specs = [P(pipeline.axis)] * len(stack) if isinstance(stack_specs, P) else jax.tree.leaves(
         stack_specs, is_leaf=lambda x: isinstance(x, P))  # fmt: skip
 

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
 from nnxscale.data import text as text
 from nnxscale.layers import attention
-from nnxscale.layers.one_f_one_b import check_mesh as check_1f1b_mesh
+from nnxscale.layers.one_f_one_b import check_supported as check_1f1b
 from nnxscale.layers.pipeline import Pipeline, manual_axes, to_layer_order, to_stage_order
 from nnxscale.layers.stack import LAYERS
 from nnxscale.models import (
@@ -263,7 +263,7 @@ def setup(
         attention.resolve(m.config.attention, cfg.data.seq_len, m.config.dtype, m.dims.head_width, cfg.data.document_mask)
     pipe = run_pipeline(cfg, rules)
     if pipe is not None and pipe.one_f_one_b:
-        check_1f1b_mesh(pipe, rules)
+        check_1f1b(pipe, rules, routed=m.routed)
     d = cfg.data
 
     factory = lambda: m.build(nnx.Rngs(cfg.seed))  # noqa: E731
