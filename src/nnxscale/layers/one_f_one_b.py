@@ -326,7 +326,7 @@ class _Program:
             return scan_state(found.graphdef, layer_state, h, *args, keys=stage_keys(keys), remat=found.remat)
 
         K = ring_slots(S)
-        x0, (args0, keys0) = jax.eval_shape(lambda r: prefix(r, 0), rest)
+        x0, _ = jax.eval_shape(lambda r: prefix(r, 0), rest)
 
         def stage_vjp(h, args, keys, layers=layers):
             """The stage's ``jax.vjp`` as its output, its pullback's leaves and structure, and
@@ -346,8 +346,8 @@ class _Program:
                 found_kept["kept"] = kept
                 return [leaves[i] for i in kept]
 
-            shapes = jax.eval_shape(lambda a, k: residual_shapes(vary(jnp.zeros(x0.shape, x0.dtype), manual), a, k),
-                                    args0, keys0)  # fmt: skip
+            shapes = jax.eval_shape(lambda r: residual_shapes(vary(jnp.zeros(x0.shape, x0.dtype), manual), *prefix(r, 0)[1]),
+                                    rest)  # fmt: skip
             kept_static = found_kept["kept"]
         else:
             shapes = [x0]  # the stage input, from which the backward tick recomputes the stage
