@@ -654,7 +654,13 @@ class PipelineCost:
     in the forward pass and as many in the backward pass; ``boundary_bytes``: the
     ``all-reduce`` over the stage axis that hands the pipeline's output to every stage
     (forward) and sums the input's gradient (backward), each the device's whole batch of
-    activations: the price of running the embedding and the head outside the pipeline.
+    activations: the price of running the embedding and the head outside the pipeline
+    (none for 1F1B, which runs them inside the schedule and instead sums their gradients
+    over the stage axis once per step). ``in_flight``: the most microbatches whose
+    activations (or, recomputed, inputs) a stage holds at once: ``R*M`` for GPipe and
+    circular, ``2S-1`` for 1F1B; ``held_bytes``: what 1F1B's ring of them holds per device
+    (stage inputs; under a remat policy each layer's input), 0 for the others, whose held
+    activations grow with ``M`` (the planner's activation estimate).
     """
 
     schedule: str
@@ -667,17 +673,24 @@ class PipelineCost:
     microbatch_rows: int
     permute_bytes: int
     boundary_bytes: int
+    in_flight: int = 0
+    held_bytes: int = 0
 
 
 def pipeline_cost(
-    pipeline: Pipeline, n_layers: int, activation_shape, dtype="float32", *, batch_shards: int = 1, backward: bool = True
-) -> PipelineCost:
+    pipeline: Pipeline, n_layers: int, activation_shape, dtype="float32", *, batch_shards: int = 1, backward: bool = True,
+    remat: str = "none",
+) -> PipelineCost:  # fmt: skip
     """:class:`PipelineCost` of running ``n_layers`` stacked layers through ``pipeline``.
 
     ``activation_shape``: the global shape of the layers' input, ``(B, T, C)`` for the
     residual stream; its batch splits ``batch_shards`` ways (the data and FSDP axes) and
     no other dimension is split. ``backward=False`` counts the forward pass alone.
-    Validated like :meth:`Pipeline.check`.
+    ``remat``: the policy, which decides what 1F1B's ring holds. Validated like
+    :meth:`Pipeline.check`.
+
+    1F1B sends what GPipe sends: ``M + S - 1`` forward permutes (fill and steady ticks) and
+    as many backward ones (steady and drain).
     """
     batch, rest = int(activation_shape[0]), math.prod(int(d) for d in activation_shape[1:])
     pipeline.check(n_layers, batch, batch_shards)
@@ -694,5 +707,16 @@ def pipeline_cost(
         bubble=pipeline.bubble,
         microbatch_rows=rows,
         permute_bytes=passes * pipeline.iterations * microbatch_bytes,
-        boundary_bytes=passes * pipeline.microbatches * microbatch_bytes,
+        boundary_bytes=0 if pipeline.one_f_one_b else passes * pipeline.microbatches * microbatch_bytes,
+        in_flight=2 * pipeline.stages - 1 if pipeline.one_f_one_b else pipeline.repeats * pipeline.microbatches,
+        held_bytes=_ring_bytes(pipeline, n_layers, microbatch_bytes, remat),
     )
+
+
+def _ring_bytes(pipeline: Pipeline, n_layers: int, microbatch_bytes: int, remat: str) -> int:
+    """What 1F1B's ring holds per device: ``2S-1`` stage inputs, or under a remat policy what
+    it keeps of each layer (under ``full`` its input; ``dots`` keeps more, counted as ``full``)."""
+    if not pipeline.one_f_one_b:
+        return 0
+    per_slot = microbatch_bytes if remat == "none" else (n_layers // pipeline.stages) * microbatch_bytes
+    return (2 * pipeline.stages - 1) * per_slot
