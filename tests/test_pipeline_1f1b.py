@@ -181,19 +181,19 @@ def test_a_mixture_of_experts_is_refused_in_one_line(tmp_path, text_data):
 
 
 def test_plan_knows_the_schedule(text_data):
-    """plan on stage=2,data=4 with 1F1B: the compiled permutes are pipeline_cost's (1F1B sends
+    """plan on stage=4,data=2 with 1F1B: the compiled permutes are pipeline_cost's (1F1B sends
     what GPipe sends), no boundary all-reduce, and the ring of 2S-1 microbatches it holds."""
     from nnxscale.layers.pipeline import pipeline_cost
     from nnxscale.planning.planner import plan
 
-    cfg = cfg_for("unused", text_data, steps=1, mesh="stage=2,data=4", microbatches=4,
+    cfg = cfg_for("unused", text_data, steps=1, mesh="stage=4,data=2", microbatches=4,
                   **{"parallel.pipeline_schedule": "1f1b"})  # fmt: skip
     step = plan(cfg)
     p = step.pipeline
-    cost = pipeline_cost(Pipeline(stages=2, microbatches=4, one_f_one_b=True), 4, (16, 32, 128), batch_shards=4)
-    assert (p["schedule"], p["in_flight"], p["boundary_bytes"]) == ("1f1b", 3, 0)
-    assert p["held_bytes"] == cost.held_bytes == 3 * 1 * 32 * 128 * 4  # 2S-1 stage inputs of one row each
+    cost = pipeline_cost(Pipeline(stages=4, microbatches=4, one_f_one_b=True), 4, (16, 32, 128), batch_shards=2)
+    assert (p["schedule"], p["in_flight"], p["boundary_bytes"]) == ("1f1b", 7, 0)
+    assert p["held_bytes"] == cost.held_bytes == 7 * 2 * 32 * 128 * 4  # 2S-1 stage inputs of two rows each
     assert p["permute_bytes_per_step"] == p["permute_bytes_expected"] == cost.permute_bytes
-    assert cost.permute_bytes == pipeline_cost(Pipeline(stages=2, microbatches=4), 4, (16, 32, 128), batch_shards=4).permute_bytes
+    assert cost.permute_bytes == pipeline_cost(Pipeline(stages=4, microbatches=4), 4, (16, 32, 128), batch_shards=2).permute_bytes
     text = str(step)
-    assert "pipeline: 1F1B, 2 stages x 1 repeats" in text and "at most 3 microbatches per stage" in text
+    assert "pipeline: 1F1B, 4 stages x 1 repeats" in text and "at most 7 microbatches per stage" in text

@@ -690,7 +690,9 @@ def pipeline_cost(
     :meth:`Pipeline.check`.
 
     1F1B sends what GPipe sends: ``M + S - 1`` forward permutes (fill and steady ticks) and
-    as many backward ones (steady and drain).
+    as many backward ones (steady and drain); the compiled step has exactly these on 4
+    stages, and one fewer on 2, where the one-tick drain is inlined and XLA drops its
+    permute, whose result no stage uses.
     """
     batch, rest = int(activation_shape[0]), math.prod(int(d) for d in activation_shape[1:])
     pipeline.check(n_layers, batch, batch_shards)
