@@ -60,8 +60,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import ConfigError
+from nnxscale.layers.pipeline import _ACTIVE, _manual_axes, _mesh_for
 from nnxscale.layers.stack import Rows, layers_run_by, remat_policy, scan_state
 from nnxscale.sharding.activations import current_rules
+from nnxscale.sharding.axes import EXPERT
 from nnxscale.sharding.mesh import context_mesh, format_mesh, vary
 
 __all__ = ["check_supported", "pipeline_value_and_grad", "ring_slots"]
@@ -105,10 +107,7 @@ class _Found:
 
     path: Optional[tuple] = None  # where the stacked layers sit in the model
     graphdef: Any = None  # their graphdef
-    remat: Any = "none"
-    rows: tuple = ()  # positions of the Rows arguments
-    n_args: int = 0
-    keyed: bool = False
+    remat: Any = "none"  # the policy the model asks for
     calls: int = 0
 
 
@@ -119,16 +118,13 @@ def _key_path(kp) -> tuple:
 def _call(objective, graphdef, params, inputs, targets, key, runner):
     """``(loss, extras)`` of ``objective`` with :func:`scan_layers` run by ``runner``."""
     model = nnx.merge(graphdef, params)
-    with layers_run_by(functools_partial(runner, model)):
-        out = objective(model, inputs, targets, rngs=None if key is None else nnx.Rngs(dropout=key))
-    return out if isinstance(out, tuple) else (out, {})
 
-
-def functools_partial(runner, model):
-    def run(layers, x, *args, keys=None, remat="none", aux=False):
+    def run(layers, x, *args, keys=None, remat="none", aux=False):  # what scan_layers calls
         return runner(model, layers, x, *args, keys=keys, remat=remat, aux=aux)
 
-    return run
+    with layers_run_by(run):
+        out = objective(model, inputs, targets, rngs=None if key is None else nnx.Rngs(dropout=key))
+    return out if isinstance(out, tuple) else (out, {})
 
 
 def _discover(objective, graphdef, params, inputs, targets, key) -> _Found:
@@ -144,9 +140,7 @@ def _discover(objective, graphdef, params, inputs, targets, key) -> _Found:
                 "nnxscale.scan_layers more than once; use --pipeline-schedule gpipe"
             )
         found.path = next((tuple(p) for p, node in nnx.iter_graph(model) if node is layers), None)
-        found.graphdef = nnx.split(layers)[0]
-        found.remat, found.n_args, found.keyed = remat, len(args), keys is not None
-        found.rows = tuple(i for i, a in enumerate(args) if isinstance(a, Rows))
+        found.graphdef, found.remat = nnx.split(layers)[0], remat
         return jnp.zeros_like(x)
 
     jax.eval_shape(lambda p, x, y, k: _call(objective, graphdef, p, x, y, k, record)[0], params, inputs, targets, key)
@@ -190,8 +184,6 @@ def pipeline_value_and_grad(
 
     Must be traced under the run's rules (:func:`nnxscale.use_rules`).
     """
-    from nnxscale.layers.pipeline import _manual_axes, _mesh_for
-
     if pipeline.repeats != 1:
         raise ConfigError(
             f"--pipeline-schedule 1f1b with --pipeline-repeats {pipeline.repeats} (interleaved 1F1B) is not implemented "
@@ -211,9 +203,7 @@ def pipeline_value_and_grad(
     rest = [a for a, s in zip(leaves, in_stack) if not s]
     n_layers = int(stack[0].shape[0])
     pipeline.check(n_layers, inputs.shape[0], rules.batch_shard_count if rules is not None else 1)
-    data, stack_specs = _manual_axes(_stack_state(found, params, found.path), rules, pipeline.axis)
-    from nnxscale.sharding.axes import EXPERT
-
+    data, stack_specs = _manual_axes(_sub_tree(params, found.path), rules, pipeline.axis)
     if EXPERT in data:
         raise ConfigError(_MIXTURE)
     stack_specs = [P(pipeline.axis)] * len(stack) if isinstance(stack_specs, P) else jax.tree.leaves(
@@ -225,7 +215,7 @@ def pipeline_value_and_grad(
 
     def layers_state(stack_leaves):
         """The stacked layers as the State scan_state takes (their paths inside the stack)."""
-        return _stack_state(found, rebuild(stack_leaves, [None] * len(rest)), found.path)
+        return _sub_tree(rebuild(stack_leaves, [None] * len(rest)), found.path)
 
     program = _Program(objective, graphdef, found, pipeline, data, separator, rebuild, layers_state)
     rows = P(data) if data else P()
@@ -236,9 +226,7 @@ def pipeline_value_and_grad(
         out_specs=(P(), P(), stack_specs, [P()] * len(rest)),
         axis_names=frozenset((pipeline.axis,) + data),
     )
-    from nnxscale.layers.pipeline import _ACTIVE
-
-    token = _ACTIVE.set(None)
+    token = _ACTIVE.set(None)  # the loss's own stacks (none here) would run unpipelined
     try:
         loss, extras, g_stack, g_rest = run(stack, rest, inputs, targets, key)
     finally:
@@ -246,8 +234,8 @@ def pipeline_value_and_grad(
     return (loss, extras), rebuild(g_stack, g_rest)
 
 
-def _stack_state(found: _Found, params, path: tuple):
-    """The sub-State of ``params`` at ``path`` (the stacked layers')."""
+def _sub_tree(params, path: tuple):
+    """The part of ``params`` at ``path`` (the stacked layers')."""
     node = params
     for k in path:
         node = node[k]
