@@ -69,6 +69,7 @@ def run_steps(model, mesh, microbatches=None, schedule="gpipe", remat="none", do
         ("gpt2-mini", "stage=2,data=4", 4, "none", False),
         ("gpt2-mini", "stage=4,data=2", 4, "full", False),  # a ring of 7 slots; each layer's input kept
         ("gpt2-mini", "stage=2,fsdp=4", 2, "dots", True),
+        ("gpt2-mini", "stage=2,fsdp=2,model=2", 4, "none", False),  # FSDP and tensor parallelism in the stages
         ("llama-mini", "stage=2,context=2,data=2", 2, "full", True),  # ring attention inside the stages
     ],
 )  # fmt: skip
@@ -176,8 +177,6 @@ def test_the_schedule_and_its_ring():
         (["--pipeline-schedule", "1f1b"], ["--pipeline-schedule 1f1b", "--microbatches"]),
         (["--mesh", "stage=2,data=4", "--microbatches", "4", "--pipeline-schedule", "1f1b", "--pipeline-repeats", "2"],
          ["interleaved 1F1B", "not implemented"]),
-        (["--mesh", "stage=2,model=2,data=2", "--microbatches", "4", "--pipeline-schedule", "1f1b"],
-         ["tensor-parallel", "model", "--pipeline-schedule gpipe"]),
         (["--mesh", "stage=2,data=4", "--microbatches", "4", "--pipeline-schedule", "zb"], ["--pipeline-schedule", "zb"]),
     ],
 )  # fmt: skip

@@ -51,6 +51,7 @@ layers run by :func:`~nnxscale.scan_layers` in the loss.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Optional
 
@@ -64,7 +65,7 @@ from nnxscale.layers.pipeline import _ACTIVE, _manual_axes, _mesh_for
 from nnxscale.layers.stack import Rows, layers_run_by, remat_policy, scan_state
 from nnxscale.sharding.activations import current_rules
 from nnxscale.sharding.axes import EXPERT
-from nnxscale.sharding.mesh import context_mesh, format_mesh, vary
+from nnxscale.sharding.mesh import context_mesh, vary
 
 __all__ = ["check_supported", "pipeline_value_and_grad", "ring_slots"]
 
@@ -83,22 +84,9 @@ _MIXTURE = (
 
 def check_supported(pipeline, rules, *, routed: bool = False) -> None:
     """Raise :class:`~nnxscale.errors.ConfigError` where 1F1B does not run yet: a mixture of
-    experts (``routed``), and beside a tensor-parallel axis (one that splits neither the
-    batch nor the sequence): there XLA:CPU ran the tick's independent collectives in
-    different orders on different devices and waited forever (seen on
-    ``stage=2,model=2,data=2``); GPipe runs there."""
+    experts (``routed``). ``pipeline`` and ``rules``: the run's, for what may follow."""
     if routed:
         raise ConfigError(_MIXTURE)
-    if rules is None:
-        return
-    tensor = [a for a, n in rules.sizes.items() if n > 1 and a != pipeline.axis and a not in rules.batch_axes
-              and a not in rules.length_axes]  # fmt: skip
-    if tensor:
-        raise ConfigError(
-            f"--pipeline-schedule 1f1b does not run beside tensor-parallel axes yet ({', '.join(tensor)} in mesh "
-            f"{format_mesh(rules.sizes)}): put data, fsdp or context beside stage, or use "
-            "--pipeline-schedule gpipe"
-        )
 
 
 @dataclasses.dataclass
@@ -376,39 +364,40 @@ class _Program:
                     loss, tail_vjp, extras = jax.vjp(lambda r, y: tail(r, y, f), rest, out, has_aux=True)
                     w = jnp.where(last, pick(weights, f), 0.0)
                     g_rest, dy = tail_vjp(w.astype(loss.dtype))
+                    tail_done = (dy, loss, jax.tree.leaves(g_rest)[:1])
                     carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], g_rest)
                     carry["loss"] = carry["loss"] + w * loss.astype(jnp.float32)
                     carry["extras"] = jax.tree.map(
                         lambda acc, e: acc + jnp.where(last, e.astype(jnp.float32) / M, 0.0), carry["extras"], extras)
-                # Collectives in a fixed order on every device: XLA:CPU may run independent ones
-                # in different orders on different devices, and then waits forever (seen beside
-                # tensor parallelism). So the permute waits for the tail, and the backward for it.
-                carry["act"] = jax.lax.ppermute(_after(out, carry["g_rest"], dy), axis, down)
+                # Collectives in one order on every device (see _tie): the permute after the tail,
+                # the backward after the permute.
+                carry["act"] = jax.lax.ppermute(_tie(out, tail_done) if backward else out, axis, down)
             if backward:
                 b = t - 2 * (S - 1) + s  # this stage's backward microbatch
+                if forward:
+                    b = _tie(b, carry["act"])
                 real = (b >= 0) & (b < M)
                 cot = carry["cot"] if dy is None else jnp.where(last, dy, carry["cot"])
                 cot = jnp.where(real, cot, jnp.zeros_like(cot))
                 stored = get(carry["ring"], b % K)
-                rest_b, cot, stored = _after((rest, cot, stored), carry["act"])
-                x, prefix_vjp, (args, keys) = jax.vjp(lambda r: prefix(r, b), rest_b, has_aux=True)
-                layers_b, cot, stored = _after((layers, cot, stored), x, args)
+                x, prefix_vjp, (args, keys) = jax.vjp(lambda r: prefix(r, b), rest, has_aux=True)
+                cot = _tie(cot, x)  # the stage's backward after the prefix's forward
                 if self.keep_residuals:
                     # The pullback's structure, traced again here; its forward pass is dead code
                     # (every residual comes from the ring), which XLA removes.
-                    _, leaves, structure, kept = stage_vjp(vary(jnp.zeros_like(x), manual), args, keys, layers_b)
+                    _, leaves, structure, kept = stage_vjp(vary(jnp.zeros_like(x), manual), args, keys)
                     _check_kept(kept, kept_static)
                     for i, value in zip(kept, stored):
                         leaves[i] = value
                     pullback = jax.tree.unflatten(structure, leaves)
                 else:
-                    _, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys), layers_b, stored[0])
+                    _, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys), layers, stored[0])
                 g_layers, dh = pullback(cot)
                 g_stack = jax.tree.leaves(g_layers)
                 carry["g_stack"] = jax.tree.map(jnp.add, carry["g_stack"], g_stack)
                 (g_rest,) = prefix_vjp(jnp.where((s == 0) & real, dh, jnp.zeros_like(dh)))
                 carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], g_rest)
-                carry["cot"] = jax.lax.ppermute(_after(dh, carry["g_rest"], carry["g_stack"]), axis, up)
+                carry["cot"] = jax.lax.ppermute(_tie(dh, g_rest, g_stack), axis, up)
             return carry, None
 
         phases = (
@@ -421,11 +410,11 @@ class _Program:
                 body = lambda c, t, fwd=fwd, bwd=bwd: tick(c, t, fwd, bwd)  # noqa: E731
                 carry, _ = jax.lax.scan(body, carry, jnp.arange(start, stop))
         # The sums over the manual axes, one after another and after the last permutes (see tick).
-        loss = jax.lax.psum(_after(carry["loss"], carry["act"], carry["cot"]), manual)
-        extras = jax.tree.map(lambda e: jax.lax.psum(e, manual) / shards, _after(carry["extras"], loss))
-        g_stack = _after(carry["g_stack"], extras, loss)
+        loss = jax.lax.psum(_tie(carry["loss"], carry["act"], carry["cot"]), manual)
+        extras = jax.tree.map(lambda e: jax.lax.psum(e, manual) / shards, _tie(carry["extras"], loss))
+        g_stack = _tie(carry["g_stack"], extras, loss)
         g_stack = jax.lax.psum(g_stack, data) if data else g_stack
-        g_rest = jax.lax.psum(_after(carry["g_rest"], g_stack), manual)
+        g_rest = jax.lax.psum(_tie(carry["g_rest"], g_stack), manual)
         return loss, extras, g_stack, g_rest
 
 
@@ -434,7 +423,25 @@ def _check_kept(kept: tuple, expected: tuple) -> None:
         raise RuntimeError(f"1f1b: the stage's pullback keeps residuals {kept} here and {expected} when sized")
 
 
-def _after(values, *deps):
-    """``values``, computed no earlier than every one of ``deps`` (an optimization barrier)."""
-    values, _ = jax.lax.optimization_barrier((values, deps))
-    return values
+def _tie(value, *deps):
+    """``value``, made to depend on ``deps`` (one element of each leaf): computed after them.
+
+    XLA:CPU runs a program's operations as their data allow, on every device alike only as
+    far as dependencies go, and the schedule's permutes share one rendezvous key: two
+    independent permutes (this tick's forward and backward ones) could meet the wrong
+    partner, and independent collectives could wait on each other forever (optimization
+    barriers do not help: they are gone from the compiled program). The dependency is a
+    select on ``x != x`` (a NaN test), which no compiler pass may fold: ``value`` is
+    unchanged unless a dependency holds a NaN, which then spreads to it."""
+    firsts = [jnp.ravel(d)[0].astype(jnp.float32) for d in jax.tree.leaves(deps)]
+    if not firsts:
+        return value
+    first = functools.reduce(jnp.add, firsts)
+    nan = first != first
+
+    def tie(v):
+        if jnp.issubdtype(v.dtype, jnp.floating):
+            return v + jnp.where(nan, first, 0.0).astype(v.dtype)
+        return v + nan.astype(v.dtype)
+
+    return jax.tree.map(tie, value)
