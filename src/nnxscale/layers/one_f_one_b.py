@@ -22,18 +22,21 @@ pass of microbatch ``t - s`` and the backward pass of microbatch ``t - 2(S-1) + 
 ``t``. Within a tick every stage first runs its forward (stage 0 on the prefix's output,
 the others on what their upstream neighbour sent last tick), the last stage's output goes
 through the tail (its loss and the cotangent of its output, weighted as the whole batch's
-mean weighs that microbatch), then every stage runs its backward: ``jax.vjp`` of its layers
-recomputed from the stored stage input (the remat policy applies inside, as in
-:func:`~nnxscale.scan_layers`), weight gradients summed into a carry as they are made, the
+mean weighs that microbatch), then every stage runs its backward: without remat ``jax.vjp`` of its layers recomputed
+from the stored stage input; under a remat policy the pullback the forward tick made,
+whose residuals (what the policy saves: under ``full`` each layer's input) waited in the
+ring. Weight gradients are summed into a carry as they are made, the
 input's cotangent sent upstream with one ``ppermute`` (stage 0's goes through the prefix's
 ``jax.vjp`` into the embedding's gradient). The first ``S-1`` ticks run forwards only and
 the last ``S-1`` backwards only (three scans, each compiled once: compile time does not
 grow with ``M``), so a step costs ``(M + S - 1)`` forward and backward passes, GPipe's
-bubble ``(S-1)/(M+S-1)``, plus one extra forward per microbatch for the recomputation.
+bubble ``(S-1)/(M+S-1)``, plus, without remat, one extra forward per microbatch for the
+recomputation. Every collective of a tick depends on the one before it through data
+(:func:`_tie`), so that every device runs them in one order.
 
-**Memory.** A stage keeps a ring of ``2S-1`` stage inputs (one microbatch's residual
-stream each; SPMD gives every stage the buffer stage 0 needs), one microbatch's backward
-pass at a time, and its gradients: nothing grows with ``M`` but the step's token arrays.
+**Memory.** A stage keeps a ring of ``2S-1`` slots (stage inputs, or the remat policy's
+residuals; SPMD gives every stage the ring stage 0 needs), one microbatch's backward pass
+at a time, and its gradients: nothing grows with ``M`` but the step's token arrays.
 
 **Exactness.** The loss is the weighted sum over (microbatch, batch shard) of each one's
 mean loss, each weighted by its share of the tokens the loss counts (all of them, or with
