@@ -1,6 +1,7 @@
 """Pipeline parallelism on 8 CPU devices: memory, permutes and bubble compiled, step time measured.
 
-Two parts, one run (``python bench/pipeline.py``, about 5 minutes on 2 cores):
+Three parts, one run (``python bench/pipeline.py``, about 10 minutes on 2 cores; part 3 alone:
+``python bench/pipeline.py --schedules``):
 
 1. **Compiled ahead of time, nothing allocated**: nnxscale's real train step for gpt2
    (124M, float32, no remat), global batch 64 x 256 tokens, on ``data=8`` (the baseline)
@@ -15,9 +16,16 @@ Two parts, one run (``python bench/pipeline.py``, about 5 minutes on 2 cores):
    global batch; median of 15 steps after 3 of warm-up, the three configs timed in turns
    (so that a shared machine's load falls on each alike), as a ratio to ``data=8``.
 
-Last line, JSON: ``{"gpipe_bubble", "circular_bubble", "pp_over_dp_step_time"}``: the
-bubbles of gpt2 on ``stage=2,data=4`` at M=8 (GPipe, and circular with R=2), and the
-measured GPipe step time over the ``data=8`` one.
+3. **The schedules**: GPipe against 1F1B (``--pipeline-schedule 1f1b``). Compiled: gpt2 on
+   ``stage=4,data=2`` at M = 8, 16, 32 with 2 rows x 256 tokens per microbatch and data
+   shard (the batch grows with M), temporaries per device. Measured: gpt2-mini on
+   ``stage=2,data=4`` at M=8, global batch 32 x 128, both schedules with remat none and
+   full, timed in turns.
+
+Last line, JSON: ``{"gpipe_bubble", "circular_bubble", "pp_over_dp_step_time", ...}``: the
+bubbles of gpt2 on ``stage=2,data=4`` at M=8 (GPipe, and circular with R=2), the
+measured GPipe step time over the ``data=8`` one, and part 3's ratios: temporaries at M=32
+over M=8 for each schedule, 1F1B's over GPipe's at M=16, and 1F1B's step time over GPipe's.
 
 **What the CPU ratio predicts, and what it does not.** The 8 devices are threads of one
 2-core process, so the measured ratio is the compute the pipeline adds over data
@@ -75,17 +83,67 @@ COMPILED = [  # (mesh, microbatches, repeats)
 TIMED_BATCH, TIMED_SEQ = 32, 128  # measured part: gpt2-mini
 TIMED = [("data=8", None, 1), ("stage=2,data=4", 4, 1), ("stage=2,data=4", 4, 2)]
 WARMUP, STEPS = 3, 15
+# Part 3: memory against M for both schedules (gpt2 on stage=4,data=2, 2 rows x 256 tokens per
+# microbatch and data shard, so the batch grows with M), and the step time of 1F1B against
+# GPipe for gpt2-mini on stage=2,data=4 at M=8 (global batch 32 x 128), with and without remat.
+SCHEDULE_MESH, SCHEDULE_MS, SCHEDULE_ROWS, SCHEDULE_SEQ = "stage=4,data=2", (8, 16, 32), 2, 256
+SCHEDULE_TIMED = [("none", "gpipe"), ("none", "1f1b"), ("full", "gpipe"), ("full", "1f1b")]
 
 
-def config(model: str, mesh: str, microbatches, repeats: int, batch: int, seq: int) -> TrainConfig:
+def config(model: str, mesh: str, microbatches, repeats: int, batch: int, seq: int, schedule: str = "gpipe",
+           remat: str = "none") -> TrainConfig:  # fmt: skip
     return TrainConfig.from_flags(model=model, mesh=mesh, microbatches=microbatches, pipeline_repeats=repeats,
-                                  batch_size=batch, seq_len=seq)  # fmt: skip
+                                  batch_size=batch, seq_len=seq, pipeline_schedule=schedule, remat=remat)  # fmt: skip
 
 
 def name(mesh: str, microbatches, repeats: int) -> str:
     if microbatches is None:
         return mesh
     return f"{mesh} {'GPipe' if repeats == 1 else f'circ R={repeats}'} M={microbatches}"
+
+
+def schedule_memory() -> dict:
+    """Compiled temporaries per device of gpt2's step on SCHEDULE_MESH at each M, both schedules."""
+    stages = int(SCHEDULE_MESH.split("stage=")[1].split(",")[0])
+    shards = 8 // stages
+    print(f"gpt2 (124M) train step on {SCHEDULE_MESH}, {SCHEDULE_ROWS} rows x {SCHEDULE_SEQ} tokens per microbatch and "
+          f"data shard, float32, no remat (compiled, not run)")  # fmt: skip
+    header = f"{'schedule':<10}{'M':>4}{'batch':>7}{'temp/dev':>11}{'peak/dev':>11}{'permute/dev':>13}{'all-reduce/dev':>16}"
+    print(header)
+    print("-" * len(header))
+    rows = {}
+    for schedule in ("gpipe", "1f1b"):
+        for m in SCHEDULE_MS:
+            batch = SCHEDULE_ROWS * m * shards
+            s = setup(config("gpt2", SCHEDULE_MESH, m, 1, batch, SCHEDULE_SEQ, schedule))
+            with jax.set_mesh(s.mesh):
+                fig = measure(make_train_step(s).lower(s.abstract, s.abstract_batch).compile())
+            coll = fig["collective_bytes"]
+            rows[(schedule, m)] = fig["temp_bytes"]
+            print(f"{schedule:<10}{m:>4}{batch:>7}{format_bytes(fig['temp_bytes']):>11}{format_bytes(fig['peak_bytes']):>11}"
+                  f"{format_bytes(coll.get('collective-permute', 0)):>13}{format_bytes(coll.get('all-reduce', 0)):>16}",
+                  flush=True)  # fmt: skip
+    lo, mid, hi = SCHEDULE_MS
+    print(f"temp at M={hi} over M={lo}: GPipe {rows[('gpipe', hi)] / rows[('gpipe', lo)]:.2f}x, "
+          f"1F1B {rows[('1f1b', hi)] / rows[('1f1b', lo)]:.2f}x; at M={mid} 1F1B over GPipe "
+          f"{rows[('1f1b', mid)] / rows[('gpipe', mid)]:.2f}x")  # fmt: skip
+    return rows
+
+
+def schedule_times() -> dict:
+    """Median seconds per step of gpt2-mini on stage=2,data=4, M=8, each (remat, schedule), timed in turns."""
+    runs = {c: prepared_step(config("gpt2-mini", "stage=2,data=4", 8, 1, TIMED_BATCH, TIMED_SEQ, c[1], c[0]))
+            for c in SCHEDULE_TIMED}  # fmt: skip
+    for run in runs.values():
+        for _ in range(WARMUP):
+            run()
+    times = {c: [] for c in runs}
+    for _ in range(STEPS):
+        for c, run in runs.items():
+            t = time.perf_counter()
+            run()
+            times[c].append(time.perf_counter() - t)
+    return {c: statistics.median(ts) for c, ts in times.items()}
 
 
 def compiled_rows() -> dict:
@@ -136,6 +194,13 @@ def step_times() -> dict:
 
 
 def main() -> None:
+    if "--schedules" in os.sys.argv:  # part 3 alone (about 5 minutes)
+        schedule_memory()
+        print()
+        sched = schedule_times()
+        for (remat, schedule), seconds in sched.items():
+            print(f"  remat {remat:<5} {schedule:<6}{seconds * 1e3:>9.1f} ms  {seconds / sched[(remat, 'gpipe')]:5.2f}x GPipe")
+        return
     rows = compiled_rows()
     print("permute/dev: collective-permute bytes per device per step in the compiled HLO; pipeline_cost: the")
     print("analytical figure (one microbatch of activations per iteration, forward and backward); all coll/dev:")
@@ -147,10 +212,24 @@ def main() -> None:
     for key, seconds in times.items():
         print(f"  {key:<30}{seconds * 1e3:>9.1f} ms  {seconds / base:5.2f}x data=8")
     gpipe = times[name(*TIMED[1])] / times[name(*TIMED[0])]
+    print()
+    memory = schedule_memory()
+    print()
+    print(f"gpt2-mini train step on stage=2,data=4, M=8, global batch {TIMED_BATCH} x {TIMED_SEQ}, measured (median of "
+          f"{STEPS} steps, timed in turns)")  # fmt: skip
+    sched = schedule_times()
+    for (remat, schedule), seconds in sched.items():
+        print(f"  remat {remat:<5} {schedule:<6}{seconds * 1e3:>9.1f} ms  {seconds / sched[(remat, 'gpipe')]:5.2f}x GPipe")
+    lo, mid, hi = SCHEDULE_MS
     result = {
         "gpipe_bubble": round(rows[name("stage=2,data=4", 8, 1)]["bubble"], 4),
         "circular_bubble": round(rows[name("stage=2,data=4", 8, 2)]["bubble"], 4),
         "pp_over_dp_step_time": round(gpipe, 3),
+        "gpipe_temp_growth": round(memory[("gpipe", hi)] / memory[("gpipe", lo)], 3),
+        "1f1b_temp_growth": round(memory[("1f1b", hi)] / memory[("1f1b", lo)], 3),
+        "1f1b_over_gpipe_temp": round(memory[("1f1b", mid)] / memory[("gpipe", mid)], 3),
+        "1f1b_over_gpipe_step_time": round(sched[("none", "1f1b")] / sched[("none", "gpipe")], 3),
+        "1f1b_over_gpipe_step_time_remat_full": round(sched[("full", "1f1b")] / sched[("full", "gpipe")], 3),
     }
     print(json.dumps(result))
 

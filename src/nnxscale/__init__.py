@@ -77,6 +77,7 @@ _EXPORTS = {
     "pipeline_cost": "nnxscale.layers.pipeline",
     "to_stage_order": "nnxscale.layers.pipeline",
     "to_layer_order": "nnxscale.layers.pipeline",
+    "pipeline_value_and_grad": "nnxscale.layers.one_f_one_b",
     # state sharding
     "state_specs": "nnxscale.sharding.state",
     "state_shardings": "nnxscale.sharding.state",

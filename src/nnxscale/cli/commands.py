@@ -60,7 +60,7 @@ def configure_cpu_devices(n: Optional[int]) -> None:
 #: `plan` and `init` describe the same run with the same flags and defaults.
 PLAN_SETTINGS = (
     "model.name", "parallel.mesh", "parallel.rules", "data.batch_size", "data.seq_len", "model.remat", "model.dtype",
-    "model.attention", "data.document_mask", "model.dropout", "optim.grad_accum", "parallel.microbatches", "parallel.pipeline_repeats", "parallel.min_shard_bytes",
+    "model.attention", "data.document_mask", "model.dropout", "optim.grad_accum", "parallel.microbatches", "parallel.pipeline_repeats", "parallel.pipeline_schedule", "parallel.min_shard_bytes",
     "model.capacity_factor",
 )  # fmt: skip
 INIT_SETTINGS = ("model.name", "parallel.mesh", "parallel.rules", "parallel.min_shard_bytes", "seed", "run_dir")

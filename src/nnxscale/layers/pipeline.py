@@ -125,6 +125,12 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
+#: The schedules a training step can run: ``gpipe`` (GPipe, or circular with ``repeats > 1``:
+#: a forward scan that JAX differentiates) and ``1f1b`` (:mod:`nnxscale.layers.one_f_one_b`:
+#: memory independent of the microbatches).
+SCHEDULES = ("gpipe", "1f1b")
+
+
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """A pipeline schedule: ``microbatches`` flow through ``stages`` stages, ``repeats`` times.
@@ -143,12 +149,18 @@ class Pipeline:
     microbatches: int
     repeats: int = 1
     axis: str = STAGE
+    one_f_one_b: bool = False  # the training step runs the 1F1B schedule (nnxscale.layers.one_f_one_b)
 
     def __post_init__(self):
         for name in ("stages", "microbatches", "repeats"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"pipeline {name} must be a positive integer, got {value!r}")
+        if self.one_f_one_b and self.repeats > 1:
+            raise ConfigError(
+                f"--pipeline-schedule 1f1b with --pipeline-repeats {self.repeats} (interleaved 1F1B) is not implemented "
+                "yet: use --pipeline-repeats 1 with 1f1b, or --pipeline-schedule gpipe for the circular schedule"
+            )
         if not isinstance(self.axis, str) or not self.axis:
             raise ConfigError(f"pipeline axis must be a mesh axis name, got {self.axis!r}")
         if self.microbatches < self.stages:
@@ -158,19 +170,25 @@ class Pipeline:
             )
 
     @classmethod
-    def for_mesh(cls, mesh, microbatches: int, repeats: int = 1, axis: str = STAGE) -> "Pipeline":
-        """The pipeline over ``mesh``'s ``axis`` (a ``Mesh`` or an ``{axis: size}`` mapping)."""
+    def for_mesh(cls, mesh, microbatches: int, repeats: int = 1, axis: str = STAGE, schedule: str = "gpipe") -> "Pipeline":
+        """The pipeline over ``mesh``'s ``axis`` (a ``Mesh`` or an ``{axis: size}`` mapping);
+        ``schedule``: one of :data:`SCHEDULES`."""
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"unknown pipeline schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
         sizes = mesh_axis_sizes(mesh)
         if axis not in sizes:
             raise ConfigError(
                 f"microbatches={microbatches} asks for a pipeline, but mesh {format_mesh(sizes)} has no {axis!r} axis "
                 f"to put its stages on: add one (e.g. {axis}=2,data=4), or leave microbatches unset"
             )
-        return cls(stages=sizes[axis], microbatches=microbatches, repeats=repeats, axis=axis)
+        return cls(stages=sizes[axis], microbatches=microbatches, repeats=repeats, axis=axis,
+                   one_f_one_b=schedule == "1f1b")  # fmt: skip
 
     @property
     def schedule(self) -> str:
-        """``"gpipe"`` or ``"circular"``."""
+        """``"gpipe"``, ``"circular"`` or ``"1f1b"``."""
+        if self.one_f_one_b:
+            return "1f1b"
         return "gpipe" if self.repeats == 1 else "circular"
 
     @property
@@ -636,7 +654,13 @@ class PipelineCost:
     in the forward pass and as many in the backward pass; ``boundary_bytes``: the
     ``all-reduce`` over the stage axis that hands the pipeline's output to every stage
     (forward) and sums the input's gradient (backward), each the device's whole batch of
-    activations: the price of running the embedding and the head outside the pipeline.
+    activations: the price of running the embedding and the head outside the pipeline
+    (none for 1F1B, which runs them inside the schedule and instead sums their gradients
+    over the stage axis once per step). ``in_flight``: the most microbatches whose
+    activations (or, recomputed, inputs) a stage holds at once: ``R*M`` for GPipe and
+    circular, ``2S-1`` for 1F1B; ``held_bytes``: what 1F1B's ring of them holds per device
+    (stage inputs; under a remat policy each layer's input), 0 for the others, whose held
+    activations grow with ``M`` (the planner's activation estimate).
     """
 
     schedule: str
@@ -649,17 +673,26 @@ class PipelineCost:
     microbatch_rows: int
     permute_bytes: int
     boundary_bytes: int
+    in_flight: int = 0
+    held_bytes: int = 0
 
 
 def pipeline_cost(
-    pipeline: Pipeline, n_layers: int, activation_shape, dtype="float32", *, batch_shards: int = 1, backward: bool = True
-) -> PipelineCost:
+    pipeline: Pipeline, n_layers: int, activation_shape, dtype="float32", *, batch_shards: int = 1, backward: bool = True,
+    remat: str = "none",
+) -> PipelineCost:  # fmt: skip
     """:class:`PipelineCost` of running ``n_layers`` stacked layers through ``pipeline``.
 
     ``activation_shape``: the global shape of the layers' input, ``(B, T, C)`` for the
     residual stream; its batch splits ``batch_shards`` ways (the data and FSDP axes) and
     no other dimension is split. ``backward=False`` counts the forward pass alone.
-    Validated like :meth:`Pipeline.check`.
+    ``remat``: the policy, which decides what 1F1B's ring holds. Validated like
+    :meth:`Pipeline.check`.
+
+    1F1B sends what GPipe sends: ``M + S - 1`` forward permutes (fill and steady ticks) and
+    as many backward ones (steady and drain); the compiled step has exactly these on 4
+    stages, and one fewer on 2, where the one-tick drain is inlined and XLA drops its
+    permute, whose result no stage uses.
     """
     batch, rest = int(activation_shape[0]), math.prod(int(d) for d in activation_shape[1:])
     pipeline.check(n_layers, batch, batch_shards)
@@ -676,5 +709,16 @@ def pipeline_cost(
         bubble=pipeline.bubble,
         microbatch_rows=rows,
         permute_bytes=passes * pipeline.iterations * microbatch_bytes,
-        boundary_bytes=passes * pipeline.microbatches * microbatch_bytes,
+        boundary_bytes=0 if pipeline.one_f_one_b else passes * pipeline.microbatches * microbatch_bytes,
+        in_flight=2 * pipeline.stages - 1 if pipeline.one_f_one_b else pipeline.repeats * pipeline.microbatches,
+        held_bytes=_ring_bytes(pipeline, n_layers, microbatch_bytes, remat),
     )
+
+
+def _ring_bytes(pipeline: Pipeline, n_layers: int, microbatch_bytes: int, remat: str) -> int:
+    """What 1F1B's ring holds per device: ``2S-1`` stage inputs, or under a remat policy what
+    it keeps of each layer (under ``full`` its input; ``dots`` keeps more, counted as ``full``)."""
+    if not pipeline.one_f_one_b:
+        return 0
+    per_slot = microbatch_bytes if remat == "none" else (n_layers // pipeline.stages) * microbatch_bytes
+    return (2 * pipeline.stages - 1) * per_slot

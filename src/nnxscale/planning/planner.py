@@ -345,7 +345,7 @@ def pipeline_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional
     d, dims, rules = cfg.data, lay["model"].dims, lay["rules"]
     # Beside a context axis, each device holds and passes on its T / context tokens.
     activation = (d.batch_size, d.seq_len // rules.length_shard_count, dims.width)
-    cost = pipeline_cost(pipe, n, activation, cfg.model.dtype, batch_shards=rules.batch_shard_count)
+    cost = pipeline_cost(pipe, n, activation, cfg.model.dtype, batch_shards=rules.batch_shard_count, remat=cfg.model.remat)
     return {
         "schedule": cost.schedule,
         "stages": cost.stages,
@@ -359,6 +359,8 @@ def pipeline_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional
         "permute_bytes_per_step": None if compiled_collectives is None else compiled_collectives.get("collective-permute", 0),
         "permute_bytes_expected": cost.permute_bytes,
         "boundary_bytes": cost.boundary_bytes,
+        "in_flight": cost.in_flight,
+        "held_bytes": cost.held_bytes,
         "with_ring": rules.length_shard_count > 1,  # the compiled permutes are the ring's too
     }
 
@@ -370,8 +372,9 @@ def pipeline_lines(p: dict, source: str = "compiler") -> list[str]:
     if p["repeats"] > 1:
         layout += f", as {p['repeats']} groups of {groups} (stage s holds groups s, s+{p['stages']}, ...)"
     formula = "(S-1)/(M+S-1)" if p["repeats"] == 1 else "(S-1)/(R*M+S-1)"
+    title = {"gpipe": "GPipe", "circular": "circular", "1f1b": "1F1B"}[p["schedule"]]
     lines = [
-        f"pipeline: {'GPipe' if p['repeats'] == 1 else 'circular'}, {p['stages']} stages x {p['repeats']} repeats; {layout}",
+        f"pipeline: {title}, {p['stages']} stages x {p['repeats']} repeats; {layout}",
         f"  microbatches {p['microbatches']} of {p['microbatch_rows']} rows per batch shard, "
         f"{p['iterations']} iterations per pass",
         f"  bubble {p['bubble']:.1%} of each stage's iterations idle {formula}",
@@ -385,6 +388,14 @@ def pipeline_lines(p: dict, source: str = "compiler") -> list[str]:
             f"  collective-permute per device per step: {format_bytes(p['permute_bytes_per_step'])} ({source}{both}), "
             f"{expected} expected (pipeline_cost: one microbatch per iteration, forward and backward)"
         )
+    if p["schedule"] == "1f1b":
+        lines += [
+            f"  in flight: at most {p['in_flight']} microbatches per stage (2S-1, whatever M): a ring of "
+            f"{format_bytes(p['held_bytes'])} per device",
+            "  boundary: none (embedding and head run inside the schedule; their gradients are summed over stage once "
+            "per step)",
+        ]
+        return lines
     lines.append(
         f"  boundary (embedding and head outside the pipeline): {format_bytes(p['boundary_bytes'])} of stage all-reduces "
         "per device per step"

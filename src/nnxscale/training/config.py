@@ -79,6 +79,10 @@ class ParallelConfig:
                                           "stages, dividing each batch shard's rows")  # fmt: skip
     pipeline_repeats: int = setting(1, "--pipeline-repeats", "groups of layers per pipeline stage: 1 is GPipe, R > 1 the "
                                     "circular schedule (bubble (S-1)/(R*M+S-1); layers must divide by stages x R)")  # fmt: skip
+    pipeline_schedule: str = setting("gpipe", "--pipeline-schedule", "gpipe: a forward scan differentiated by JAX "
+                                     "(memory grows with the microbatches); 1f1b: each stage runs a microbatch's backward "
+                                     "as soon as it can, holding at most 2S-1 microbatches' stage inputs whatever the "
+                                     "microbatches", choices=("gpipe", "1f1b"))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +262,10 @@ class TrainConfig:
                 raise ConfigError(f"{_label(path)} is empty")
         if self.model.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"{_label('model.dtype')} must be float32 or bfloat16, got {self.model.dtype!r}")
+        if self.parallel.pipeline_schedule not in ("gpipe", "1f1b"):
+            raise ConfigError(
+                f"{_label('parallel.pipeline_schedule')} must be gpipe or 1f1b, got {self.parallel.pipeline_schedule!r}"
+            )
         if self.model.remat not in ("none", "full", "dots"):
             raise ConfigError(f"{_label('model.remat')} must be none, full or dots, got {self.model.remat!r}")
         if self.model.attention not in ATTENTION_IMPLEMENTATIONS:
@@ -276,6 +284,16 @@ class TrainConfig:
             raise ConfigError(
                 f"--pipeline-repeats {par.pipeline_repeats} sets the circular pipeline schedule, which needs "
                 "--microbatches (and a stage mesh axis, e.g. --mesh stage=2,data=4 --microbatches 8)"
+            )
+        if par.pipeline_schedule != "gpipe" and par.microbatches is None:
+            raise ConfigError(
+                f"--pipeline-schedule {par.pipeline_schedule} is a pipeline schedule, which needs --microbatches "
+                "(and a stage mesh axis, e.g. --mesh stage=2,data=4 --microbatches 8)"
+            )
+        if par.pipeline_schedule == "1f1b" and par.pipeline_repeats > 1:
+            raise ConfigError(
+                f"--pipeline-schedule 1f1b with --pipeline-repeats {par.pipeline_repeats} (interleaved 1F1B) is not "
+                "implemented yet: use --pipeline-repeats 1 with 1f1b, or --pipeline-schedule gpipe for the circular schedule"
             )
         if par.microbatches is not None and self.optim.grad_accum > 1:
             raise ConfigError(
@@ -441,7 +459,7 @@ RESUMABLE_FIELDS = frozenset(
     {"steps", "parallel.mesh", "parallel.rules", "run_dir", "logging.log_every", "logging.eval_every",
      "checkpoint.save_every", "checkpoint.keep", "model.remat", "model.attention", "model.init_from", "parallel.min_shard_bytes",
      "max_bad_steps", "hang_timeout", "data.eval_batches", "parallel.microbatches", "parallel.pipeline_repeats",
-     "logging.tensorboard", "logging.profile_steps", "logging.wandb"}
+     "parallel.pipeline_schedule", "logging.tensorboard", "logging.profile_steps", "logging.wandb"}
 )
 
 

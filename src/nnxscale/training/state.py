@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
 from nnxscale.data import text as text
 from nnxscale.layers import attention
+from nnxscale.layers.one_f_one_b import check_supported as check_1f1b
 from nnxscale.layers.pipeline import Pipeline, manual_axes, to_layer_order, to_stage_order
 from nnxscale.layers.stack import LAYERS
 from nnxscale.models import (
@@ -182,7 +183,8 @@ def run_pipeline(cfg: TrainConfig, rules: MeshRules) -> Optional[Pipeline]:
             f"and dividing the {rows} rows each batch shard holds (e.g. --microbatches {fits[0]}); "
             f"--pipeline-repeats R > 1 makes the schedule circular"
         )
-    return Pipeline.for_mesh(sizes, cfg.parallel.microbatches, cfg.parallel.pipeline_repeats)
+    return Pipeline.for_mesh(sizes, cfg.parallel.microbatches, cfg.parallel.pipeline_repeats,
+                             schedule=cfg.parallel.pipeline_schedule)  # fmt: skip
 
 
 def check_pipeline(pipe: Pipeline, cfg: TrainConfig, rules: MeshRules, name: str, params) -> int:
@@ -260,6 +262,8 @@ def setup(
     if getattr(m.config, "attention", None):  # --attention cudnn where it cannot run: one line, before anything is built
         attention.resolve(m.config.attention, cfg.data.seq_len, m.config.dtype, m.dims.head_width, cfg.data.document_mask)
     pipe = run_pipeline(cfg, rules)
+    if pipe is not None and pipe.one_f_one_b:
+        check_1f1b(pipe, rules, routed=m.routed)
     d = cfg.data
 
     factory = lambda: m.build(nnx.Rngs(cfg.seed))  # noqa: E731
@@ -357,13 +361,16 @@ def saved_order(s: Setup, state):
     return to_layer_order(state, s.pipeline, s.state_shardings)
 
 
+_SCHEDULE_NAMES = {"gpipe": "GPipe", "circular": "circular", "1f1b": "1F1B"}
+
+
 def describe_pipeline(s: Setup) -> str:
     """One line: the run's pipeline layout (schedule, layers per stage, microbatches, bubble)."""
     p, n = s.pipeline, s.stacked_layers
     rows = s.cfg.data.batch_size // (s.rules.batch_shard_count * p.microbatches)
     groups = f", {p.repeats} groups of {n // (p.stages * p.repeats)} per stage" if p.repeats > 1 else ""
     return (
-        f"pipeline: {'GPipe' if p.repeats == 1 else 'circular'} over {p.stages} stages, {n // p.stages} of {n} layers "
+        f"pipeline: {_SCHEDULE_NAMES[p.schedule]} over {p.stages} stages, {n // p.stages} of {n} layers "
         f"per stage{groups}; {p.microbatches} microbatches of {rows} rows per batch shard, "
         f"{p.iterations} iterations a pass, bubble {p.bubble:.1%}"
     )

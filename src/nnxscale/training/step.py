@@ -18,6 +18,7 @@ from flax import nnx
 
 from nnxscale.data import text as text
 from nnxscale.jobs.distributed import StopVote
+from nnxscale.layers.one_f_one_b import pipeline_value_and_grad
 from nnxscale.layers.pipeline import use_pipeline
 from nnxscale.sharding.activations import use_rules
 from nnxscale.training.state import Setup
@@ -45,6 +46,9 @@ def make_train_step(s: Setup, *, vote: bool = False):
     graphdef, tx, schedule, objective = s.graphdef, s.tx, s.schedule, s.model.loss
     accum, separator = s.cfg.optim.grad_accum, s.model.separator
     grad_fn = jax.value_and_grad(lambda p, x, y, k: loss_fn(graphdef, p, x, y, k, objective), has_aux=True)
+    if s.pipeline is not None and s.pipeline.one_f_one_b:  # the schedule computes the gradients itself
+        grad_fn = functools.partial(pipeline_value_and_grad, objective, graphdef, pipeline=s.pipeline, mesh=s.mesh,
+                                    separator=separator)  # fmt: skip
 
     def step(state, batch, votes=None):
         params = state["params"]
