@@ -134,16 +134,7 @@ def schedule_times() -> dict:
     """Median seconds per step of gpt2-mini on stage=2,data=4, M=8, each (remat, schedule), timed in turns."""
     runs = {c: prepared_step(config("gpt2-mini", "stage=2,data=4", 8, 1, TIMED_BATCH, TIMED_SEQ, c[1], c[0]))
             for c in SCHEDULE_TIMED}  # fmt: skip
-    for run in runs.values():
-        for _ in range(WARMUP):
-            run()
-    times = {c: [] for c in runs}
-    for _ in range(STEPS):
-        for c, run in runs.items():
-            t = time.perf_counter()
-            run()
-            times[c].append(time.perf_counter() - t)
-    return {c: statistics.median(ts) for c, ts in times.items()}
+    return timed_in_turns(runs)
 
 
 def compiled_rows() -> dict:
@@ -180,7 +171,11 @@ def compiled_rows() -> dict:
 def step_times() -> dict:
     """Median seconds per step of each TIMED config, timed in turns (round-robin), so that
     the load of a shared machine falls on every config alike."""
-    runs = {name(*c): prepared_step(config("gpt2-mini", *c, TIMED_BATCH, TIMED_SEQ)) for c in TIMED}
+    return timed_in_turns({name(*c): prepared_step(config("gpt2-mini", *c, TIMED_BATCH, TIMED_SEQ)) for c in TIMED})
+
+
+def timed_in_turns(runs: dict) -> dict:
+    """``{key: median seconds of run()}``: WARMUP calls each, then STEPS rounds of one call each."""
     for run in runs.values():
         for _ in range(WARMUP):
             run()
