@@ -61,8 +61,8 @@ import time
 from collections.abc import Mapping
 from typing import Optional
 
-from nnxscale.jobs import jax_private
 from nnxscale.errors import JobError
+from nnxscale.jobs import jax_private
 
 #: Environment variables with the meaning of the flags of the same name.
 ENV_COORDINATOR = "NNXSCALE_COORDINATOR"
