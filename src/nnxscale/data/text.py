@@ -166,6 +166,10 @@ class TextTokenizer:
         writes its own; special tokens written in the text are still read as such)."""
         return [list(e.ids) for e in self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
 
+    def token_name(self, token_id: int) -> str:
+        """The text of token ``token_id`` (``"<|eot_id|>"``)."""
+        return self._tokenizer.id_to_token(int(token_id)) or f"token {token_id}"
+
     def token_id(self, token: str) -> Optional[int]:
         """The id of ``token`` (e.g. ``"<|eot_id|>"``), ``None`` when the vocabulary lacks it."""
         return self._tokenizer.token_to_id(token)

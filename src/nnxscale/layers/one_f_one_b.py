@@ -66,6 +66,7 @@ from jax.sharding import PartitionSpec as P
 from nnxscale.errors import ConfigError
 from nnxscale.layers.pipeline import _ACTIVE, _manual_axes, _mesh_for
 from nnxscale.layers.stack import Rows, layers_run_by, remat_policy, scan_state
+from nnxscale.models.common.documents import trained_weights
 from nnxscale.sharding.activations import current_rules
 from nnxscale.sharding.axes import EXPERT
 from nnxscale.sharding.mesh import context_mesh, vary

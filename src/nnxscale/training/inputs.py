@@ -172,8 +172,12 @@ def load_examples(cfg: TrainConfig, tokenizer: Optional[text.TextTokenizer], kin
     unit = {chat.MESSAGES: "conversations", chat.COMPLETION: "prompts and completions", chat.PREFERENCE: "preference pairs"}
     skipped = f", {packed.bad_rows} bad rows skipped" if packed.bad_rows else ""
     share = float(np.mean(packed.trained)) if len(packed.trained) else 0.0
+    if kind.packing is None:
+        between = "nothing between examples"
+    else:
+        between = (tok.token_name(kind.packing) if hasattr(tok, "token_name") else f"byte {kind.packing}") + " after each example"
     description = (f"{', '.join(map(str, files))}: {packed.examples:,} {unit[kind.format]}{skipped} in {rows:,} rows of "
-                   f"{packed.row_tokens} tokens, {share:.1%} of the tokens trained (--loss-on {kind.loss_on}; "
+                   f"{packed.row_tokens} tokens ({between}), {share:.1%} of the tokens trained (--loss-on {kind.loss_on}; "
                    f"{tok.description})")  # fmt: skip
     mark = np.concatenate([tokens.astype(np.int64), packed.trained.astype(np.int64)])
     return datalib.TokenData(tokens, tok.vocab_size, description, datalib.fingerprint(mark), packed.trained,
