@@ -208,6 +208,8 @@ def _sample_parser(sub) -> None:
     s.add_argument("--mesh", help="mesh to sample on (default: the run's, its stage and context axes as data)")
     s.add_argument("--no-cache", action="store_true", help="recompute the whole sequence for every token (the baseline)")
     s.add_argument("--tokenizer", help="tokenizer.json to decode with (default: the run's own, or bytes)")
+    s.add_argument("--chat", action="store_true", help="each prompt is a user's message: rendered by the run's chat "
+                   "template with the assistant's turn opened; prints the reply alone")  # fmt: skip
     _add_common(s)
 
 
@@ -358,6 +360,7 @@ def _sample(args) -> int:
         tokenizer=args.tokenizer,
         mesh=args.mesh,
         cache=False if args.no_cache else None,
+        chat=args.chat,
         warn=lambda line: print(line, file=sys.stderr),  # stdout is the text alone
     )
     for i, text in enumerate(texts):

@@ -161,6 +161,19 @@ class TextTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text).ids)
 
+    def encode_plain(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's ids without the special tokens the tokenizer adds (a chat template
+        writes its own; special tokens written in the text are still read as such)."""
+        return [list(e.ids) for e in self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def token_name(self, token_id: int) -> str:
+        """The text of token ``token_id`` (``"<|eot_id|>"``)."""
+        return self._tokenizer.id_to_token(int(token_id)) or f"token {token_id}"
+
+    def token_id(self, token: str) -> Optional[int]:
+        """The id of ``token`` (e.g. ``"<|eot_id|>"``), ``None`` when the vocabulary lacks it."""
+        return self._tokenizer.token_to_id(token)
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
@@ -303,6 +316,16 @@ def stdlib_files() -> list[Path]:
             continue
         files.append(rel)
     return [root / rel for rel in sorted(files, key=lambda p: p.as_posix())]
+
+
+def record_files(source: TextSource) -> list[Path]:
+    """The JSON Lines and Parquet files of a source (a record file, or those in a directory), in order."""
+    if source is None or source == STDLIB:
+        return []
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return [f for f in read_corpus(path).files if is_record_file(f)]
+    return [path] if path.is_file() and is_record_file(path) else []
 
 
 def is_text_source(source: TextSource) -> bool:

@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from nnxscale.data import text as text
+from nnxscale.data.chat import IGNORED
 from nnxscale.errors import DataError
 
 TokenSource = Union[str, os.PathLike, None]
@@ -65,12 +66,22 @@ class TokenData:
       fingerprint: 16 hex digits of BLAKE2b over dtype, length and tokens, so a resumed run
         can tell that its data changed. Streams over 256 MiB are hashed from 256 evenly
         spaced 1 MiB samples plus the tail, so loading a huge file stays fast.
+      trained: for instruction, chat and preference data (:mod:`nnxscale.data.chat`): bool,
+        like ``tokens``: token ``i`` is a target the loss trains; the others' targets are
+        :data:`~nnxscale.data.chat.IGNORED`. ``None``: every token is.
+      row_tokens: for such data, the stream is rows of this many tokens (``seq_len + 1``),
+        each holding whole examples; windows and the validation split follow the rows.
+      group: rows that belong together (2: a preference pair, chosen then rejected), kept
+        together in every batch and split.
     """
 
     tokens: np.ndarray
     vocab_size: int
     description: str
     fingerprint: str
+    trained: Optional[np.ndarray] = None
+    row_tokens: Optional[int] = None
+    group: int = 1
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -216,6 +227,9 @@ def split(
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction={val_fraction}: give a fraction in [0, 1), e.g. 0.05, or 0 for no validation")
     n_val = int(len(stream) * val_fraction)
+    if isinstance(tokens, TokenData) and tokens.row_tokens:  # whole groups of rows
+        unit = tokens.row_tokens * tokens.group
+        n_val = int(len(stream) // unit * val_fraction) * unit
     train, val = stream[: len(stream) - n_val], stream[len(stream) - n_val :]
     if seq_len is not None:
         window = seq_len + 1
@@ -235,7 +249,8 @@ def split(
 class BatchIterator:
     """This process's local training batches, forever; resumable.
 
-    ``next(it)`` -> ``{"inputs": int32 (B/P, T), "targets": int32 (B/P, T)}``.
+    ``next(it)`` -> ``{"inputs": int32 (B/P, T), "targets": int32 (B/P, T)}`` (a target the
+    loss does not train is :data:`~nnxscale.data.chat.IGNORED`).
     ``get_state()`` is a JSON-serializable dict; ``set_state(state)`` on an iterator built
     with the same tokens, ``seq_len``, ``global_batch_size`` and ``seed`` (any process count)
     continues with the batch after the one the state was taken at.
@@ -292,6 +307,8 @@ def train_batches(
     process_index: Optional[int] = None,
     process_count: Optional[int] = None,
     sharding: Optional[jax.sharding.Sharding] = None,
+    trained: Optional[np.ndarray] = None,
+    group: int = 1,
 ) -> BatchIterator:
     """Shuffled, endlessly repeating training batches: this process's share of each step.
 
@@ -303,6 +320,10 @@ def train_batches(
       process_index, process_count: default ``jax.process_index()``, ``jax.process_count()``.
       sharding: the batch's sharding; this process then reads exactly the rows its devices
         hold (:func:`batch_rows`), whatever the mesh. Default: rows ``[p*B/P, (p+1)*B/P)``.
+      trained: bool like ``tokens`` (:attr:`TokenData.trained`): the targets of the others
+        are :data:`~nnxscale.data.chat.IGNORED`.
+      group: consecutive windows shuffled and batched together (2: preference pairs); ``B``
+        must be a multiple of it.
 
     Returns:
       A :class:`BatchIterator` of ``{"inputs", "targets"}``, each int32 ``(R, T)`` for this
@@ -314,7 +335,8 @@ def train_batches(
     if not isinstance(seed, (int, np.integer)) or seed < 0:
         raise DataError(f"seed={seed!r}: give a non-negative integer")
     window = seq_len + 1
-    num_windows = len(stream) // window
+    num_windows = len(stream) // window // group * group
+    _check_group(global_batch_size, group)
     if num_windows < global_batch_size:
         raise DataError(
             f"the train stream has {len(stream):,} tokens = {num_windows} windows of seq_len+1={window}, "
@@ -325,11 +347,11 @@ def train_batches(
     # seed derived through SeedSequence makes different seeds give unrelated orders.
     shuffle_seed = int(np.random.SeedSequence(int(seed)).generate_state(1)[0])
     ds = (
-        grain.MapDataset.range(num_windows)
+        grain.MapDataset.range(num_windows // group)
         .shuffle(seed=shuffle_seed)
         .repeat()  # infinite; the shuffle reseeds every epoch
-        .batch(global_batch_size, drop_remainder=True)  # step s: window positions [s*B, (s+1)*B)
-        .map(_Gather(stream, seq_len, rows))  # B window ids in, only this process's rows read
+        .batch(global_batch_size // group, drop_remainder=True)  # step s: window positions [s*B, (s+1)*B)
+        .map(_Gather(stream, seq_len, rows, trained, group))  # B window ids in, only this process's rows read
         .to_iter_dataset(grain.ReadOptions(**_READ_OPTIONS))
     )
     config = {"seq_len": seq_len, "global_batch_size": global_batch_size, "seed": int(seed), "num_windows": num_windows}
@@ -345,13 +367,15 @@ def eval_batches(
     process_index: Optional[int] = None,
     process_count: Optional[int] = None,
     sharding: Optional[jax.sharding.Sharding] = None,
+    trained: Optional[np.ndarray] = None,
+    group: int = 1,
 ) -> list[dict[str, np.ndarray]]:
     """Validation batches in stream order (no shuffle): this process's share of each.
 
     The first ``min(max_batches, windows // B)`` global batches of consecutive
     ``seq_len + 1`` windows (``max_batches=None``: all of them); same layout (and same
-    ``sharding`` argument) as :func:`train_batches`. An empty stream (``val_fraction=0``)
-    gives ``[]``.
+    ``sharding``, ``trained`` and ``group`` arguments) as :func:`train_batches`. An empty
+    stream (``val_fraction=0``) gives ``[]``.
     """
     rows = _rows(global_batch_size, process_index, process_count, sharding)
     stream = _stream(tokens)
@@ -367,26 +391,43 @@ def eval_batches(
             f"the validation stream has {len(stream):,} tokens, fewer than one global batch of "
             f"{global_batch_size} x seq_len+1={window}: raise val_fraction or lower the eval batch"
         )
+    _check_group(global_batch_size, group)
     n = available if max_batches is None else min(max_batches, available)
-    ds = grain.MapDataset.range(n * global_batch_size).batch(global_batch_size).map(_Gather(stream, seq_len, rows))
+    gather = _Gather(stream, seq_len, rows, trained, group)
+    ds = grain.MapDataset.range(n * global_batch_size // group).batch(global_batch_size // group).map(gather)
     return [ds[i] for i in range(len(ds))]
 
 
 class _Gather:
-    """A global batch's window ids ``(B,)`` -> this process's ``rows`` of it, as
-    ``{"inputs", "targets"}`` int32 ``(R, T)``, reading only those windows."""
+    """A global batch's window ids ``(B,)`` (or ids of groups of ``group`` consecutive windows,
+    ``(B / group,)``) -> this process's ``rows`` of it, as ``{"inputs", "targets"}`` int32
+    ``(R, T)``, reading only those windows. With ``trained``, the targets it marks False are
+    :data:`~nnxscale.data.chat.IGNORED`."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, rows: np.ndarray):
+    def __init__(self, tokens: np.ndarray, seq_len: int, rows: np.ndarray, trained: Optional[np.ndarray] = None,
+                 group: int = 1):  # fmt: skip
         self.tokens = tokens
         self.seq_len = seq_len
         self.rows = rows
+        self.trained = trained
+        self.group = group
 
     def __call__(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         window = self.seq_len + 1
-        ids = np.asarray(idx, dtype=np.int64)[self.rows]  # (R,)
+        groups = np.asarray(idx, dtype=np.int64)
+        ids = (groups[:, None] * self.group + np.arange(self.group)).reshape(-1)[self.rows]  # (R,)
         positions = ids[:, None] * window + np.arange(window)  # (R, T+1)
         rows = np.asarray(self.tokens[positions], dtype=np.int32)  # touches only these windows' pages
-        return {"inputs": rows[:, :-1].copy(), "targets": rows[:, 1:].copy()}
+        targets = rows[:, 1:].copy()
+        if self.trained is not None:
+            targets[~np.asarray(self.trained[positions[:, 1:]], dtype=bool)] = IGNORED
+        return {"inputs": rows[:, :-1].copy(), "targets": targets}
+
+
+def _check_group(global_batch_size: int, group: int) -> None:
+    if global_batch_size % group:
+        raise DataError(f"a global batch of {global_batch_size} rows does not hold whole groups of {group} rows "
+                        f"(a preference pair is {group} rows, chosen then rejected): give an even --batch-size")  # fmt: skip
 
 
 def _stream(tokens) -> np.ndarray:

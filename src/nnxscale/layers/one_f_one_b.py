@@ -66,6 +66,7 @@ from jax.sharding import PartitionSpec as P
 from nnxscale.errors import ConfigError
 from nnxscale.layers.pipeline import _ACTIVE, _manual_axes, _mesh_for
 from nnxscale.layers.stack import Rows, layers_run_by, remat_policy, scan_state
+from nnxscale.models.common.documents import trained_weights
 from nnxscale.sharding.activations import current_rules
 from nnxscale.sharding.axes import EXPERT
 from nnxscale.sharding.mesh import context_mesh, vary
@@ -155,6 +156,7 @@ def pipeline_value_and_grad(
     pipeline,
     mesh=None,
     separator: Optional[int] = None,
+    ignored_targets: bool = False,
 ):
     """``((loss, extras), grads)`` of ``objective(nnx.merge(graphdef, params), inputs, targets,
     rngs=)`` computed by the 1F1B schedule: what ``jax.value_and_grad(..., has_aux=True)``
@@ -172,6 +174,7 @@ def pipeline_value_and_grad(
       mesh: the mesh (default: as :func:`~nnxscale.layers.pipeline.use_pipeline` finds it).
       separator: the loss counts only tokens whose input is not ``separator``
         (``--document-mask``); ``None``: every token.
+      ignored_targets: nor those whose target is ``IGNORED`` (``--loss-on completion``).
 
     Must be traced under the run's rules (:func:`nnxscale.use_rules`).
     """
@@ -208,7 +211,7 @@ def pipeline_value_and_grad(
         """The stacked layers as the State scan_state takes (their paths inside the stack)."""
         return _sub_tree(rebuild(stack_leaves, [None] * len(rest)), found.path)
 
-    program = _Program(objective, graphdef, found, pipeline, data, separator, rebuild, layers_state)
+    program = _Program(objective, graphdef, found, pipeline, data, (separator, ignored_targets), rebuild, layers_state)
     rows = P(data) if data else P()
     run = jax.shard_map(
         program,
@@ -236,9 +239,9 @@ def _sub_tree(params, path: tuple):
 class _Program:
     """One device's part of the 1F1B step (inside ``shard_map``)."""
 
-    def __init__(self, objective, graphdef, found, pipeline, data, separator, rebuild, layers_state):
+    def __init__(self, objective, graphdef, found, pipeline, data, masks, rebuild, layers_state):
         self.objective, self.graphdef, self.found, self.pipe = objective, graphdef, found, pipeline
-        self.data, self.separator, self.rebuild, self.layers_state = data, separator, rebuild, layers_state
+        self.data, self.masks, self.rebuild, self.layers_state = data, masks, rebuild, layers_state
         # Without remat the backward tick recomputes the stage from its input (one
         # microbatch's activations at a time); with a remat policy the forward tick's
         # pullback keeps what the policy saves (under "full" each layer's input) in the ring.
@@ -260,10 +263,11 @@ class _Program:
         inputs, targets = split(inputs), split(targets)
 
         # Each (microbatch, shard)'s weight in the mean: its share of the tokens the loss counts.
-        if self.separator is None:
+        token_weights = trained_weights(inputs, targets, *self.masks)
+        if token_weights is None:
             counts = jnp.ones((M,), jnp.float32)
         else:
-            counts = jnp.sum(inputs != self.separator, axis=(1, 2), dtype=jnp.float32)
+            counts = jnp.sum(token_weights, axis=(1, 2))
         total = jax.lax.psum(jnp.sum(counts), data) if data else jnp.sum(counts)
         weights = vary(counts / total, manual)  # (M,)
 

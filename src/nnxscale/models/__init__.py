@@ -29,7 +29,7 @@ import optax
 from nnxscale.errors import ModelError
 from nnxscale.layers.loss import chunked_cross_entropy, context_order
 from nnxscale.models import gpt2, llama, mixtral
-from nnxscale.models.common.documents import document_layout
+from nnxscale.models.common.documents import IGNORED, document_layout, trained_weights
 
 
 def next_token_loss(model, inputs, targets, *, rngs=None):
@@ -50,7 +50,8 @@ def next_token_loss(model, inputs, targets, *, rngs=None):
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 
-def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Optional[int] = None):
+def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Optional[int] = None,
+                            ignored_targets: bool = False):  # fmt: skip
     """GPT-2's and Llama's loss: :func:`next_token_loss` without ever holding every logit.
 
     The model's ``hidden_states`` go through its ``logits`` head a chunk of tokens at a
@@ -68,10 +69,30 @@ def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Opt
     Attention stops at document boundaries, positions restart at each document, and the
     mean is over the tokens whose input is not a separator
     (:func:`nnxscale.models.common.documents.document_layout`).
+
+    ``ignored_targets`` (``--loss-on completion``): targets equal to
+    :data:`~nnxscale.models.common.documents.IGNORED` (a prompt's) are not trained; the mean
+    is over the others (:func:`~nnxscale.models.common.documents.trained_weights`).
     """
-    positions = segments = weights = None
+    hidden, targets, weights, extras = hidden_and_weights(model, inputs, targets, rngs, separator, ignored_targets)
+    ce = chunked_cross_entropy(hidden, targets, model.logits, weights=weights, vocab=model.config.vocab_size)
+    if extras is None:
+        return ce
+    return ce + extras.pop("router_aux_term") + extras.pop("router_z_term"), extras
+
+
+def hidden_and_weights(model, inputs, targets, rngs, separator, ignored_targets):
+    """``(hidden, targets, weights, extras)`` of a family's model on a batch: its last hidden
+    states ``(B, T, C)``, the targets (``IGNORED`` ones as 0, their weight 0) and the
+    weights (``None``: all count), in the order the tokens are laid out (zigzag over a
+    ``context`` axis); ``extras``: a mixture's router losses (``router_aux_term`` and
+    ``router_z_term`` join the objective) and statistics, ``None`` for a dense model."""
+    positions = segments = None
     if separator is not None:
-        positions, segments, weights = document_layout(inputs, separator)
+        positions, segments, _ = document_layout(inputs, separator)
+    weights = trained_weights(inputs, targets, separator, ignored_targets)
+    if ignored_targets:
+        targets = jnp.where(targets == IGNORED, 0, targets)  # any valid id: its weight is 0
     order = context_order(inputs.shape[1])
     if order is not None:
         # The sequence is split over a context axis: lay it out head-tail (every device the
@@ -80,20 +101,21 @@ def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Opt
         if separator is None:
             positions = jnp.asarray(order, jnp.int32)
         else:
-            positions, segments, weights = positions[:, order], segments[:, order], weights[:, order]
+            positions, segments = positions[:, order], segments[:, order]
+        if weights is not None:
+            weights = weights[:, order]
     if not getattr(model, "routed", False):
-        hidden = model.hidden_states(inputs, rngs=rngs, positions=positions, segments=segments)
-        return chunked_cross_entropy(hidden, targets, model.logits, weights=weights, vocab=model.config.vocab_size)
+        return model.hidden_states(inputs, rngs=rngs, positions=positions, segments=segments), targets, weights, None
     # A mixture of experts: its router's losses join the objective, and the step reports them.
     hidden, stats = model.hidden_states(inputs, rngs=rngs, positions=positions, segments=segments, with_stats=True)
     c = model.config
     aux, z, load = jnp.mean(stats.aux_loss), jnp.mean(stats.z_loss), jnp.mean(stats.load, axis=0)  # over the layers
-    ce = chunked_cross_entropy(hidden, targets, model.logits, weights=weights, vocab=c.vocab_size)
     extras = {"router_aux_loss": aux, "router_z_loss": z, "expert_load": load,
-              "expert_load_max_over_mean": jnp.max(load) / jnp.mean(load)}  # fmt: skip
+              "expert_load_max_over_mean": jnp.max(load) / jnp.mean(load),
+              "router_aux_term": c.router_aux_loss_coef * aux, "router_z_term": c.router_z_loss_coef * z}  # fmt: skip
     if getattr(c, "capacity_factor", None):  # the share of the assignments over their expert's capacity
         extras["router_dropped"] = jnp.mean(stats.dropped)
-    return ce + c.router_aux_loss_coef * aux + c.router_z_loss_coef * z, extras
+    return hidden, targets, weights, extras
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +295,7 @@ __all__ = [
     "chunked_next_token_loss",
     "find_preset",
     "gpt2",
+    "hidden_and_weights",
     "is_pretrained_dir",
     "llama",
     "mixtral",

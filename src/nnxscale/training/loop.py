@@ -40,7 +40,9 @@ from nnxscale.sharding.mesh import format_mesh, process_findings
 from nnxscale.sharding.state import LAYOUT_FINDINGS, group_findings, lint
 from nnxscale.training.config import ConfigError, TrainConfig
 from nnxscale.training.guards import SkipCounter, StopSignals
-from nnxscale.training.inputs import document_separator, keep_tokenizer, load_data, pretrained_source, run_tokenizer
+from nnxscale.training.inputs import (
+    DataKind, data_kind, document_separator, keep_tokenizer, load_data, pretrained_source, run_tokenizer,
+)  # fmt: skip
 from nnxscale.training.observe import ProfileWindow, Scalars, WandbRun, parse_profile_steps
 from nnxscale.training.optimizer import describe_decay
 from nnxscale.training.rundir import (
@@ -109,8 +111,10 @@ def train(
         cfg = with_saved_schedule_length(cfg, run_dir)
         WandbRun.check(cfg.logging.wandb)
         tokenizer = run_tokenizer(cfg, run_dir)
-        s = setup(cfg, mesh, model=model, loss=loss, separator=document_separator(cfg, tokenizer))
-        inputs = _Inputs.load(cfg, s, tokenizer, log)
+        kind = data_kind(cfg, tokenizer)
+        s = setup(cfg, mesh, model=model, loss=loss, separator=document_separator(cfg, tokenizer, kind),
+                  ignored_targets=kind.rows)  # fmt: skip
+        inputs = _Inputs.load(cfg, s, tokenizer, kind, log)
         for finding in process_findings(s.mesh, current().hosts):  # tensor parallelism across hosts
             log(f"lint: {finding}")
         for line in layout_findings(s):
@@ -143,19 +147,28 @@ class _Inputs:
     val_batches: list
 
     @classmethod
-    def load(cls, cfg: TrainConfig, s: Setup, tokenizer, log: Callable[[str], None]) -> _Inputs:
-        tokens = load_data(cfg, tokenizer, s.vocab_size())
-        train_tokens, val_tokens = datalib.split(tokens.tokens, cfg.data.val_fraction)
+    def load(cls, cfg: TrainConfig, s: Setup, tokenizer, kind: DataKind, log: Callable[[str], None]) -> _Inputs:
+        tokens = load_data(cfg, tokenizer, s.vocab_size(), kind)
+        if kind.rows:
+            log(f"data: {tokens.description}")
+        train_tokens, val_tokens = datalib.split(tokens, cfg.data.val_fraction)
+        rows = {"group": tokens.group}
+        if tokens.trained is not None:  # which targets the loss trains, split as the tokens are
+            val_rows = {"trained": tokens.trained[len(train_tokens):], **rows}
+            rows["trained"] = tokens.trained[: len(train_tokens)]
+        else:
+            val_rows = rows
         d = cfg.data
         # each process reads the rows its devices hold
         train_it = datalib.train_batches(
-            train_tokens, seq_len=d.seq_len, global_batch_size=d.batch_size, seed=cfg.seed, sharding=s.batch_sharding
-        )
+            train_tokens, seq_len=d.seq_len, global_batch_size=d.batch_size, seed=cfg.seed, sharding=s.batch_sharding,
+            **rows,
+        )  # fmt: skip
         val_batches = []
         if cfg.logging.eval_every and len(val_tokens) >= d.batch_size * (d.seq_len + 1):
             val_batches = datalib.eval_batches(
                 val_tokens, seq_len=d.seq_len, global_batch_size=d.batch_size, max_batches=d.eval_batches,
-                sharding=s.batch_sharding,
+                sharding=s.batch_sharding, **val_rows,
             )  # fmt: skip
         elif cfg.logging.eval_every:
             log(
@@ -398,8 +411,8 @@ class _Run:
         if not batches:
             return None
         self.watch.phase(f"evaluating at step {self.step}", compiles=not self.evaluated, kind="eval")
-        params, sharding = self.state["params"], self.s.batch_sharding
-        losses = [float(self.eval_fn(params, datalib.to_global(b, sharding))) for b in batches]
+        sharding = self.s.batch_sharding
+        losses = [float(self.eval_fn(self.state, datalib.to_global(b, sharding))) for b in batches]
         self.evaluated.append(self.step)
         self.watch.progress(f"evaluation at step {self.step}")
         return float(np.mean(losses))

@@ -44,6 +44,8 @@ class RunModel:
     family: Optional[ModelFamily] = None
     config: Any = None
     separator: Optional[int] = None  # --document-mask: the token that ends a document
+    ignored_targets: bool = False  # --loss-on completion: targets IGNORED (a prompt's) are not trained
+    reference: bool = False  # --objective dpo: ``loss`` also takes ``reference=``, the reference's log-probabilities
 
     @property
     def dims(self) -> Optional[ModelDims]:
@@ -94,12 +96,16 @@ def run_model(
     *,
     recorded: Optional[dict] = None,
     separator: Optional[int] = None,
+    ignored_targets: bool = False,
 ) -> RunModel:
     """The :class:`RunModel` of ``cfg``: the preset ``cfg.model.name`` (or the architecture of
     the Hugging Face directory ``cfg.model.name``) with ``cfg``'s run options, or, given
     ``model`` (a function ``rngs -> nnx.Module``), that module, named ``cfg.model.name``.
     ``recorded``: see :func:`model_architecture`. ``separator``: the token that ends a
     document, required with ``cfg.data.document_mask`` (the family's loss masks at it).
+    ``ignored_targets``: the data marks targets the loss does not train (``--loss-on
+    completion``). ``cfg.objective`` ``"dpo"``: the loss is
+    :func:`nnxscale.training.preference.dpo_loss`.
 
     Raises ConfigError for an unknown preset (listing every family's), a run option the
     family does not take, a run option set for your own module (it sets its own), or a
@@ -115,6 +121,14 @@ def run_model(
             )
         if separator is None:
             raise ConfigError("document_mask: the separator token that ends a document is not known (pass separator=)")
+    if ignored_targets and (model is not None and loss is None):
+        raise ConfigError(
+            "--loss-on completion masks the prompt with the GPT-2, Llama and Mixtral families' loss; with your own module "
+            "pass a loss= that skips targets equal to nnxscale.models.common.documents.IGNORED, or train with --loss-on all"
+        )
+    if cfg.objective == "dpo" and (model is not None or loss is not None):
+        raise ConfigError("--objective dpo trains a family's model (GPT-2, Llama, Mixtral) with its own loss; "
+                          "your own module or loss= cannot take it")  # fmt: skip
     if model is not None:
         if not callable(model):
             raise ConfigError(f"model= must be a function rngs -> nnx.Module, got {type(model).__name__}")
@@ -134,4 +148,14 @@ def run_model(
         objective = functools.partial(objective, separator=separator)
     else:
         separator = None
-    return RunModel(cfg.model.name, lambda rngs: family.build(config, rngs=rngs), objective, family, config, separator)
+    if ignored_targets and cfg.objective != "dpo":
+        if "ignored_targets" not in inspect.signature(objective).parameters:
+            raise ConfigError(f"--loss-on completion: the {family.name} family's loss cannot skip a prompt's targets")
+        objective = functools.partial(objective, ignored_targets=True)
+    if cfg.objective == "dpo":
+        from nnxscale.training.preference import dpo_loss
+
+        objective = functools.partial(dpo_loss, beta=cfg.dpo_beta, separator=separator)
+        ignored_targets = True
+    return RunModel(cfg.model.name, lambda rngs: family.build(config, rngs=rngs), objective, family, config, separator,
+                    ignored_targets, cfg.objective == "dpo")  # fmt: skip

@@ -105,10 +105,26 @@ def run_decoder(run_dir, vocab_size: int, tokenizer=None):
     )
 
 
+def _chat_prompts(run_dir, tokenizer, decoder, texts: Sequence[str]) -> list[list[int]]:
+    """Each text as a user's message in the chat template, the assistant's turn opened, encoded."""
+    from nnxscale.data.chat import ChatTemplate, RowError
+
+    where = Path(tokenizer).expanduser() if tokenizer is not None else Path(run_dir)
+    template = ChatTemplate.find(where if where.is_dir() else where.parent)
+    if template is None or not hasattr(decoder, "encode_plain"):
+        raise ConfigError(f"--chat: {where} has no chat template (chat_template.jinja, or chat_template in "
+                          "tokenizer_config.json): the run was not trained with one; give --tokenizer DIR of a model that has")  # fmt: skip
+    try:
+        rendered = [template.render([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+    except RowError as e:
+        raise ConfigError(f"--chat: {template.source}: {e}") from None
+    return decoder.encode_plain(rendered)
+
+
 def sample(
     run_dir, prompt: Union[str, Sequence[str]], *, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40,
     top_p: float = 1.0, seed: int = 0, tokenizer=None, model: Optional[Callable] = None, mesh=None,
-    cache: Optional[bool] = None, warn: Callable[[str], None] = print,
+    cache: Optional[bool] = None, chat: bool = False, warn: Callable[[str], None] = print,
 ) -> Union[str, list[str]]:  # fmt: skip
     """Continue ``prompt`` (one text, or a list of them, decoded together as a batch) with up
     to ``max_new_tokens`` tokens each; returns prompt + continuation (a list for a list).
@@ -125,6 +141,12 @@ def sample(
     with one if it has ``init_cache`` (see :mod:`nnxscale.models.common.generate`), else by
     recomputation, said once through ``warn``; ``cache=False`` recomputes always. The
     context is the model's (its family's), or the run's sequence length for your own module.
+
+    ``chat``: each prompt is a user's message, rendered by the run's chat template (kept in
+    the run directory from the tokenizer's, or beside ``tokenizer``) with the assistant's
+    turn opened (:meth:`nnxscale.data.chat.ChatTemplate.render`, ``add_generation_prompt``),
+    and the reply alone is returned; it ends at the tokenizer's end-of-text token
+    (``eos_token``: ``<|eot_id|>`` for Llama 3 Instruct, ``<|im_end|>`` for ChatML models).
     """
     sampling = Sampling(temperature, top_k, top_p, seed).check()
     check_max_new_tokens(max_new_tokens)  # before the checkpoint is read
@@ -137,7 +159,10 @@ def sample(
     if decoder.vocab_size > vocab:
         raise ConfigError(f"tokenizer {decoder.path} has {decoder.vocab_size:,} tokens, more than the model's {vocab:,}")
     context = s.model.dims.context if s.model.dims is not None else s.cfg.data.seq_len
-    encoded = [decoder.encode(t) for t in texts]
+    if chat:
+        encoded = _chat_prompts(run_dir, tokenizer, decoder, texts)
+    else:
+        encoded = [decoder.encode(t) for t in texts]
     start = [list(ids) or [decoder.separator or 0] for ids in encoded]
     stop = decoder.separator
     new = generate(net, start, max_new_tokens=max_new_tokens, context=context, sampling=sampling, stop=stop,
@@ -145,6 +170,9 @@ def sample(
     out = []
     for text_in, ids, more in zip(texts, encoded, new):
         more = more[:-1] if more and more[-1] == stop else more
+        if chat:
+            out.append(decoder.decode(more))
+            continue
         # Decoded with the prompt before it (a word's leading space depends on what precedes it).
         head, whole = decoder.decode(ids), decoder.decode(list(ids) + more)
         out.append(text_in + (whole[len(head):] if whole.startswith(head) else decoder.decode(more)))

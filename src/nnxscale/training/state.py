@@ -5,6 +5,8 @@ pytree of plain dicts, every leaf a sharded ``jax.Array``::
 
     {"params": {...}, "opt_state": optax state, "step": int32[], "key": uint32[2]}
 
+and, under ``--objective dpo``, ``"reference"``: the frozen parameters the run started from.
+
 Parameters take the layout of the rules; the optimizer state takes the layout of the
 parameter it belongs to (``optax.tree_map_params``); step and key are replicated.
 """
@@ -42,6 +44,7 @@ from nnxscale.sharding.state import abstract_state, is_variable, sharded_init
 from nnxscale.training.config import ConfigError, TrainConfig
 from nnxscale.training.model import RunModel, run_model
 from nnxscale.training.optimizer import decay_mask, make_optimizer
+from nnxscale.training.preference import REFERENCE
 
 
 @dataclasses.dataclass
@@ -239,6 +242,7 @@ def setup(
     loss: Optional[Callable] = None,
     recorded: Optional[dict] = None,
     separator: Optional[int] = None,
+    ignored_targets: bool = False,
 ) -> Setup:
     """Validate ``cfg`` against the devices and build the sharded plan (no arrays yet).
 
@@ -249,7 +253,8 @@ def setup(
     ``model`` and ``loss``: your own module instead of the preset ``cfg.model.name`` (see
     :func:`train`). ``recorded``: a run's record of its model (see :func:`model_architecture`).
     ``separator``: the token that ends a document, with ``cfg.data.document_mask``
-    (:func:`nnxscale.training.inputs.document_separator`).
+    (:func:`nnxscale.training.inputs.document_separator`). ``ignored_targets``: the data
+    marks targets the loss does not train (``--loss-on completion``).
     On a mesh with a ``stage`` axis the plan includes the pipeline
     (``Setup.pipeline``), checked against the model's depth and the batch here, before
     anything is allocated.
@@ -257,7 +262,7 @@ def setup(
     cfg.validate()
     mesh = make_mesh(cfg.parallel.mesh) if mesh is None else mesh
     rules = resolve(cfg.parallel.rules, mesh, min_shard_bytes=cfg.parallel.min_shard_bytes)
-    m = run_model(cfg, model, loss, recorded=recorded, separator=separator)
+    m = run_model(cfg, model, loss, recorded=recorded, separator=separator, ignored_targets=ignored_targets)
     check_shapes(cfg, rules, m)
     if getattr(m.config, "attention", None):  # --attention cudnn where it cannot run: one line, before anything is built
         attention.resolve(m.config.attention, cfg.data.seq_len, m.config.dtype, m.dims.head_width, cfg.data.document_mask)
@@ -277,7 +282,7 @@ def setup(
         stacked = check_pipeline(pipe, cfg, rules, m.name, [(a.shape, sh.spec) for a, sh in zip(shapes, shardings)])
     mask = decay_mask(abs_model_state)
     tx, schedule = make_optimizer(cfg, mask)
-    abstract, state_sh, init_fn = _train_state(cfg, tx, pure_dict(abs_model_state), param_sh, mesh)
+    abstract, state_sh, init_fn = _train_state(cfg, tx, pure_dict(abs_model_state), param_sh, mesh, reference=m.reference)
 
     batch_sharding = rules.sharding(rules.batch_spec())
     batch = jax.ShapeDtypeStruct((d.batch_size, d.seq_len), jnp.int32, sharding=batch_sharding)
@@ -302,19 +307,24 @@ def setup(
     )
 
 
-def _train_state(cfg: TrainConfig, tx, abs_params, param_sh, mesh):
+def _train_state(cfg: TrainConfig, tx, abs_params, param_sh, mesh, *, reference: bool = False):
     """``(abstract state, its shardings, init_fn)`` of the train state around ``abs_params``
     (ShapeDtypeStructs, so the model is not traced again): the optimizer state sharded like
-    the parameters it belongs to, the step and the PRNG key replicated."""
+    the parameters it belongs to, the step and the PRNG key replicated. ``reference``
+    (``--objective dpo``): a frozen copy of the starting parameters, laid out like them
+    (:mod:`nnxscale.training.preference`)."""
     replicated = NamedSharding(mesh, P())
 
     def state_from(params):
-        return {
+        state = {
             "params": params,
             "opt_state": tx.init(params),
             "step": jnp.zeros((), jnp.int32),
             "key": jax.random.key_data(jax.random.key(cfg.seed)),
         }
+        if reference:
+            state[REFERENCE] = jax.tree.map(jnp.copy, params)
+        return state
 
     abs_state = jax.eval_shape(state_from, abs_params)
     opt_sh = optax.tree_map_params(
@@ -326,6 +336,8 @@ def _train_state(cfg: TrainConfig, tx, abs_params, param_sh, mesh):
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
     state_sh = {"params": param_sh, "opt_state": opt_sh, "step": replicated, "key": replicated}
+    if reference:
+        state_sh[REFERENCE] = param_sh
     abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abs_state, state_sh)
     return abstract, state_sh, state_from
 

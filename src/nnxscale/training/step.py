@@ -20,7 +20,9 @@ from nnxscale.data import text as text
 from nnxscale.jobs.distributed import StopVote
 from nnxscale.layers.one_f_one_b import pipeline_value_and_grad
 from nnxscale.layers.pipeline import use_pipeline
+from nnxscale.models.common.documents import trained_weights
 from nnxscale.sharding.activations import use_rules
+from nnxscale.training.preference import REFERENCE, reference_log_probs
 from nnxscale.training.state import Setup
 
 
@@ -44,17 +46,22 @@ def make_train_step(s: Setup, *, vote: bool = False):
     than the step's own collectives on some device (see docs/multiprocess.md).
     """
     graphdef, tx, schedule, objective = s.graphdef, s.tx, s.schedule, s.model.loss
-    accum, separator = s.cfg.optim.grad_accum, s.model.separator
+    accum, separator, ignored = s.cfg.optim.grad_accum, s.model.separator, s.model.ignored_targets
     grad_fn = jax.value_and_grad(lambda p, x, y, k: loss_fn(graphdef, p, x, y, k, objective), has_aux=True)
     if s.pipeline is not None and s.pipeline.one_f_one_b:  # the schedule computes the gradients itself
         grad_fn = functools.partial(pipeline_value_and_grad, objective, graphdef, pipeline=s.pipeline, mesh=s.mesh,
-                                    separator=separator)  # fmt: skip
+                                    separator=separator, ignored_targets=ignored)  # fmt: skip
 
     def step(state, batch, votes=None):
         params = state["params"]
         key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), state["step"])
         x, y = batch["inputs"], batch["targets"]  # (B, T) int32
-        if accum == 1:
+        if s.model.reference:  # --objective dpo (no micro-batches: they would split the pairs)
+            reference = reference_log_probs(graphdef, state, x, y, separator=separator)
+            (loss, extras), grads = jax.value_and_grad(
+                lambda p: loss_fn(graphdef, p, x, y, key, functools.partial(objective, reference=reference)), has_aux=True
+            )(params)
+        elif accum == 1:
             (loss, extras), grads = grad_fn(params, x, y, key)
         else:
             # Strided micro-batches keep every micro-batch spread over all batch shards.
@@ -64,17 +71,18 @@ def make_train_step(s: Setup, *, vote: bool = False):
                 loss_sum, grad_sum, weight_sum = carry
                 i, xm, ym = xs
                 (loss_i, extras_i), grads_i = grad_fn(params, xm, ym, jax.random.fold_in(key, i))
-                if separator is not None:
-                    # Each micro-batch's loss is a mean over the tokens it trains; a document
-                    # mask trains those whose input is not a separator: weigh by their count.
-                    w = jnp.sum(xm != separator, dtype=jnp.float32)
+                weights = trained_weights(xm, ym, separator, ignored)
+                if weights is not None:
+                    # Each micro-batch's loss is a mean over the tokens it trains (not those after
+                    # a separator, nor a prompt's): weigh it by their count.
+                    w = jnp.sum(weights)
                     loss_i, grads_i, weight_sum = loss_i * w, jax.tree.map(lambda g: g * w, grads_i), weight_sum + w
                 return (loss_sum + loss_i, jax.tree.map(jnp.add, grad_sum, grads_i), weight_sum), extras_i
 
             zeros = jax.tree.map(jnp.zeros_like, params)
             carry = (jnp.float32(0), zeros, jnp.float32(0))
             (loss, grads, total), extras = jax.lax.scan(body, carry, (jnp.arange(accum), micro(x), micro(y)))
-            total = accum if separator is None else total
+            total = accum if separator is None and not ignored else total
             loss, grads = loss / total, jax.tree.map(lambda g: g / total, grads)
             extras = jax.tree.map(lambda a: jnp.mean(a, axis=0), extras)
         grads = jax.lax.with_sharding_constraint(grads, s.param_shardings)
@@ -84,6 +92,7 @@ def make_train_step(s: Setup, *, vote: bool = False):
             "opt_state": opt_state,
             "step": state["step"] + 1,
             "key": state["key"],
+            **{k: state[k] for k in (REFERENCE,) if k in state},  # --objective dpo: frozen
         }
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]), **extras}
         if votes is not None:
@@ -121,11 +130,17 @@ def skip_nonfinite(state, new_state, metrics):
 
 
 def make_eval_step(s: Setup):
-    graphdef, objective = s.graphdef, s.model.loss
-    return jax.jit(
-        _under_rules(lambda params, batch: loss_fn(graphdef, params, batch["inputs"], batch["targets"], None, objective)[0], s),
-        in_shardings=(s.param_shardings, s.batch_sharding),
-    )
+    """The jitted evaluation: ``(state, batch) -> loss`` (the train state: DPO's reference is in it)."""
+    graphdef, objective, separator = s.graphdef, s.model.loss, s.model.separator
+
+    def evaluate(state, batch):
+        x, y = batch["inputs"], batch["targets"]
+        fn = objective
+        if s.model.reference:
+            fn = functools.partial(objective, reference=reference_log_probs(graphdef, state, x, y, separator=separator))
+        return loss_fn(graphdef, state["params"], x, y, None, fn)[0]
+
+    return jax.jit(_under_rules(evaluate, s), in_shardings=(s.state_shardings, s.batch_sharding))
 
 
 def _under_rules(fn: Callable, s: Setup) -> Callable:
