@@ -410,27 +410,28 @@ def _known_devices() -> list[str]:
 def _plan(args) -> int:
     import json
 
-    from nnxscale.planning import planner as planlib
+    from nnxscale.planning import compiler, meshes, report
+    from nnxscale.planning.layout import mesh_sizes
     from nnxscale.sharding.state import group_findings, lint, sharding_table
 
     cfg = _config(args)
-    memory = planlib.device_memory(args.device_memory, args.device)
-    max_devices = args.max_compile_devices or planlib.MAX_COMPILE_DEVICES
-    sizes = planlib.mesh_sizes(cfg.parallel.mesh)
+    memory = report.device_memory(args.device_memory, args.device)
+    max_devices = args.max_compile_devices or compiler.MAX_COMPILE_DEVICES
+    sizes = mesh_sizes(cfg.parallel.mesh)
     if args.sweep:
         import math
 
         devices = math.prod(sizes.values())
-        plans, skipped = planlib.sweep(cfg, devices, device_memory=memory, compile=args.compile or "never",
+        plans, skipped = meshes.sweep(cfg, devices, device_memory=memory, compile=args.compile or "never",
                                        max_compile_devices=max_devices)  # fmt: skip
         print(f"sweep: {cfg.model.name}, {devices} devices, global batch {cfg.data.batch_size} x {cfg.data.seq_len}, "
               f"{cfg.model.dtype} compute, sorted by peak memory per device")  # fmt: skip
-        print(planlib.sweep_table(plans, skipped))
+        print(meshes.sweep_table(plans, skipped))
         if args.json:
             not_planned = [{"mesh": mesh, "reason": reason} for mesh, reason in skipped.items()]
             print(json.dumps({"plans": [p.to_dict() for p in plans], "not_planned": not_planned}))
         return 0
-    step = planlib.plan(cfg, device_memory=memory, compile=args.compile or "auto", max_compile_devices=max_devices)
+    step = report.plan(cfg, device_memory=memory, compile=args.compile or "auto", max_compile_devices=max_devices)
     print(step)
     if step.activations:
         print("\nactivations (logical names -> the activation rules' layout, per call):")
