@@ -117,7 +117,7 @@ def test_the_verdict_and_device_memory():
         report.plan(tiny("data=8", **{"data.batch_size": 12}), compile="never")
 
 
-def test_plan_command_json_sweep_and_errors(capsys):
+def test_plan_command_json_sweep_and_errors(capsys, rules_built):
     args = ["plan", "--model", "gpt2-tiny", "--mesh", "fsdp=8", "--batch-size", "16", "--seq-len", "64",
             "--min-shard-bytes", "0", "--device-memory", "1GiB", "--json"]  # fmt: skip
     assert main(args) == 0
@@ -125,8 +125,11 @@ def test_plan_command_json_sweep_and_errors(capsys):
     last = json.loads(out.strip().splitlines()[-1])
     assert last["mesh"] == "fsdp=8" and last["fits"] is True and last["source"] == "compiler"
     assert "activations (logical names" in out and "lint:" in out
+    rules_built.clear()
     assert main(args[:-1] + ["--table"]) == 0
     assert "h.mlp.c_fc.kernel" in capsys.readouterr().out  # the per-Variable view stays available
+    # The layout, the compiled step, the table and the lint all asked the rules resolved once at setup.
+    assert rules_built == [{"fsdp": 8}]
 
     assert main(["plan", "--model", "gpt2-tiny", "--mesh", "data=8", "--batch-size", "16", "--seq-len", "64", "--sweep", "--json"]) == 0
     out = capsys.readouterr().out

@@ -23,8 +23,11 @@ from nnxscale.training.config import TrainConfig
 MAX_COMPILE_DEVICES = 1024
 
 
-def compile_step(cfg: TrainConfig, mesh=None):
+def compile_step(cfg: TrainConfig, mesh=None, s=None):
     """``(setup, compiled step)``: the real train step of ``cfg`` compiled, nothing allocated.
+
+    ``s``: the run's :class:`~nnxscale.training.Setup` when the caller has built it on
+    ``mesh`` already (its rules resolved once); else it is built here.
 
     The program is compiled to be measured, never run: on XLA:CPU its machine code is
     generated without LLVM's optimizations (:data:`MEASURE_ONLY`). The memory figures and
@@ -39,7 +42,7 @@ def compile_step(cfg: TrainConfig, mesh=None):
     from nnxscale.training.state import setup
     from nnxscale.training.step import make_train_step
 
-    s = setup(cfg, mesh, separator=plan_separator(cfg))
+    s = setup(cfg, mesh, separator=plan_separator(cfg)) if s is None else s
     with jax.set_mesh(s.mesh):
         lowered = make_train_step(s).lower(s.abstract, s.abstract_batch)
         compiled = lowered.compile(compiler_options=MEASURE_ONLY if jax.default_backend() == "cpu" else None)
@@ -64,25 +67,38 @@ def measure(compiled) -> dict[str, Any]:
     }
 
 
-def compiled_figures(cfg: TrainConfig, n: int) -> dict[str, Any]:
-    """Compile ``cfg``'s step for its ``n``-device mesh: here, or in a child process."""
-    import jax
-
-    if n <= jax.device_count():
-        return _compile_here(cfg, n)
+def compiled_figures(cfg: TrainConfig, n: int, s=None) -> dict[str, Any]:
+    """Compile ``cfg``'s step for its ``n``-device mesh: here (``s``: the run's setup on this
+    machine's first ``n`` devices, if built already), or in a child process."""
+    if n <= local_device_count():
+        return _compile_here(cfg, n, s)
     return _compile_in_child(cfg, n)  # with XLA:CPU, also on an accelerator machine
 
 
-def _compile_here(cfg: TrainConfig, n: int) -> dict[str, Any]:
+def local_device_count() -> int:
+    """The devices this process compiles for itself (more are simulated in a child process)."""
+    import jax
+
+    return jax.device_count()
+
+
+def local_mesh(cfg: TrainConfig, n: int):
+    """``cfg``'s mesh on this machine's first ``n`` devices."""
+    import jax
+
+    from nnxscale.sharding.mesh import make_mesh
+
+    return make_mesh(cfg.parallel.mesh, devices=jax.devices()[:n])
+
+
+def _compile_here(cfg: TrainConfig, n: int, s=None) -> dict[str, Any]:
     import jax
 
     from nnxscale.sharding.activations import record_activations
-    from nnxscale.sharding.mesh import make_mesh
 
-    mesh = make_mesh(cfg.parallel.mesh, devices=jax.devices()[:n])
     t = time.perf_counter()
     with record_activations() as records:
-        _, compiled = compile_step(cfg, mesh)
+        _, compiled = compile_step(cfg, local_mesh(cfg, n) if s is None else s.mesh, s)
     out = measure(compiled)
     out["compile_seconds"] = time.perf_counter() - t
     out["source"] = "compiler" if n == jax.device_count() or jax.default_backend() != "cpu" else f"compiler ({n} of {jax.device_count()} devices)"

@@ -32,7 +32,7 @@ def mesh_sizes(spec, devices: Optional[int] = None) -> dict[str, int]:
     return axes
 
 
-def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
+def layout_figures(cfg: TrainConfig, sizes: dict[str, int], s=None) -> dict[str, Any]:
     """Parameters, optimizer state, gradients and batch per device, from the layout alone.
 
     The run is built by :func:`nnxscale.training.setup`, the trainer's own, on an abstract
@@ -40,6 +40,9 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
     state, the arrays a run would allocate. Also ``model`` (the run's
     :class:`~nnxscale.training.model.RunModel`), ``abstract`` (the model's state, nothing
     allocated), ``rules`` (resolved against ``sizes``) and ``setup`` itself.
+
+    ``s``: the run's setup when the caller has built it already (on devices, to compile it):
+    its shard sizes are the same, and its rules are not resolved again.
     """
     import jax
     from jax.sharding import AbstractMesh, AxisType
@@ -48,7 +51,8 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
     from nnxscale.training.state import setup
 
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
-    s = setup(cfg, mesh, separator=plan_separator(cfg))
+    if s is None:
+        s = setup(cfg, mesh, separator=plan_separator(cfg))
     rows = layouts(s.model_state, sizes, s.rules)
 
     def per_device(tree) -> int:

@@ -32,7 +32,7 @@ import math
 import re
 from typing import Any, Optional
 
-from nnxscale.planning.compiler import MAX_COMPILE_DEVICES, compiled_figures
+from nnxscale.planning.compiler import MAX_COMPILE_DEVICES, compiled_figures, local_device_count, local_mesh
 from nnxscale.planning.estimate import (
     ESTIMATE_FAMILY,
     attention_figures,
@@ -42,7 +42,7 @@ from nnxscale.planning.estimate import (
     slot_factor,
     textbook_collectives,
 )
-from nnxscale.planning.layout import layout_figures, mesh_sizes, split_params
+from nnxscale.planning.layout import layout_figures, mesh_sizes, plan_separator, split_params
 from nnxscale.sharding.axes import EXPERT
 from nnxscale.sharding.devices import MEMORY
 from nnxscale.sharding.layout import format_bytes
@@ -254,13 +254,19 @@ def plan(
 
     Nothing is allocated on any device.
     """
+    from nnxscale.training.state import setup
+
     if compile not in ("auto", "never", "always"):
         raise ConfigError(f"compile must be auto, never or always, got {compile!r}")
     cfg.validate()
     sizes = mesh_sizes(cfg.parallel.mesh, devices)
     cfg = with_overrides(cfg, {"parallel.mesh": format_mesh(sizes)})
-    lay = layout_figures(cfg, sizes)
     n = math.prod(sizes.values())
+    estimated_only = compile == "never" or (compile == "auto" and n > max_compile_devices)
+    # Compiled here: one setup on this machine's devices serves the layout and the compile
+    # (the run's rules resolved once); otherwise the layout's on an abstract mesh.
+    s = None if estimated_only or n > local_device_count() else setup(cfg, local_mesh(cfg, n), separator=plan_separator(cfg))
+    lay = layout_figures(cfg, sizes, s)
     est = estimate(cfg, lay)
     common = dict(
         model=cfg.model.name, mesh=sizes, rules=cfg.parallel.rules, remat=cfg.model.remat, dtype=cfg.model.dtype,
@@ -284,13 +290,13 @@ def plan(
             "permutes, and every layer's activations on every device): trust the compiled figures"
         )
         calibration += pipeline_notes(pipe, lay["rules"], [r.spec for r in lay["rows"] if r.is_param], routed=lay["model"].routed)
-    if compile == "never" or (compile == "auto" and n > max_compile_devices):
+    if estimated_only:
         notes = [] if compile == "never" else [f"{n} devices is more than --max-compile-devices {max_compile_devices}: estimated"]
         notes += calibration
         return StepPlan(**common, temp_bytes=est["temp_bytes_per_device"], peak_bytes=est["peak_bytes_per_device"],
                         collective_bytes=est["collective_bytes_by_kind"], source="estimate", notes=notes,
                         pipeline=pipeline_figures(cfg, lay), context=context_figures(cfg, lay))  # fmt: skip
-    compiled = compiled_figures(cfg, n)
+    compiled = compiled_figures(cfg, n, s)
     notes = list(calibration) + compiled_notes(cfg, lay, compiled)
     return StepPlan(
         **common,
