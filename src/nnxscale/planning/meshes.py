@@ -50,13 +50,15 @@ def sweep(
     device_memory: Optional[int] = None,
     compile: str = "never",
     max_compile_devices: int = MAX_COMPILE_DEVICES,
+    target=None,
 ) -> tuple[list[StepPlan], dict[str, str]]:
     """Plan every candidate mesh (with the ``auto`` rules) x remat policy for ``devices``.
 
     Returns the plans sorted by peak memory per device, and the candidates that cannot run
     this configuration (e.g. a batch the mesh cannot split): ``{mesh: the reason}``.
     ``compile="never"`` (the default) uses the estimate: quick, and each plan says so;
-    ``"auto"`` compiles each.
+    ``"auto"`` compiles each. With a ``target`` (:mod:`nnxscale.planning.targets`) the
+    candidates are laid out for it (:func:`for_target`) and compiled by its compiler.
     """
     from nnxscale.training.model import run_model
 
@@ -65,14 +67,43 @@ def sweep(
     model = run_model(cfg, separator=plan_separator(cfg))
     dims, experts = model.dims, getattr(model.config, "num_local_experts", 0) if model.routed else 0
     plans, skipped = [], {}
-    for mesh in candidate_meshes(devices, math.gcd(dims.heads, dims.kv_heads), cfg.data.seq_len, experts):
+    candidates = candidate_meshes(devices, math.gcd(dims.heads, dims.kv_heads), cfg.data.seq_len, experts)
+    if target is not None:
+        candidates = for_target(candidates, target)
+    for mesh in candidates:
         for remat in remats:
             c = with_overrides(cfg, {"parallel.mesh": mesh, "model.remat": remat})
             try:
-                plans.append(plan(c, device_memory=device_memory, compile=compile, max_compile_devices=max_compile_devices))
+                plans.append(plan(c, device_memory=device_memory, compile=compile, max_compile_devices=max_compile_devices,
+                                  target=target))  # fmt: skip
             except ConfigError as e:  # e.g. a batch the mesh cannot split: the same for every remat
                 skipped.setdefault(mesh, str(e))
     return sorted(plans, key=lambda p: p.peak_bytes), skipped
+
+
+#: Axes whose collectives run every layer: on a target they stay inside a node or slice, innermost.
+INNER_AXES = ("expert", "context", "model")
+
+
+def for_target(candidates: list[str], target) -> list[str]:
+    """The candidate meshes laid out for ``target``: data and fsdp outermost (across nodes
+    or slices), then expert, context and model (innermost); those whose context or model
+    axis would cross a node or slice dropped."""
+    from nnxscale.errors import MeshError
+    from nnxscale.planning.targets import split_over_domains
+    from nnxscale.sharding.mesh import parse_mesh_spec
+
+    out = []
+    for spec in candidates:
+        axes = parse_mesh_spec(spec)
+        ordered = {a: axes[a] for a in sorted(axes, key=lambda a: INNER_AXES.index(a) if a in INNER_AXES else -1)}
+        try:
+            spans = split_over_domains(ordered, target)
+        except MeshError:
+            continue
+        if all(spans.get(a, 1) == 1 for a in ("context", "model")):
+            out.append(format_mesh(ordered))
+    return list(dict.fromkeys(out))
 
 
 def sweep_table(plans: list[StepPlan], skipped: Optional[dict[str, str]] = None) -> str:

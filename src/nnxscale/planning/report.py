@@ -32,7 +32,8 @@ import math
 import re
 from typing import Any, Optional
 
-from nnxscale.planning.compiler import MAX_COMPILE_DEVICES, compiled_figures, local_device_count, local_mesh
+from nnxscale.planning import targets
+from nnxscale.planning.compiler import MAX_COMPILE_DEVICES, compile_for_target, compiled_figures, local_device_count, local_mesh
 from nnxscale.planning.estimate import (
     ESTIMATE_FAMILY,
     attention_figures,
@@ -121,6 +122,11 @@ class StepPlan:
     context: Optional[dict] = None  # the ring over a context axis (see context_figures); None without one
     attention: Optional[str] = None  # the attention implementation in use (a family's model; None: your own)
     attention_line: Optional[str] = None  # the run's line about it (nnxscale.layers.attention.describe)
+    target: Optional[str] = None  # the accelerators compiled for (--target): their name; None: this machine's devices
+    target_line: Optional[str] = None  # the target's chips, memory and interconnect, in a line
+    flops: Optional[float] = None  # FLOPs per device per step, as the compiled program does them
+    flops_expected: Optional[float] = None  # the model's formula (6N + attention per token) per device per step
+    refused: Optional[dict] = None  # the target's compiler refused the program: what it needs (see compiler.refusal)
     #: :func:`layout_figures` of the plan (the abstract model, resolved rules, rows): reused by
     #: callers (``nnxscale plan``'s table and lint) instead of being built again.
     layout: Optional[dict] = dataclasses.field(default=None, repr=False, compare=False)
@@ -137,6 +143,8 @@ class StepPlan:
 
     @property
     def fits(self) -> Optional[bool]:
+        if self.refused is not None:
+            return False
         return None if self.device_memory is None else self.peak_bytes <= self.device_memory
 
     @property
@@ -180,6 +188,10 @@ class StepPlan:
             "pipeline": self.pipeline,
             "context": self.context,
             "attention": self.attention,
+            "target": self.target,
+            "flops_per_device": self.flops,
+            "flops_per_device_formula": self.flops_expected,
+            "refused": self.refused,
         }
 
     def __str__(self) -> str:
@@ -188,6 +200,7 @@ class StepPlan:
             f"remat {self.remat}, {self.dtype} compute, global batch {self.batch_size} x {self.seq_len}"
             + (f" in {self.grad_accum} micro-batches" if self.grad_accum > 1 else ""),
             *([self.attention_line] if self.attention_line else []),
+            *([f"target: {self.target_line}"] if self.target_line else []),
             "",
             f"{'per device':<36}{'bytes':>11}  source",
         ]
@@ -212,6 +225,13 @@ class StepPlan:
         if self.textbook:
             parts = "; ".join(f"{what} {x:.2f}x" for what, x in self.textbook)
             lines.append(f"  {'textbook for this layout':<34}{'':>11}  {sum(x for _, x in self.textbook):5.2f}x ({parts})")
+        if self.flops is not None:
+            lines += ["", "FLOPs per device per step"]
+            lines.append(f"  {'compiled program':<34}{self.flops:>11.3g}  {self.source}")
+            if self.flops_expected is not None:
+                rel = f" ({self.flops / self.flops_expected - 1:+.0%} compiled)" if self.flops and self.flops_expected else ""
+                recompute = "; remat full runs the forward again, ~4/3 of it" if self.remat == "full" else ""
+                lines.append(f"  {'model formula (6N + attention)':<34}{self.flops_expected:>11.3g}  per token x tokens / devices{recompute}{rel}")
         if self.compile_seconds is not None:
             lines.append(f"  compiled in {self.compile_seconds:.1f} s")
         if self.pipeline:
@@ -220,7 +240,14 @@ class StepPlan:
             lines += [""] + context_lines(self.context, self.source)
         for note in self.notes:
             lines.append(f"note: {note}")
-        if self.device_memory is not None:
+        if self.refused is not None:
+            r = self.refused
+            needs = (f"needs {format_bytes(r['needs'])} of {format_bytes(r['available'])} per chip" if r.get("needs")
+                     else r["first_line"])  # fmt: skip
+            lines += ["", f"verdict: does not fit: {needs} (the target's compiler refused the program); "
+                          "try --remat full, a larger fsdp axis, --grad-accum or a smaller batch"]  # fmt: skip
+            lines += [f"  {b}" for b in r.get("buffers", [])]
+        elif self.device_memory is not None:
             spare = self.device_memory - self.peak_bytes
             if spare >= 0:
                 verdict = (
@@ -243,14 +270,21 @@ def plan(
     device_memory: Optional[int] = None,
     compile: str = "auto",
     max_compile_devices: int = MAX_COMPILE_DEVICES,
+    target=None,
 ) -> StepPlan:
     """Plan one training step of ``cfg`` (model, mesh, rules, batch, remat, dtype, accum).
 
     Args:
-      devices: resolves a ``-1`` mesh axis; default: the devices of this job.
-      device_memory: bytes per device for the verdict (see :func:`device_memory`).
+      devices: resolves a ``-1`` mesh axis; default: the devices of this job (the target's chips).
+      device_memory: bytes per device for the verdict (see :func:`device_memory`); default
+        with a target: its memory per chip.
       compile: ``"auto"`` compiles meshes up to ``max_compile_devices`` and estimates
-        beyond; ``"never"`` estimates only; ``"always"`` compiles whatever the size.
+        beyond (for a target, whatever the size); ``"never"`` estimates only; ``"always"``
+        compiles whatever the size.
+      target: accelerators to compile for by their own compiler, deviceless: a name
+        (``"h100x8"``, ``"v5p-128"``; :mod:`nnxscale.planning.targets`) or a
+        :class:`~nnxscale.planning.targets.Target`. ``None``: this machine's devices (XLA:CPU
+        simulating the mesh where it has fewer).
 
     Nothing is allocated on any device.
     """
@@ -259,13 +293,19 @@ def plan(
     if compile not in ("auto", "never", "always"):
         raise ConfigError(f"compile must be auto, never or always, got {compile!r}")
     cfg.validate()
-    sizes = mesh_sizes(cfg.parallel.mesh, devices)
+    if isinstance(target, str):
+        target = targets.get(target)
+    sizes = mesh_sizes(cfg.parallel.mesh, devices if target is None else target.chips)
+    placement = [] if target is None else targets.placement_notes(sizes, target)
+    if target is not None and device_memory is None:
+        device_memory = target.memory
     cfg = with_overrides(cfg, {"parallel.mesh": format_mesh(sizes)})
     n = math.prod(sizes.values())
-    estimated_only = compile == "never" or (compile == "auto" and n > max_compile_devices)
+    estimated_only = compile == "never" or (compile == "auto" and n > max_compile_devices and target is None)
     # Compiled here: one setup on this machine's devices serves the layout and the compile
     # (the run's rules resolved once); otherwise the layout's on an abstract mesh.
-    s = None if estimated_only or n > local_device_count() else setup(cfg, local_mesh(cfg, n), separator=plan_separator(cfg))
+    here = not estimated_only and target is None and n <= local_device_count()
+    s = setup(cfg, local_mesh(cfg, n), separator=plan_separator(cfg)) if here else None
     lay = layout_figures(cfg, sizes, s)
     est = estimate(cfg, lay)
     common = dict(
@@ -274,6 +314,8 @@ def plan(
         num_params=lay["num_params"], full_param_bytes=lay["full_param_bytes"], param_bytes=lay["param_bytes"],
         optimizer_bytes=lay["optimizer_bytes"], gradient_bytes=lay["gradient_bytes"], batch_bytes=lay["batch_bytes"],
         textbook=textbook_collectives(cfg, lay), device_memory=device_memory, layout=lay,
+        target=None if target is None else target.name, target_line=None if target is None else target.describe(),
+        flops_expected=lay["setup"].flops_per_token() * cfg.data.batch_size * cfg.data.seq_len / n,
         **attention_figures(cfg, lay["model"], lay["rules"]),
     )  # fmt: skip
     family = lay["model"].family.name
@@ -292,12 +334,18 @@ def plan(
         calibration += pipeline_notes(pipe, lay["rules"], [r.spec for r in lay["rows"] if r.is_param], routed=lay["model"].routed)
     if estimated_only:
         notes = [] if compile == "never" else [f"{n} devices is more than --max-compile-devices {max_compile_devices}: estimated"]
-        notes += calibration
+        notes += placement + calibration
         return StepPlan(**common, temp_bytes=est["temp_bytes_per_device"], peak_bytes=est["peak_bytes_per_device"],
                         collective_bytes=est["collective_bytes_by_kind"], source="estimate", notes=notes,
                         pipeline=pipeline_figures(cfg, lay), context=context_figures(cfg, lay))  # fmt: skip
-    compiled = compiled_figures(cfg, n, s)
-    notes = list(calibration) + compiled_notes(cfg, lay, compiled)
+    compiled = compiled_figures(cfg, n, s) if target is None else compile_for_target(cfg, target)
+    if compiled.get("refused"):  # XLA:TPU would not fit it: what it needs, nothing else measured
+        needs = compiled["refused"]["needs"] or 0
+        state = lay["param_bytes"] + lay["optimizer_bytes"] + lay["batch_bytes"]
+        return StepPlan(**common, temp_bytes=max(needs - state, 0), peak_bytes=needs, collective_bytes={},
+                        source=compiled["source"], compile_seconds=compiled["compile_seconds"], notes=placement + calibration,
+                        refused=compiled["refused"])  # fmt: skip
+    notes = placement + list(calibration) + compiled_notes(cfg, lay, compiled)
     return StepPlan(
         **common,
         temp_bytes=compiled["temp_bytes"],
@@ -307,6 +355,7 @@ def plan(
         compile_seconds=compiled["compile_seconds"],
         estimated={k: est[k] for k in ("temp_bytes_per_device", "peak_bytes_per_device", "collective_bytes_per_step")},
         activations=compiled["activations"],
+        flops=compiled.get("flops"),
         notes=notes,
         pipeline=pipeline_figures(cfg, lay, compiled["collective_bytes"]),
         context=context_figures(cfg, lay, compiled["collective_bytes"]),
@@ -330,7 +379,7 @@ def compiled_notes(cfg: TrainConfig, lay: dict, compiled: dict) -> list[str]:
         else:
             notes.append(f"the compiled all-to-all is dropless on CPU: each of the {e} peers' slots holds all of a device's "
                          f"(token, expert) assignments, {e}x the textbook's (XLA:CPU has no ragged_all_to_all){wide}")  # fmt: skip
-    on_cpu = jax.default_backend() == "cpu" or "CPU devices" in compiled["source"]
+    on_cpu = compiled.get("platform", jax.default_backend()) == "cpu"
     if lay["pipeline"] is not None and cfg.model.dtype == "bfloat16" and on_cpu:
         notes.append("with bfloat16 compute XLA:CPU sends the pipeline's permutes as float32 (the lowered program's are "
                      "bfloat16): the compiled permutes are 2x the expected")  # fmt: skip
