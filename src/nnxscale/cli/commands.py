@@ -427,7 +427,7 @@ def _plan(args) -> int:
     target = None if args.target is None else targets.get(args.target)
     if target is not None:
         target.check_installed()  # before anything is built: one line naming the extra
-    sizes = mesh_sizes(cfg.parallel.mesh, None if target is None else target.chips)
+    sizes = mesh_sizes(cfg.parallel.mesh) if target is None else targets.mesh_sizes(cfg.parallel.mesh, target)
     if args.sweep:
         import math
 

@@ -295,7 +295,7 @@ def plan(
     cfg.validate()
     if isinstance(target, str):
         target = targets.get(target)
-    sizes = mesh_sizes(cfg.parallel.mesh, devices if target is None else target.chips)
+    sizes = mesh_sizes(cfg.parallel.mesh, devices) if target is None else targets.mesh_sizes(cfg.parallel.mesh, target)
     placement = [] if target is None else targets.placement_notes(sizes, target)
     if target is not None and device_memory is None:
         device_memory = target.memory

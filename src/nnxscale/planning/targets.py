@@ -326,21 +326,31 @@ def split_over_domains(sizes: dict[str, int], target: Target) -> dict[str, int]:
 
 
 def placement_notes(sizes: dict[str, int], target: Target) -> list[str]:
-    """What the mesh's axes cross on ``target``: said for each axis that spans domains, with
-    a warning where a tensor- or context-parallel axis leaves its node or slice."""
+    """Where the mesh's axes lie on ``target``: across its nodes or slices and inside each,
+    with a warning where a tensor- or context-parallel axis leaves its node or slice."""
     spans = split_over_domains(sizes, target)
-    crossing = {a: k for a, k in spans.items() if k > 1}
-    if not crossing:
+    inside = f"inside each {target.domain} ({target.within})"
+    if target.domains == 1:
         return [f"mesh on {target.name}: every axis inside one {target.domain} ({target.within})"]
-    notes = []
-    for axis, k in crossing.items():
-        notes.append(f"mesh axis {axis}={sizes[axis]} crosses {target.domain}s: {k} {target.domain}s over {target.between} "
-                     f"x {sizes[axis] // k} inside each (laid outermost, as create_hybrid_device_mesh does)")  # fmt: skip
-    slow = [a for a in crossing if a in ("model", "context")]
+    across = ", ".join(f"{a} {k}" for a, k in spans.items() if k > 1)
+    within = ", ".join(f"{a} {s // spans[a]}" for a, s in sizes.items() if s // spans[a] > 1) or "nothing"
+    notes = [f"mesh on {target.name}: across its {target.domains} {target.domain}s ({target.between}): {across}; {inside}: {within}"
+             " (the outer factor of an axis that spans both, as create_hybrid_device_mesh lays it)"]  # fmt: skip
+    slow = [a for a in ("model", "context") if spans.get(a, 1) > 1]
     if slow:
         notes.append(f"{', '.join(slow)} crosses {target.domain}s: its per-layer collectives go over {target.between}; "
                      f"keep it inside a {target.domain} ({target.domain_size} chips) and let data or fsdp cross")  # fmt: skip
     return notes
+
+
+def mesh_sizes(spec, target: Target) -> dict[str, int]:
+    """``{axis: size}`` of a mesh spec on ``target``: ``-1`` takes the chips left."""
+    from nnxscale.sharding.mesh import parse_mesh_spec, resolve_mesh_shape
+
+    axes = parse_mesh_spec(spec)
+    sizes = resolve_mesh_shape(axes, target.chips) if -1 in axes.values() else axes
+    split_over_domains(sizes, target)  # one line if the mesh does not match the target
+    return sizes
 
 
 def device_mesh(sizes: dict[str, int], target: Target, devices):
