@@ -427,11 +427,10 @@ def _plan(args) -> int:
     target = None if args.target is None else targets.get(args.target)
     if target is not None:
         target.check_installed()  # before anything is built: one line naming the extra
-    sizes = mesh_sizes(cfg.parallel.mesh) if target is None else targets.mesh_sizes(cfg.parallel.mesh, target)
     if args.sweep:
         import math
 
-        devices = math.prod(sizes.values())
+        devices = target.chips if target is not None else math.prod(mesh_sizes(cfg.parallel.mesh).values())
         plans, skipped = meshes.sweep(cfg, devices, device_memory=memory, compile=args.compile or "never",
                                        max_compile_devices=max_devices, target=target)  # fmt: skip
         on = f"{target.name} ({target.describe()})" if target else f"{devices} devices"
@@ -442,6 +441,7 @@ def _plan(args) -> int:
             not_planned = [{"mesh": mesh, "reason": reason} for mesh, reason in skipped.items()]
             print(json.dumps({"plans": [p.to_dict() for p in plans], "not_planned": not_planned}))
         return 0
+    sizes = mesh_sizes(cfg.parallel.mesh) if target is None else targets.mesh_sizes(cfg.parallel.mesh, target)
     step = report.plan(cfg, device_memory=memory, compile=args.compile or "auto", max_compile_devices=max_devices, target=target)
     print(step)
     if step.activations:
