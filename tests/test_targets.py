@@ -27,6 +27,8 @@ def h100x8_plan():
     return plan(tiny("fsdp=8"), target="h100x8")
 
 
+# The suite's persistent compilation cache cannot load a deviceless GPU executable: it compiles again, and says so.
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry")
 def test_plan_target_h100x8_reports_the_gpu_compilers_own_figures(h100x8_plan):
     p = h100x8_plan
     target = targets.get("h100x8")
@@ -40,7 +42,7 @@ def test_plan_target_h100x8_reports_the_gpu_compilers_own_figures(h100x8_plan):
     assert p.collective_bytes == measure(compiled, "gpu")["collective_bytes"] and p.collective_bytes["reduce-scatter"] > 0
     assert p.flops == compiled_flops(compiled, "gpu") > 0 and p.flops_expected > 0
     # bfloat16 compute over float32 master weights: the state is float32, the program computes in bf16.
-    assert p.param_bytes * 8 == p.full_param_bytes and "bf16[" in compiled.as_text()
+    assert p.full_param_bytes == 4 * p.num_params and "bf16[" in compiled.as_text()
     assert p.fits is True and "verdict: fits" in str(p)
     # XLA:GPU compiles a program larger than the GPU without a word: the plan checks.
     small = dataclasses.replace(p, device_memory=p.peak_bytes - 1)
