@@ -64,7 +64,7 @@ import jax  # noqa: E402
 
 from nnxscale.training.config import TrainConfig  # noqa: E402
 from nnxscale.sharding.layout import format_bytes  # noqa: E402
-from nnxscale.planning.planner import measure  # noqa: E402
+from nnxscale.planning.compiler import measure  # noqa: E402
 from nnxscale.training.state import setup  # noqa: E402
 from nnxscale.training.step import make_train_step  # noqa: E402
 from _step import prepared_step  # noqa: E402  (bench/_step.py)

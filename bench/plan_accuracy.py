@@ -1,7 +1,7 @@
 """How close is the planner's analytical estimate to the compiler? (And refit it.)
 
 Compiles nnxscale's real train step ahead of time on 8 simulated CPU devices for a grid of
-models, meshes, remat policies and batch shapes, and compares ``nnxscale.planning.planner.estimate``
+models, meshes, remat policies and batch shapes, and compares ``nnxscale.planning.estimate.estimate``
 (the baseline being the compiler's own memory analysis and collectives) config by config.
 The grid has two parts: the configs the coefficients are fitted to (gpt2-mini at two batch
 shapes and with gradient accumulation, gpt2, gpt2-medium; six meshes; three remat
@@ -10,7 +10,7 @@ accumulation, bfloat16) that test the fit.
 
     python bench/plan_accuracy.py                    # compile the grid, report the errors
     python bench/plan_accuracy.py --cache grid.jsonl # keep/reuse compiled results
-    python bench/plan_accuracy.py --fit              # refit: prints COEFFICIENTS for plan.py
+    python bench/plan_accuracy.py --fit              # refit: prints COEFFICIENTS for nnxscale/planning/estimate.py
 
 Last line, JSON: the largest and mean relative error of the estimated peak memory per
 device and of the collective bytes per step, on the fitted and on the held-out configs.
@@ -28,7 +28,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from nnxscale.planning import planner as plan  # noqa: E402
+from nnxscale.planning import compiler, estimate, layout  # noqa: E402
 from nnxscale.training.config import TrainConfig  # noqa: E402
 
 MESHES = ["data=8", "fsdp=8", "data=2,model=4", "data=4,model=2", "fsdp=4,model=2", "model=8"]
@@ -64,8 +64,8 @@ def compiled(g: dict, cache: dict) -> dict:
     key = json.dumps(g, sort_keys=True)
     if key not in cache:
         t = time.perf_counter()
-        _, c = plan.compile_step(config(g))
-        m = plan.measure(c)
+        _, c = compiler.compile_step(config(g))
+        m = compiler.measure(c)
         cache[key] = {"g": g, "peak": m["peak_bytes"], "temp": m["temp_bytes"],
                       "coll": sum(m["collective_bytes"].values()), "seconds": time.perf_counter() - t}  # fmt: skip
     return cache[key]
@@ -85,7 +85,7 @@ def nnls(A: np.ndarray, b: np.ndarray, iters: int = 50000) -> np.ndarray:
 
 def fit(rows) -> dict:
     """Fit COEFFICIENTS to ``rows`` of (features, compiled, remat), minimizing relative error."""
-    shared, saved = list(plan.SHARED_FEATURES), list(plan.SAVED_FEATURES)
+    shared, saved = list(estimate.SHARED_FEATURES), list(estimate.SAVED_FEATURES)
     columns = shared + [f"{r}:{k}" for r in REMATS for k in saved]
     A = np.array([[f[k] if ":" not in k else (f[k.split(":")[1]] if k.startswith(remat + ":") else 0.0) for k in columns]
                   for f, c, remat in rows]) / np.array([[c["temp"]] for f, c, _ in rows])  # fmt: skip
@@ -93,7 +93,7 @@ def fit(rows) -> dict:
     coef = {"shared": {k: float(v) for k, v in zip(columns, x) if ":" not in k and v}}
     for r in REMATS:
         coef[r] = {k.split(":")[1]: float(v) for k, v in zip(columns, x) if k.startswith(r + ":") and v}
-    cols = list(plan.COLLECTIVE_FEATURES)
+    cols = list(estimate.COLLECTIVE_FEATURES)
     rows_c = [(f, c) for f, c, _ in rows if c["coll"]]
     A = np.array([[f[k] for k in cols] for f, c in rows_c]) / np.array([[c["coll"]] for f, c in rows_c])
     coef["collectives"] = {k: float(v) for k, v in zip(cols, nnls(A, np.ones(len(rows_c)))) if v}
@@ -114,20 +114,20 @@ def main() -> None:
     for g, held_out in grid():
         c = compiled(g, cache)
         cfg = config(g)
-        lay = plan.layout_figures(cfg, plan.mesh_sizes(cfg.parallel.mesh))
-        rows.append((g, held_out, c, lay, plan.features(cfg, lay)))
+        lay = layout.layout_figures(cfg, layout.mesh_sizes(cfg.parallel.mesh))
+        rows.append((g, held_out, c, lay, estimate.features(cfg, lay)))
         if args.cache:
             with open(args.cache, "w") as f:
                 f.writelines(json.dumps(v) + "\n" for v in cache.values())
     if args.fit:
-        plan.COEFFICIENTS.clear()
-        plan.COEFFICIENTS.update(fit([(f, c, g["remat"]) for g, held, c, _, f in rows if not held]))
-        print("COEFFICIENTS = " + json.dumps(plan.COEFFICIENTS, indent=4))
+        estimate.COEFFICIENTS.clear()
+        estimate.COEFFICIENTS.update(fit([(f, c, g["remat"]) for g, held, c, _, f in rows if not held]))
+        print("COEFFICIENTS = " + json.dumps(estimate.COEFFICIENTS, indent=4))
 
     print(f"{'model':<12}{'mesh':<16}{'remat':<6}{'batch':>9} {'extra':<10}{'peak (compiler)':>16}{'estimate':>10}{'collectives':>13}{'estimate':>10}")
     errs = {False: ([], []), True: ([], [])}
     for g, held, c, lay, f in rows:
-        est = plan.estimate(config(g), lay)
+        est = estimate.estimate(config(g), lay)
         e_peak = est["peak_bytes_per_device"] / c["peak"] - 1
         e_coll = est["collective_bytes_per_step"] / c["coll"] - 1 if c["coll"] else 0.0
         errs[held][0].append(abs(e_peak))

@@ -30,7 +30,9 @@ import jax  # noqa: E402
 
 from nnxscale.training.config import TrainConfig  # noqa: E402
 from nnxscale.sharding.layout import format_bytes  # noqa: E402
-from nnxscale.planning.planner import estimate, layout_figures, measure, mesh_sizes  # noqa: E402
+from nnxscale.planning.compiler import measure  # noqa: E402
+from nnxscale.planning.estimate import estimate  # noqa: E402
+from nnxscale.planning.layout import layout_figures, mesh_sizes  # noqa: E402
 from nnxscale.training.state import setup  # noqa: E402
 from nnxscale.training.step import make_train_step  # noqa: E402
 
@@ -76,7 +78,7 @@ def main() -> None:
             flush=True,
         )
     print("collectives: bytes per device per step over the parameter bytes; estimate: the analytical")
-    print("estimate's peak against the compiler's (nnxscale.planning.planner.estimate)")
+    print("estimate's peak against the compiler's (nnxscale.planning.estimate.estimate)")
     setups = {m: setup(config(m, "fsdp=8", "none")) for m in ("gpt2", "gpt2-large")}
     best = {m: float("inf") for m in setups}
     for _ in range(3):

@@ -104,3 +104,20 @@ def bpe_tokenizer(tmp_path_factory, text_data):
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}\n')
     return directory / "tokenizer.json"
+
+
+@pytest.fixture
+def rules_built(monkeypatch):
+    """The mesh rules each :class:`~nnxscale.MeshRules` built while the test runs was resolved for
+    (``{axis: size}``, in order): a run resolves its rules once, at setup, and passes them on."""
+    from nnxscale.sharding.rules import MeshRules
+
+    built = []
+    original = MeshRules.__init__
+
+    def counted(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.append(dict(self.sizes))
+
+    monkeypatch.setattr(MeshRules, "__init__", counted)
+    return built

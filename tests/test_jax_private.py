@@ -31,6 +31,13 @@ def test_jax_says_whether_its_backend_started():
     assert jax_private.backends_are_initialized() is True
 
 
+def test_xla_counts_the_flops_of_an_optimized_module():
+    x = jax.ShapeDtypeStruct((64, 32), jax.numpy.float32)
+    compiled = jax.jit(lambda a, b: a @ b.T).lower(x, x).compile()
+    (module,) = compiled.runtime_executable().hlo_modules()
+    assert jax_private.hlo_cost_analysis(module)["flops"] == 2 * 64 * 64 * 32  # the matmul's multiply-adds
+
+
 def test_a_name_jax_dropped_is_one_error_naming_it():
     with pytest.raises(JaxVersionError, match=r"jax \S+ has no jax\._src\.clusters\.ClusterEnv\._gone, which nnxscale uses to test"):
         jax_private._private("clusters", "ClusterEnv", "_gone", used_for="to test")

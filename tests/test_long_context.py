@@ -402,10 +402,10 @@ def test_plan_counts_the_rings_permutes_and_proposes_context_meshes(text_data):
     from test_train import tiny_cfg
 
     from nnxscale import TrainConfig
-    from nnxscale.planning import planner as planlib
+    from nnxscale.planning import estimate, meshes, report
     from nnxscale.training.config import with_overrides
 
-    p = planlib.plan(tiny_cfg("unused", text_data, model="llama-tiny", mesh="context=2,fsdp=2,model=2"), compile="always")
+    p = report.plan(tiny_cfg("unused", text_data, model="llama-tiny", mesh="context=2,fsdp=2,model=2"), compile="always")
     ring = p.context
     assert ring["devices"] == 2 and ring["tokens_per_device"] == 16
     assert ring["permute_bytes_expected"] <= ring["permute_bytes_per_step"] <= 1.15 * ring["permute_bytes_expected"], ring
@@ -416,17 +416,17 @@ def test_plan_counts_the_rings_permutes_and_proposes_context_meshes(text_data):
     # layers (measured 34% more here: three (rows, T / 2, width) slabs, large beside 2 layers;
     # 0.2% more for batch 8 x 64 with the default --min-shard-bytes).
     cfg = tiny_cfg("unused", text_data, model="llama-tiny", mesh="stage=2,context=2,data=2", microbatches=2)
-    both = planlib.plan(cfg, compile="always")
+    both = report.plan(cfg, compile="always")
     expected = both.pipeline["permute_bytes_expected"] + both.context["permute_bytes_expected"]
     assert expected <= both.context["permute_bytes_per_step"] <= 1.4 * expected, (both.pipeline, both.context)
 
     cfg = with_overrides(TrainConfig(), {"model.name": "llama-3.2-1b", "parallel.mesh": "context=8", "data.seq_len": 131072,
                                          "data.batch_size": 1, "model.remat": "full"})  # fmt: skip
-    est = planlib.plan(cfg, compile="never")
+    est = report.plan(cfg, compile="never")
     assert est.attention == "ring"
     assert est.param_bytes + est.optimizer_bytes < est.peak_bytes < 16 << 30, est.peak_bytes
-    assert est.collective_bytes["collective-permute (ring)"] == planlib.ring_permute_bytes(cfg, est.layout)
+    assert est.collective_bytes["collective-permute (ring)"] == estimate.ring_permute_bytes(cfg, est.layout)
 
-    assert "context=8" in planlib.candidate_meshes(8, 8, 131072)
-    assert "context=4,fsdp=2" in planlib.candidate_meshes(8, 8, 16384)
-    assert not any("context" in m for m in planlib.candidate_meshes(8, 8, 4096))
+    assert "context=8" in meshes.candidate_meshes(8, 8, 131072)
+    assert "context=4,fsdp=2" in meshes.candidate_meshes(8, 8, 16384)
+    assert not any("context" in m for m in meshes.candidate_meshes(8, 8, 4096))

@@ -322,7 +322,7 @@ def test_the_sweep_proposes_expert_meshes_for_a_mixture(text_data):
     """plan --sweep's candidates for a mixture of 8 experts on 8 devices add an expert axis of
     8, 4 and 2 (alone, or beside data and fsdp); for 6 experts only 2 divides both; and the
     sweep plans them (estimates, nothing compiled)."""
-    from nnxscale.planning.planner import candidate_meshes
+    from nnxscale.planning.meshes import candidate_meshes
     from nnxscale.sharding.mesh import format_mesh
 
     meshes = candidate_meshes(8, 4, 64, experts=8)

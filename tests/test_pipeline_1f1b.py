@@ -21,7 +21,7 @@ from test_pipeline_train import assert_same_run, cfg_for, quiet
 from nnxscale.errors import ConfigError
 from nnxscale.layers.one_f_one_b import ring_slots
 from nnxscale.layers.pipeline import Pipeline
-from nnxscale.planning.planner import measure
+from nnxscale.planning.compiler import measure
 from nnxscale.training.config import TrainConfig
 from nnxscale.training.rundir import read_metrics
 from nnxscale.training.state import init_state, setup
@@ -201,7 +201,7 @@ def test_plan_knows_the_schedule(text_data):
     """plan on stage=4,data=2 with 1F1B: the compiled permutes are pipeline_cost's (1F1B sends
     what GPipe sends), no boundary all-reduce, and the ring of 2S-1 microbatches it holds."""
     from nnxscale.layers.pipeline import pipeline_cost
-    from nnxscale.planning.planner import plan
+    from nnxscale.planning.report import plan
 
     cfg = cfg_for("unused", text_data, steps=1, mesh="stage=4,data=2", microbatches=4,
                   **{"parallel.pipeline_schedule": "1f1b"})  # fmt: skip

@@ -18,7 +18,7 @@ from test_cli import assert_one_error_line, run_main, train_args
 import nnxscale
 from nnxscale.checkpoint.checkpointer import checkpoint_dir
 from nnxscale.training.config import FLAT_NAMES, TrainConfig, with_overrides
-from nnxscale.planning.planner import plan
+from nnxscale.planning.report import plan
 from nnxscale.training.loop import train
 from nnxscale.training.rundir import read_metrics
 from nnxscale.errors import ConfigError

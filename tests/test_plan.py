@@ -7,7 +7,7 @@ import math
 import jax
 import pytest
 
-from nnxscale.planning import planner as planlib
+from nnxscale.planning import meshes, report
 from nnxscale.cli.commands import main
 from nnxscale.training.config import ConfigError, FLAT_NAMES, TrainConfig, with_overrides
 from nnxscale.training.state import init_state, setup
@@ -42,7 +42,7 @@ def shard_bytes_on_device0(tree) -> int:
 @pytest.mark.parametrize("mesh", ["fsdp=8", "data=2,model=4", "data=8"])
 def test_layout_figures_are_what_the_devices_really_hold(mesh):
     cfg = tiny(mesh)
-    p = planlib.plan(cfg, compile="never")
+    p = report.plan(cfg, compile="never")
     s = setup(cfg)
     state = init_state(s)
     assert p.param_bytes == shard_bytes_on_device0(state["params"])
@@ -57,7 +57,7 @@ def test_layout_figures_are_what_the_devices_really_hold(mesh):
 
 def test_compiled_figures_come_from_the_compiler():
     cfg = tiny("fsdp=8", model="gpt2-mini", **{"data.batch_size": 32, "data.seq_len": 256})
-    p = planlib.plan(cfg, device_memory=1 << 30)
+    p = report.plan(cfg, device_memory=1 << 30)
     assert p.source == "compiler" and p.compile_seconds > 0
     # The compiler's own figures, read here without the planner: the real step compiled.
     ma = compiler_memory(cfg)
@@ -85,7 +85,7 @@ def test_compiled_figures_come_from_the_compiler():
 
 
 def test_a_mesh_larger_than_this_machine_compiles_in_a_child_process():
-    eight, sixteen = planlib.plan(tiny("fsdp=8")), planlib.plan(tiny("fsdp=16"))
+    eight, sixteen = report.plan(tiny("fsdp=8")), report.plan(tiny("fsdp=16"))
     assert sixteen.source == "compiler (child process, 16 CPU devices)"
     assert sixteen.mesh == {"fsdp": 16}
     # FSDP halves what each device holds of the split parameters; the layout says exactly how much
@@ -95,7 +95,7 @@ def test_a_mesh_larger_than_this_machine_compiles_in_a_child_process():
 
 
 def test_beyond_the_compile_limit_the_estimate_answers():
-    p = planlib.plan(tiny("fsdp=128", **{"data.batch_size": 128}), max_compile_devices=64)
+    p = report.plan(tiny("fsdp=128", **{"data.batch_size": 128}), max_compile_devices=64)
     assert p.source == "estimate" and p.compile_seconds is None
     assert any("more than --max-compile-devices 64" in n for n in p.notes)
     assert p.peak_bytes >= p.param_bytes + p.optimizer_bytes + p.gradient_bytes
@@ -103,21 +103,21 @@ def test_beyond_the_compile_limit_the_estimate_answers():
 
 
 def test_the_verdict_and_device_memory():
-    assert planlib.parse_bytes("16GiB") == 16 << 30
-    assert planlib.parse_bytes("80 GB") == 80 * 10**9
-    assert planlib.device_memory(None, "h100") == 80 << 30
+    assert report.parse_bytes("16GiB") == 16 << 30
+    assert report.parse_bytes("80 GB") == 80 * 10**9
+    assert report.device_memory(None, "h100") == 80 << 30
     for bad in ("lots", "-3GiB", "0"):
         with pytest.raises(ConfigError):
-            planlib.parse_bytes(bad)
+            report.parse_bytes(bad)
     with pytest.raises(ConfigError, match="unknown device 'tpu-v9'.*h100"):
-        planlib.device_memory(None, "tpu-v9")
-    p = planlib.plan(tiny("data=8"), device_memory=1 << 20, compile="never")
+        report.device_memory(None, "tpu-v9")
+    p = report.plan(tiny("data=8"), device_memory=1 << 20, compile="never")
     assert p.fits is False and "does not fit" in str(p)
     with pytest.raises(ConfigError, match="--batch-size 12 must be a multiple of 8"):
-        planlib.plan(tiny("data=8", **{"data.batch_size": 12}), compile="never")
+        report.plan(tiny("data=8", **{"data.batch_size": 12}), compile="never")
 
 
-def test_plan_command_json_sweep_and_errors(capsys):
+def test_plan_command_json_sweep_and_errors(capsys, rules_built):
     args = ["plan", "--model", "gpt2-tiny", "--mesh", "fsdp=8", "--batch-size", "16", "--seq-len", "64",
             "--min-shard-bytes", "0", "--device-memory", "1GiB", "--json"]  # fmt: skip
     assert main(args) == 0
@@ -125,8 +125,11 @@ def test_plan_command_json_sweep_and_errors(capsys):
     last = json.loads(out.strip().splitlines()[-1])
     assert last["mesh"] == "fsdp=8" and last["fits"] is True and last["source"] == "compiler"
     assert "activations (logical names" in out and "lint:" in out
+    rules_built.clear()
     assert main(args[:-1] + ["--table"]) == 0
     assert "h.mlp.c_fc.kernel" in capsys.readouterr().out  # the per-Variable view stays available
+    # The layout, the compiled step, the table and the lint all asked the rules resolved once at setup.
+    assert rules_built == [{"fsdp": 8}]
 
     assert main(["plan", "--model", "gpt2-tiny", "--mesh", "data=8", "--batch-size", "16", "--seq-len", "64", "--sweep", "--json"]) == 0
     out = capsys.readouterr().out

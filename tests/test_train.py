@@ -273,10 +273,11 @@ def test_resume_on_another_mesh_continues_the_run(tmp_path, text_data, ref_run, 
 
 
 @pytest.mark.parametrize("mesh", ["fsdp=8", "model=8", "data=2,model=4"])
-def test_same_losses_on_every_mesh(tmp_path, text_data, ref_run, mesh):
+def test_same_losses_on_every_mesh(tmp_path, text_data, ref_run, mesh, rules_built):
     _, want = ref_run  # data=8
     steps = 3
     quiet_train(tiny_cfg(tmp_path / "run", text_data, steps=steps, mesh=mesh))
+    assert len(rules_built) == 1  # resolved at setup; the lint, the state layouts and the step ask that one
     got = read_metrics(tmp_path / "run")
     assert [r["step"] for r in got] == list(range(1, steps + 1))
     assert len({r["loss"] for r in got}) == steps  # the model does learn: the steps differ

@@ -125,9 +125,9 @@ _EXPORTS = {
     "Generator": "nnxscale.models.common.generate",
     "Sampling": "nnxscale.models.common.generate",
     # planning: memory per device and collectives per step
-    "plan": "nnxscale.planning.planner",
-    "sweep": "nnxscale.planning.planner",
-    "StepPlan": "nnxscale.planning.planner",
+    "plan": "nnxscale.planning.report",
+    "sweep": "nnxscale.planning.meshes",
+    "StepPlan": "nnxscale.planning.report",
     "collective_bytes": "nnxscale.planning.hlo",
     # shard_map
     "data_parallel_apply": "nnxscale.teaching.shard_map",

@@ -239,6 +239,10 @@ def _plan_parser(sub) -> None:
     memory = pl.add_mutually_exclusive_group()
     memory.add_argument("--device-memory", help="memory of one device for the verdict, e.g. 16GiB or 80GB")
     memory.add_argument("--device", help="a known device for the verdict: " + ", ".join(_known_devices()))
+    memory.add_argument("--target", help="compile the step for these accelerators by their own compiler, deviceless, "
+                        "e.g. h100x8, h100x64, v5p-128, v6e-256, 2xv6e-256 (needs nnxscale[cuda12] or nnxscale[tpu]; "
+                        "--list-targets lists them); the verdict uses its memory per chip")  # fmt: skip
+    pl.add_argument("--list-targets", action="store_true", help="list the --target names: chips, memory per chip, interconnect")
     pl.add_argument("--sweep", action="store_true", help="plan every mesh x remat policy for the mesh's device count, sorted by peak")
     pl.add_argument("--compile", choices=("auto", "never", "always"), default=None,
                     help="auto: compile up to --max-compile-devices, estimate beyond (default; --sweep: never)")  # fmt: skip
@@ -413,27 +417,35 @@ def _known_devices() -> list[str]:
 def _plan(args) -> int:
     import json
 
-    from nnxscale.planning import planner as planlib
+    from nnxscale.planning import compiler, meshes, report, targets
+    from nnxscale.planning.layout import mesh_sizes
     from nnxscale.sharding.state import group_findings, lint, sharding_table
 
+    if args.list_targets:
+        print("\n".join(targets.list_lines()))
+        return 0
     cfg = _config(args)
-    memory = planlib.device_memory(args.device_memory, args.device)
-    max_devices = args.max_compile_devices or planlib.MAX_COMPILE_DEVICES
-    sizes = planlib.mesh_sizes(cfg.parallel.mesh)
+    memory = report.device_memory(args.device_memory, args.device)
+    max_devices = args.max_compile_devices or compiler.MAX_COMPILE_DEVICES
+    target = None if args.target is None else targets.get(args.target)
+    if target is not None:
+        target.check_installed()  # before anything is built: one line naming the extra
     if args.sweep:
         import math
 
-        devices = math.prod(sizes.values())
-        plans, skipped = planlib.sweep(cfg, devices, device_memory=memory, compile=args.compile or "never",
-                                       max_compile_devices=max_devices)  # fmt: skip
-        print(f"sweep: {cfg.model.name}, {devices} devices, global batch {cfg.data.batch_size} x {cfg.data.seq_len}, "
+        devices = target.chips if target is not None else math.prod(mesh_sizes(cfg.parallel.mesh).values())
+        plans, skipped = meshes.sweep(cfg, devices, device_memory=memory, compile=args.compile or "never",
+                                       max_compile_devices=max_devices, target=target)  # fmt: skip
+        on = f"{target.name} ({target.describe()})" if target else f"{devices} devices"
+        print(f"sweep: {cfg.model.name}, {on}, global batch {cfg.data.batch_size} x {cfg.data.seq_len}, "
               f"{cfg.model.dtype} compute, sorted by peak memory per device")  # fmt: skip
-        print(planlib.sweep_table(plans, skipped))
+        print(meshes.sweep_table(plans, skipped))
         if args.json:
             not_planned = [{"mesh": mesh, "reason": reason} for mesh, reason in skipped.items()]
             print(json.dumps({"plans": [p.to_dict() for p in plans], "not_planned": not_planned}))
         return 0
-    step = planlib.plan(cfg, device_memory=memory, compile=args.compile or "auto", max_compile_devices=max_devices)
+    sizes = mesh_sizes(cfg.parallel.mesh) if target is None else targets.mesh_sizes(cfg.parallel.mesh, target)
+    step = report.plan(cfg, device_memory=memory, compile=args.compile or "auto", max_compile_devices=max_devices, target=target)
     print(step)
     if step.activations:
         print("\nactivations (logical names -> the activation rules' layout, per call):")
@@ -522,6 +534,10 @@ def main(argv=None) -> int:
     # waiting for this process in a collective.
     from nnxscale.jobs.process import owned_by_command
 
+    if getattr(args, "target", None) and "jax" not in sys.modules:
+        # The target's compiler runs in a child process: this one needs no accelerator, and on a
+        # machine without one the CUDA plugin and libtpu would only fail loudly while starting.
+        os.environ["JAX_PLATFORMS"] = "cpu"
     try:
         configure_cpu_devices(args.cpu_devices)  # before jax starts; a bad value is one line
         _join(args)

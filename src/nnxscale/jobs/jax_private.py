@@ -51,3 +51,13 @@ def distributed_client():
 def backends_are_initialized() -> bool:
     """Whether a JAX backend has started in this process (asking ``jax.devices()`` would start one)."""
     return _private("xla_bridge", "backends_are_initialized", used_for="to see whether jax has started")()
+
+
+def hlo_cost_analysis(module) -> dict:
+    """XLA's HLO cost analysis (``flops``, ``bytes accessed``, ...) of an optimized ``HloModule``
+    (``compiled.runtime_executable().hlo_modules()``), run by this machine's CPU client: the
+    count of a program compiled for a GPU that is not here, whose ``cost_analysis()`` is None."""
+    import jax
+
+    analyse = _private("lib", "_jax", "hlo_module_cost_analysis", used_for="to count the FLOPs of a program compiled for a GPU")
+    return dict(analyse(jax.devices("cpu")[0].client, module))

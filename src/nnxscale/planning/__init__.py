@@ -1,9 +1,11 @@
 """What a run needs per device, before anything is allocated.
 
-``planner`` compiles the real training step ahead of time for a mesh (abstract arrays
-only) and reads the compiler's memory analysis and the collectives in its HLO
-(``hlo``); ``sweep`` does it for several meshes. The trainer and the planner build the
-run with the same function, :func:`nnxscale.training.setup`.
+By concern: ``report`` (:class:`StepPlan`, :func:`plan` and its text), ``layout`` (exact
+arithmetic on the sharded layout), ``estimate`` (the textbook collectives and the analytical
+estimate), ``compiler`` (the real training step compiled ahead of time, its memory analysis
+and the collectives in its HLO, counted by ``hlo``) and ``meshes`` (:func:`sweep`: several
+meshes planned). The trainer and the planner build the run with the same function,
+:func:`nnxscale.training.setup`.
 
 Loads lazily, on first use of a name: the CLI reads parts of the tree before jax may be imported.
 """
@@ -12,9 +14,9 @@ from nnxscale import _lazy
 
 _EXPORTS = {
     "collective_bytes": "nnxscale.planning.hlo",
-    "StepPlan": "nnxscale.planning.planner",
-    "plan": "nnxscale.planning.planner",
-    "sweep": "nnxscale.planning.planner",
+    "StepPlan": "nnxscale.planning.report",
+    "plan": "nnxscale.planning.report",
+    "sweep": "nnxscale.planning.meshes",
 }
 
 __all__ = sorted(_EXPORTS)

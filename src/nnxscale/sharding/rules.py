@@ -422,13 +422,16 @@ def resolve(rules=None, mesh=None, *, min_shard_bytes: Optional[int] = None) -> 
     """Rules (a preset name, a string, a table, :class:`AxisRules`) against ``mesh``, once.
 
     A :class:`MeshRules` is returned as it is when neither ``mesh`` nor
-    ``min_shard_bytes`` asks for something else; given another mesh, its rules and
-    ``min_shard_bytes`` are resolved against that mesh.
+    ``min_shard_bytes`` asks for something else (a mesh given as its ``{axis: size}`` shape
+    asks for nothing else when the shape is the rules' own); given another mesh, its rules
+    and ``min_shard_bytes`` are resolved against that mesh. A run resolves its rules once,
+    in :func:`nnxscale.training.setup`, and passes the result on.
     """
     if isinstance(rules, MeshRules):
         if min_shard_bytes is None:
             min_shard_bytes = rules.min_shard_bytes
-        if (mesh is None or mesh is rules.mesh) and min_shard_bytes == rules.min_shard_bytes:
+        same = mesh is None or mesh is rules.mesh or (isinstance(mesh, Mapping) and list(mesh_axis_sizes(mesh).items()) == list(rules.sizes.items()))
+        if same and min_shard_bytes == rules.min_shard_bytes:
             return rules
         mesh = rules.mesh if mesh is None else mesh
     if mesh is None:

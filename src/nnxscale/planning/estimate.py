@@ -1,0 +1,361 @@
+"""What a step moves and needs by arithmetic: the textbook collectives, the pipeline's and
+the ring's costs, and the analytical estimate of temporaries and peak fitted to the compiler.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from nnxscale.planning.layout import layout_figures, mesh_sizes, split_params
+from nnxscale.sharding.axes import EXPERT, STAGE
+from nnxscale.training.config import TrainConfig
+
+
+def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]:
+    """What a textbook layout moves per step, as multiples of the parameter bytes.
+
+    Data parallel: one all-reduce of the gradients of the parameters replicated across the
+    batch axes. FSDP: all-gather the parameters in the forward pass and again in the
+    backward pass, reduce-scatter the gradients: 3x what FSDP splits. Tensor parallel
+    (Megatron): two all-reduces of the ``(B, T, C)`` activations per layer forward and two
+    backward (two more with rematerialization); in a pipeline, a stage's layers in every
+    iteration, bubble included. Pipeline: :func:`nnxscale.layers.pipeline.pipeline_cost`'s
+    permutes and stage-boundary all-reduces.
+    """
+    rules, dims, full = lay["rules"], lay["model"].dims, max(lay["full_param_bytes"], 1)
+    if rules.num_devices == 1:
+        return []
+    split = split_params(lay["rows"], rules)
+    out = []
+    if split["replicated"] / full >= 0.005 and rules.batch_shard_count > 1:  # not just LayerNorms kept whole
+        out.append(("data-parallel gradient all-reduce", split["replicated"] / full))
+    if split["fsdp"]:
+        out.append(("FSDP 2 gathers + reduce-scatter", 3 * split["fsdp"] / full))
+    if split["expert"] and rules.batch_shard_count > rules.sizes[EXPERT]:
+        out.append(("experts' gradient all-reduce", split["expert"] / full))
+    if split["experts"]:
+        out.append(("expert all-to-all", expert_all_to_all_bytes(cfg, lay) / full))
+    tensor = math.prod(s for a, s in rules.sizes.items() if a not in (*rules.batch_axes, *rules.length_axes, STAGE))
+    pipe = lay.get("pipeline")
+    layers = layers_run(dims.layers, pipe)
+    if tensor > 1:
+        d = cfg.data
+        tokens = d.batch_size / rules.batch_shard_count * d.seq_len / rules.length_shard_count
+        act = tokens * dims.width * (2 if cfg.model.dtype == "bfloat16" else 4)
+        per_layer = 4 + (2 if cfg.model.remat != "none" else 0)
+        out.append(("tensor-parallel activation all-reduces", per_layer * layers * act / full))
+    if pipe is not None:
+        p = pipeline_figures(cfg, lay)
+        out.append(("pipeline permutes and stage boundary", (p["permute_bytes_expected"] + p["boundary_bytes"]) / full))
+    if rules.length_shard_count > 1:
+        out.append(("context ring permutes", ring_permute_bytes(cfg, lay) / full))
+    return out
+
+
+def pipeline_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional[dict] = None) -> Optional[dict]:
+    """The pipeline of a plan: its layout (schedule, stages, layers per stage, repeats,
+    microbatches and their rows per batch shard), its bubble, and per device and step the
+    ``collective-permute`` bytes, from :func:`nnxscale.layers.pipeline.pipeline_cost` and, when
+    compiled, from the compiled step; ``None`` without a pipeline."""
+    pipe, n = lay["pipeline"], lay["stacked_layers"]
+    if pipe is None:
+        return None
+    from nnxscale.layers.pipeline import pipeline_cost
+
+    d, dims, rules = cfg.data, lay["model"].dims, lay["rules"]
+    # Beside a context axis, each device holds and passes on its T / context tokens.
+    activation = (d.batch_size, d.seq_len // rules.length_shard_count, dims.width)
+    cost = pipeline_cost(pipe, n, activation, cfg.model.dtype, batch_shards=rules.batch_shard_count, remat=cfg.model.remat)
+    return {
+        "schedule": cost.schedule,
+        "stages": cost.stages,
+        "repeats": cost.repeats,
+        "layers": n,
+        "layers_per_stage": cost.layers_per_stage,
+        "microbatches": cost.microbatches,
+        "microbatch_rows": cost.microbatch_rows,
+        "iterations": cost.iterations,
+        "bubble": cost.bubble,
+        "permute_bytes_per_step": None if compiled_collectives is None else compiled_collectives.get("collective-permute", 0),
+        "permute_bytes_expected": cost.permute_bytes,
+        "boundary_bytes": cost.boundary_bytes,
+        "in_flight": cost.in_flight,
+        "held_bytes": cost.held_bytes,
+        "with_ring": rules.length_shard_count > 1,  # the compiled permutes are the ring's too
+    }
+
+
+def context_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional[dict] = None) -> Optional[dict]:
+    """The ring of a plan whose mesh splits the sequence (``context``): devices, tokens per
+    device, and the ring's permutes per device and step, by :func:`ring_permute_bytes`
+    and, compiled, the step's collective-permutes. None without a context axis."""
+    n = lay["rules"].length_shard_count
+    if n <= 1:
+        return None
+    return {
+        "devices": n,
+        "tokens_per_device": cfg.data.seq_len // n,
+        "permute_bytes_expected": ring_permute_bytes(cfg, lay),
+        "permute_bytes_per_step": None if compiled_collectives is None else compiled_collectives.get("collective-permute", 0),
+        "with_pipeline": lay["pipeline"] is not None,  # the compiled permutes are the pipeline's too
+    }
+
+
+def expert_all_to_all_bytes(cfg: TrainConfig, lay: dict) -> int:
+    """What a mixture's tokens move per device and step over an ``expert`` axis, sent only
+    as they are: ``tokens per device x k x width x bytes x 2 (there and back) x 2 (forward
+    and backward) x layers``, x 3 instead of x 2 when rematerialization repeats the forward
+    pass's exchanges, times the accumulation steps; in a pipeline the layers are a stage's
+    share of the iterations, bubble included (:func:`layers_run`). Dropless on CPU, where there is no
+    ``ragged_all_to_all``, each peer's slot holds all of a device's assignments: the
+    compiled step moves ``expert`` times this (mixtral-mini on ``expert=8``: 8.02x,
+    ``bench/moe.py``, 2026-11-24), and with bfloat16 compute XLA:CPU sends them as float32
+    (the lowered program's all-to-all is bfloat16, the compiled one float32): 2x more."""
+    rules, dims, d = lay["rules"], lay["model"].dims, cfg.data
+    k = getattr(lay["model"].config, "num_experts_per_tok", 1)
+    tokens = d.batch_size / rules.batch_shard_count * d.seq_len / rules.length_shard_count
+    itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
+    passes = 3 if cfg.model.remat != "none" else 2
+    return int(tokens * k * dims.width * itemsize * 2 * passes * layers_run(dims.layers, lay.get("pipeline")))
+
+
+def slot_factor(cfg: TrainConfig, lay: dict) -> float:
+    """The exchange's buffers over what its assignments need (:func:`expert_all_to_all_bytes`).
+    Dropless, each of the ``expert`` peers' slots holds all of a device's assignments (no
+    ``ragged_all_to_all``): ``expert`` times. With a capacity factor a slot holds what the
+    capacity lets a device send one peer, ``E / expert`` experts' capacity per sequence:
+    ``E cap / (T k)`` times, about the factor (:func:`nnxscale.layers.moe.capacity`)."""
+    from nnxscale.layers.moe import capacity, slot_rows
+
+    c, size = lay["model"].config, lay["rules"].sizes[EXPERT]
+    k, E, T = c.num_experts_per_tok, c.num_local_experts, cfg.data.seq_len
+    cap = capacity(getattr(c, "capacity_factor", None), T, k, E)
+    return size * slot_rows(T, T, k, E, size, cap) / (T * k)  # a sequence's assignments and the slots they fill
+
+
+def compiled_all_to_all_bytes(cfg: TrainConfig, lay: dict) -> int:
+    """What the exchange of :mod:`nnxscale.layers.moe` sends over the ``expert`` axis, as XLA:CPU
+    compiles it: :func:`slot_factor` times :func:`expert_all_to_all_bytes`, and bfloat16 is
+    sent as float32 (2x). Within 1% of the compiled step (the experts' ids travel too:
+    mixtral-mini on ``expert=8``, 8.02x the formula dropless)."""
+    wide = 2 if cfg.model.dtype == "bfloat16" else 1
+    return int(expert_all_to_all_bytes(cfg, lay) * slot_factor(cfg, lay) * wide)
+
+
+def exchange_temp_bytes(cfg: TrainConfig, lay: dict) -> int:
+    """The temporary memory of the experts' exchange on an ``expert`` axis, per device, which
+    the fitted estimate (a dense model's) lacks. Its buffers have ``R`` rows, :func:`slot_factor`
+    times a device's ``N k`` assignments; the working set of one layer holds about 8 of them
+    ``F / tp`` wide (the experts' gate, up and hidden activations and their gradients) and
+    half of one ``C`` wide, and without rematerialization every layer keeps ``2 (F / tp + C)``
+    per row for the backward pass. In a pipeline a layer works on one microbatch at a
+    time, and a stage keeps its share of the iterations (:func:`layers_run`). Counted in
+    the compute dtype (the exchange's buffers are bfloat16 under bfloat16 compute, unlike
+    most of XLA:CPU's). Calibrated on 2026-11-25
+    against the compiled steps of mixtral-tiny and mixtral-mini on ``expert=8``,
+    ``fsdp=2,expert=4`` and ``data=2,expert=4`` (each remat policy) and mixtral-8x7b on
+    ``fsdp=8,expert=8``."""
+    rules, dims, d = lay["rules"], lay["model"].dims, cfg.data
+    c = lay["model"].config
+    tokens = d.batch_size / rules.batch_shard_count / cfg.optim.grad_accum * d.seq_len / rules.length_shard_count
+    rows = tokens * c.num_experts_per_tok * slot_factor(cfg, lay)
+    F = c.intermediate_size / rules.activation_split("mlp", c.intermediate_size)
+    itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
+    pipe = lay.get("pipeline")
+    working = rows / (pipe.microbatches if pipe is not None else 1) * (8 * F + dims.width / 2)
+    kept = rows * layers_run(dims.layers, pipe) * 2 * (F + dims.width) if cfg.model.remat == "none" else 0.0
+    return int(itemsize * (working + kept))
+
+
+def ring_permute_bytes(cfg: TrainConfig, lay: dict) -> int:
+    """What ring attention sends per device and step over a ``context`` axis of ``n`` devices.
+
+    Per layer, with ``kv`` one device's keys and values (``2 b (T/n) K H`` elements in the
+    compute dtype): the forward passes them on ``n - 1`` times; the backward passes them
+    round again (``n - 1``) with their float32 gradients (``n`` times, home after the last):
+    ``L x (2 (n - 1) kv + n kv gradients)``, times the accumulation steps. Compiled
+    (llama-tiny, 2 layers, 2026-11-24) the ring's permutes are exactly this, with
+    ``--remat`` none or full (the ring's residuals are kept, not recomputed) and with
+    ``--document-mask``; the step also moves a few tensors of the zigzag layout outside the
+    layers (0.1% more on ``context=4,fsdp=2``, 13% on ``context=2,fsdp=2,model=2``).
+
+    Beside a ``stage`` axis each device runs its stage's ``L / (S R)`` layers on one
+    microbatch per iteration, bubble included: ``L`` becomes ``L (R M + S - 1) / (S R M)``.
+    """
+    rules, dims, d = lay["rules"], lay["model"].dims, cfg.data
+    n = rules.length_shard_count
+    layers = layers_run(dims.layers, lay["pipeline"])
+    tokens = d.batch_size / rules.batch_shard_count / cfg.optim.grad_accum * d.seq_len / n
+    kv_heads = dims.kv_heads / rules.activation_split("kv_heads", dims.kv_heads)
+    itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
+    kv = 2 * tokens * kv_heads * dims.head_width
+    per_layer = 2 * (n - 1) * kv * itemsize + n * kv * 4
+    return int(layers * per_layer * cfg.optim.grad_accum)
+
+
+def layers_run(layers: int, pipe) -> float:
+    """How many layers' worth of one device's full batch a device runs per pass: all of them,
+    or in a pipeline ``L / S`` layers over ``R*M + S - 1`` iterations of ``R*M`` microbatches'
+    worth (the bubble included)."""
+    if pipe is None:
+        return layers
+    return layers / pipe.stages * pipe.iterations / (pipe.repeats * pipe.microbatches)
+
+
+#: The model family :data:`COEFFICIENTS` are fitted to; a plan of another says so.
+ESTIMATE_FAMILY = "gpt2"
+
+
+#: Coefficients of :func:`estimate`, fitted to the compiler's figures on 8 simulated CPU
+#: devices (gpt2-mini, gpt2 and gpt2-medium on data, fsdp and tensor-parallel meshes, each
+#: remat policy) by ``python bench/plan_accuracy.py --fit``. Each multiplies a feature of
+#: :func:`features`, in bytes; ``shared`` applies under every remat policy. The features
+#: come from any family's dimensions (:class:`~nnxscale.models.ModelDims`).
+COEFFICIENTS: dict[str, dict[str, float]] = {
+    "shared": {
+        "work_res": 12.46,
+        "work_tp": 9.896,
+        "work_att": 2.189,
+        "logits": 1.621,
+        "grads": 2.257,
+        "grads_sum": 0.8634,
+        "gathered": 1.205,
+    },
+    "none": {
+        "saved_res": 7.546,
+        "saved_tp": 24.0,
+        "saved_att": 2.158,
+    },
+    "full": {
+        "saved_res": 1.154,
+    },
+    "dots": {
+        "saved_res": 1.971,
+        "saved_tp": 5.435,
+        "saved_att": 0.09378,
+    },
+    "collectives": {
+        "coll_replicated": 1.129,
+        "coll_fsdp": 2.816,
+        "coll_tp": 1.053,
+        "coll_vocab": 0.5313,
+    },
+}
+
+
+#: Features kept for the backward pass, one coefficient each per remat policy.
+SAVED_FEATURES = ("saved_res", "saved_tp", "saved_att")
+
+
+#: Features of the working set, the logits, the gradients and gathered weights (shared).
+SHARED_FEATURES = ("work_res", "work_tp", "work_att", "logits", "grads", "grads_sum", "gathered", "one")
+
+
+#: Collective features: what data parallelism, FSDP and tensor parallelism move.
+COLLECTIVE_FEATURES = ("coll_replicated", "coll_fsdp", "coll_tp", "coll_vocab")
+
+
+def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
+    """The quantities, in bytes per device, that the estimate combines.
+
+    With ``b`` the micro-batch per device, ``T`` the sequence, ``C`` the width, ``L`` the
+    depth, ``N`` the heads and ``V`` the vocabulary, and ``tp``, ``tph``, ``tpv`` the
+    splits of the MLP, the heads and the vocabulary:
+
+    - kept for the backward pass, all layers: ``saved_res`` (L b T C: residual-stream
+      sized), ``saved_tp`` (L b T C / tp: head and MLP sized), ``saved_att`` (L b N T^2 /
+      tph: attention scores); ``work_*`` the same for the one layer being recomputed or
+      differentiated;
+    - ``logits`` (b T V / tpv, float32), ``grads`` (the gradients), ``grads_sum`` (with
+      gradient accumulation: the running sum, the gradients' size again), ``gathered`` (the
+      weights FSDP gathers for one layer, plus the embedding);
+    - collectives: the gradients of parameters replicated over the batch axes and of those
+      FSDP splits, the tensor-parallel all-reduces of ``(b, T, C)`` activations (after
+      attention and after the MLP, forward and backward, and the attention's again when
+      full remat recomputes it), and the embedding's when the vocabulary is split. XLA reduces gradients once per
+      micro-batch, so all of them scale with the accumulation steps.
+
+    Activations count 4 bytes an element whatever the compute dtype: the coefficients are
+    fitted to XLA:CPU, which computes bfloat16 in float32 (and keeps slightly more).
+    """
+    rules, dims = lay["rules"], lay["model"].dims
+    d = cfg.data
+    accum = cfg.optim.grad_accum
+    b = d.batch_size / rules.batch_shard_count / accum
+    T, C, L, N, V = d.seq_len / rules.length_shard_count, dims.width, dims.layers, dims.heads, dims.vocab_size
+    s = 4
+    split = rules.activation_split
+    tp, tph, tpv = split("mlp", dims.mlp_width), split("heads", N), split("vocab", V)
+    # Scores per query: every key (xla), or one tile of keys at a time (blockwise, the
+    # ring), which the kernel's backward recomputes instead of keeping.
+    from nnxscale.layers.attention import BLOCK
+    from nnxscale.layers.loss import chunk_count
+
+    tiled = attention_figures(cfg, lay["model"], rules)["attention"] in ("blockwise", "ring")
+    keys = min(BLOCK, T) if tiled else d.seq_len
+    shards = rules.batch_shard_count * rules.length_shard_count  # as the families' chunked loss counts them
+    logit_chunks = chunk_count(d.batch_size // accum, d.seq_len, V, shards) if lay["model"].family is not None else 1
+    parts = split_params(lay["rows"], rules)
+    replicated = parts["replicated"] if rules.batch_shard_count > 1 else 0.0
+    act = b * T * C * s
+    # All-reduces of (b, T, C) per layer: after attention (heads split) and after the MLP,
+    # forward and backward; full remat recomputes the attention's, whose output the MLP needs.
+    tp_reductions = 2 * ((tph > 1) + (tp > 1)) + (cfg.model.remat == "full" and tph > 1)
+    return {
+        "saved_res": L * act,
+        "saved_tp": L * act / tp,
+        "saved_att": 0.0 if tiled else L * b * N * T * keys * s / tph,
+        "work_res": act,
+        "work_tp": act / tp,
+        "work_att": b * N * T * keys * s / tph,
+        "logits": b * T * V * 4 / tpv / logit_chunks,
+        "grads": lay["gradient_bytes"],
+        "grads_sum": lay["gradient_bytes"] if accum > 1 else 0.0,
+        "gathered": (parts["fsdp"] / max(L, 1) + V * C * 4 / tpv) if parts["fsdp"] else 0.0,
+        "one": 1.0,
+        "coll_replicated": replicated * accum,
+        "coll_fsdp": parts["fsdp"] * accum,
+        "coll_tp": L * act * tp_reductions * accum,
+        "coll_vocab": 2 * act * accum if tpv > 1 else 0.0,
+    }
+
+
+def estimate(cfg: TrainConfig, lay: Optional[dict] = None) -> dict[str, Any]:
+    """The analytical estimate of a step's temporaries, peak and collectives per device."""
+    if lay is None:
+        lay = layout_figures(cfg, mesh_sizes(cfg.parallel.mesh))
+    f = features(cfg, lay)
+    shared, saved = COEFFICIENTS.get("shared", {}), COEFFICIENTS.get(cfg.model.remat, {})
+    temp = sum(shared.get(k, 0.0) * f[k] for k in SHARED_FEATURES) + sum(saved.get(k, 0.0) * f[k] for k in SAVED_FEATURES)
+    temp = int(max(temp, f["grads"] + f["grads_sum"]))
+    experts = split_params(lay["rows"], lay["rules"])["experts"]
+    if experts:  # the experts' exchange: counted, not fitted
+        temp += exchange_temp_bytes(cfg, lay)
+    coll_coef = COEFFICIENTS.get("collectives", {})
+    coll = int(sum(coll_coef.get(k, 0.0) * f[k] for k in COLLECTIVE_FEATURES))
+    by_kind = {"all (estimate)": coll}
+    if lay["rules"].length_shard_count > 1:  # the ring's permutes: counted, not fitted
+        by_kind["collective-permute (ring)"] = ring_permute_bytes(cfg, lay)
+    if experts:
+        by_kind["all-to-all (experts)"] = compiled_all_to_all_bytes(cfg, lay)
+    return {
+        "temp_bytes_per_device": temp,
+        "peak_bytes_per_device": int(lay["param_bytes"] + lay["optimizer_bytes"] + lay["batch_bytes"] + temp),
+        "collective_bytes_per_step": sum(by_kind.values()),
+        "collective_bytes_by_kind": by_kind,
+    }
+
+
+def attention_figures(cfg: TrainConfig, model, rules) -> dict[str, Optional[str]]:
+    """The attention implementation a family's model uses at ``cfg``'s length, and its line."""
+    if not getattr(model.config, "attention", None):  # your own module picks its own
+        return {"attention": None, "attention_line": None}
+    from nnxscale.layers import attention
+
+    c, head, context = model.config, model.dims.head_width, rules.length_shard_count
+    return {
+        "attention": "ring" if context > 1 else attention.resolve(c.attention, cfg.data.seq_len, c.dtype, head, cfg.data.document_mask),
+        "attention_line": attention.describe(c.attention, cfg.data.seq_len, c.dtype, head, context, cfg.data.document_mask),
+    }
+
