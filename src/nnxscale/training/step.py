@@ -21,16 +21,18 @@ from nnxscale.jobs.distributed import StopVote
 from nnxscale.layers.one_f_one_b import pipeline_value_and_grad
 from nnxscale.layers.pipeline import use_pipeline
 from nnxscale.sharding.activations import use_rules
+from nnxscale.training.adapters import BASE, merge_params
 from nnxscale.training.state import Setup
 
 
-def loss_fn(graphdef, params, inputs, targets, key, loss: Callable):
+def loss_fn(graphdef, params, inputs, targets, key, loss: Callable, base=None):
     """``(loss, extras)`` of one (micro-)batch; ``key`` seeds dropout (``None``: evaluation).
 
     ``loss`` returns a scalar, or ``(scalar, extras)``: a dict of arrays the step reports
     beside the loss (a mixture's router losses and expert load), averaged over micro-batches.
+    ``base``: a LoRA run's frozen weights beside ``params``, its adapters (not differentiated).
     """
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, params if base is None else merge_params(base, params))
     out = loss(model, inputs, targets, rngs=None if key is None else nnx.Rngs(dropout=key))
     return out if isinstance(out, tuple) else (out, {})
 
@@ -45,17 +47,18 @@ def make_train_step(s: Setup, *, vote: bool = False):
     """
     graphdef, tx, schedule, objective = s.graphdef, s.tx, s.schedule, s.model.loss
     accum, separator = s.cfg.optim.grad_accum, s.model.separator
-    grad_fn = jax.value_and_grad(lambda p, x, y, k: loss_fn(graphdef, p, x, y, k, objective), has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, x, y, k, base=None: loss_fn(graphdef, p, x, y, k, objective, base), has_aux=True)
     if s.pipeline is not None and s.pipeline.one_f_one_b:  # the schedule computes the gradients itself
         grad_fn = functools.partial(pipeline_value_and_grad, objective, graphdef, pipeline=s.pipeline, mesh=s.mesh,
                                     separator=separator)  # fmt: skip
 
     def step(state, batch, votes=None):
-        params = state["params"]
+        params, base = state["params"], state.get(BASE)  # base: a LoRA run's frozen weights (no gradient)
         key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), state["step"])
         x, y = batch["inputs"], batch["targets"]  # (B, T) int32
+        frozen = {} if base is None else {"base": base}
         if accum == 1:
-            (loss, extras), grads = grad_fn(params, x, y, key)
+            (loss, extras), grads = grad_fn(params, x, y, key, **frozen)
         else:
             # Strided micro-batches keep every micro-batch spread over all batch shards.
             micro = lambda a: a.reshape(a.shape[0] // accum, accum, a.shape[1]).swapaxes(0, 1)  # noqa: E731
@@ -63,7 +66,7 @@ def make_train_step(s: Setup, *, vote: bool = False):
             def body(carry, xs):
                 loss_sum, grad_sum, weight_sum = carry
                 i, xm, ym = xs
-                (loss_i, extras_i), grads_i = grad_fn(params, xm, ym, jax.random.fold_in(key, i))
+                (loss_i, extras_i), grads_i = grad_fn(params, xm, ym, jax.random.fold_in(key, i), **frozen)
                 if separator is not None:
                     # Each micro-batch's loss is a mean over the tokens it trains; a document
                     # mask trains those whose input is not a separator: weigh by their count.
@@ -85,6 +88,8 @@ def make_train_step(s: Setup, *, vote: bool = False):
             "step": state["step"] + 1,
             "key": state["key"],
         }
+        if base is not None:
+            new_state[BASE] = base
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]), **extras}
         if votes is not None:
             metrics["stop"] = StopVote.reduce(votes)
@@ -115,13 +120,23 @@ def skip_nonfinite(state, new_state, metrics):
     temporary memory per device (step temp 2.76 -> 3.28 GiB).
     """
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-    kept = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, state)
+    trained = lambda tree: {k: v for k, v in tree.items() if k != BASE}  # noqa: E731
+    kept = jax.tree.map(lambda new, old: jnp.where(ok, new, old), trained(new_state), trained(state))
     kept["step"] = new_state["step"]
+    if BASE in new_state:  # a LoRA run's frozen base: never updated
+        kept[BASE] = new_state[BASE]
     return kept, {**metrics, "skipped": jnp.where(ok, 0, 1).astype(jnp.int32)}
 
 
 def make_eval_step(s: Setup):
+    """The jitted evaluation: ``(params, batch) -> loss`` (a LoRA run: ``(params, base, batch)``)."""
     graphdef, objective = s.graphdef, s.model.loss
+    if BASE in s.state_shardings:
+        return jax.jit(
+            _under_rules(lambda params, base, batch: loss_fn(graphdef, params, batch["inputs"], batch["targets"], None,
+                                                             objective, base)[0], s),  # fmt: skip
+            in_shardings=(s.param_shardings, s.state_shardings[BASE], s.batch_sharding),
+        )
     return jax.jit(
         _under_rules(lambda params, batch: loss_fn(graphdef, params, batch["inputs"], batch["targets"], None, objective)[0], s),
         in_shardings=(s.param_shardings, s.batch_sharding),
