@@ -63,7 +63,7 @@ class LoraSpec:
 
     rank: int
     alpha: float
-    targets: tuple[str, ...]
+    targets: Optional[tuple[str, ...]]  # None: every adaptable weight of the stacked layers
     dropout: float = 0.0
 
     @property
@@ -230,8 +230,12 @@ def attach(model: nnx.Module, spec: LoraSpec, *, key: jax.Array) -> nnx.Module:
     Raises ConfigError naming a target that matches no adaptable weight, with the paths there are.
     """
     found = adaptable(model)
-    chosen = [p for p in found if any(matches(p, t) for t in spec.targets)]
-    for t in spec.targets:
+    if spec.targets is None:  # every adaptable weight of the stacked layers (all of them, when none is stacked)
+        stacked = [p for p, (m, n) in found.items() if (getattr(m, n).get_metadata().get(LOGICAL_KEY) or ())[:1] == ("layers",)]
+        chosen = stacked or list(found)
+    else:
+        chosen = [p for p in found if any(matches(p, t) for t in spec.targets)]
+    for t in spec.targets or ():
         if not any(matches(p, t) for p in found):
             raise ConfigError(f"--lora-targets {t!r} names no linear layer of the model; it has: {', '.join(found) or 'none'}")
     for index, path in enumerate(chosen):

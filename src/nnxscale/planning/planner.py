@@ -479,7 +479,8 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
     def per_device(tree) -> int:
         return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
-    param_bytes = per_device(s.abstract["params"])
+    trained = per_device(s.abstract["params"])  # a LoRA run: its adapters; its frozen base has no gradient
+    param_bytes = trained + per_device(s.abstract.get("base", {}))
     return {
         "model": s.model,
         "abstract": s.model_state,
@@ -490,7 +491,7 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int]) -> dict[str, Any]:
         "full_param_bytes": sum(full_bytes(r.shape, r.dtype) for r in rows),
         "param_bytes": param_bytes,
         "optimizer_bytes": per_device(s.abstract["opt_state"]),
-        "gradient_bytes": param_bytes,  # float32, constrained to the parameters' layout
+        "gradient_bytes": trained,  # float32, constrained to the parameters' layout
         "batch_bytes": per_device(s.abstract_batch),
         "pipeline": s.pipeline,
         "stacked_layers": s.stacked_layers,
