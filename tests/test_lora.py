@@ -6,6 +6,7 @@ another; PEFT and merged exports that agree with the trained model."""
 import contextlib
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -102,12 +103,14 @@ def test_lora_losses_are_the_same_on_data_fsdp_tensor_and_pipeline_meshes(text_d
     the base does not change by a bit."""
     batches = _batches(text_data, STEPS)
     for model in ("llama-mini", "mixtral-tiny"):
-        losses = {}
+        losses, first = {}, None
         for mesh in ("data=8", "fsdp=2,model=4", "stage=2,data=4"):
             extra = {"microbatches": 2} if mesh.startswith("stage") else {}
             s = setup(_cfg(model, mesh, min_shard_bytes=0, lr=1e-2, warmup_steps=2, steps=STEPS, **extra))
-            state = init_state(s)
-            base0, adapters0 = jax.device_get(state[BASE]), jax.device_get(state["params"])
+            if first is None:  # created once, then laid out on each mesh (sharded init is tested elsewhere)
+                first = jax.device_get(init_state(s))
+            state = jax.device_put(first, s.state_shardings)
+            base0, adapters0 = first[BASE], first["params"]
             step = make_train_step(s)
             got = []
             with jax.set_mesh(s.mesh):
@@ -122,3 +125,113 @@ def test_lora_losses_are_the_same_on_data_fsdp_tensor_and_pipeline_meshes(text_d
         assert want[-1] < want[0] - 0.05, f"{model} learns: {want[0]:.3f} -> {want[-1]:.3f}"
         for mesh, got in losses.items():
             np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{model} on {mesh}")
+
+
+HF_LLAMA = Path(__file__).parent / "data" / "hf_llama" / "model"  # a Hugging Face Llama directory, vocabulary 96
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory):
+    """A Hugging Face Llama directory of our own (it is changed below) and token data for it."""
+    root = tmp_path_factory.mktemp("lora")
+    base = root / "llama"
+    shutil.copytree(HF_LLAMA, base)
+    rows = (np.arange(40_000) * 7 % 91 + np.random.default_rng(0).integers(0, 5, 40_000)).astype(np.uint16)
+    np.save(root / "tokens.npy", rows)
+    return base, root / "tokens.npy"
+
+
+def _lora_run(run_dir, hf_base, **overrides):
+    base, tokens = hf_base
+    return tiny_cfg(run_dir, tokens, **{"model": str(base), "mesh": "fsdp=2,model=4", "steps": 4, "lora.rank": 4,
+                                        "lora.alpha": 8.0, "data.batch_size": 8, **overrides})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory, hf_base):
+    """A LoRA run of 4 steps uninterrupted, and one stopped at step 3 and resumed to 4 on another mesh."""
+    root = tmp_path_factory.mktemp("runs")
+    quiet_train(_lora_run(root / "ref", hf_base))
+    quiet_train(_lora_run(root / "resumed", hf_base, steps=3))  # past the 2 warmup steps: the same schedule
+    result = quiet_train(_lora_run(root / "resumed", hf_base, mesh="data=8"))
+    assert result.start_step == 3 and result.final_step == 4
+    return root / "ref", root / "resumed"
+
+
+def test_lora_checkpoints_hold_the_adapters_and_resume_on_another_mesh(lora_runs):
+    """A checkpoint holds the adapters, their optimizer state and the base's name, not the base;
+    a run resumed on another mesh logs the uninterrupted run's losses."""
+    ref, resumed = lora_runs
+    want, got = read_metrics(ref), read_metrics(resumed)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)
+    with Checkpointer(checkpoint_dir(ref), async_save=False) as ckpt:
+        step = ckpt.latest_step()
+    saved = json.loads((ref / "config.json").read_text())["adapters_base"]
+    assert saved["source"].endswith("llama") and len(saved["fingerprint"]) == 16
+    saved_arrays = json.loads((checkpoint_dir(ref) / str(step) / "state" / "_METADATA").read_text())["tree_metadata"]
+    paths = [eval(k) for k in saved_arrays]  # noqa: S307  (tuples of keys, as orbax writes them)
+    params = [p for p in paths if p[0] == "params"]
+    assert {p[0] for p in paths} == {"params", "opt_state", "step", "key"}, "no base in the checkpoint"
+    assert len(params) == 14 and all("lora_kernel" in p for p in params), params
+    assert all("lora_kernel" in p for p in paths if p[0] == "opt_state" and len(p) > 4), "optimizer state: adapters only"
+
+
+def test_lora_resume_is_bit_identical_and_refused_over_another_base(tmp_path, hf_base, lora_runs, capsys):
+    """Resumed on its own mesh a run ends with the adapters of the uninterrupted run, bit for
+    bit; over a base whose weights changed it is refused in one line."""
+    ref, _ = lora_runs
+    run_dir = tmp_path / "run"
+    quiet_train(_lora_run(run_dir, hf_base, steps=3))
+    quiet_train(_lora_run(run_dir, hf_base))
+    load = lambda d: {k: np.asarray(v) for k, v in flat(jax.device_get(nnx.state(nnxscale.load_model(d, warn=lambda _: None), nnx.LoRAParam))).items()}  # noqa: E731
+    want, got = load(ref), load(run_dir)
+    assert want.keys() == got.keys() and len(want) == 14
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+    base, _ = hf_base
+    moved = tmp_path / "other"
+    shutil.copytree(base, moved)
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(moved / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 1.5
+    save_file(weights, moved / "model.safetensors")
+    argv = ["train", "--run-dir", str(run_dir), "--init-from", str(moved), "--steps", "6", "--no-progress"]
+    cfg = json.loads((run_dir / "config.json").read_text())["train"]
+    argv += ["--model", cfg["model"]["name"], "--data", cfg["data"]["data"], "--mesh", "fsdp=2,model=4", "--lora-rank", "4",
+             "--lora-alpha", "8", "--seq-len", "32", "--batch-size", "8", "--min-shard-bytes", "0", "--log-every", "1",
+             "--eval-every", "0", "--save-every", "0", "--warmup-steps", str(cfg["optim"]["warmup_steps"]),
+             "--decay-steps", str(cfg["optim"]["decay_steps"]), "--min-lr-ratio", str(cfg["optim"]["min_lr_ratio"]),
+             "--lr", str(cfg["optim"]["lr"])]  # fmt: skip
+    code, _, err = run_main(capsys, argv)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "holds LoRA adapters of the base" in err and str(moved) in err, err
+
+
+def test_export_peft_and_merged_agree_with_the_trained_model(tmp_path, lora_runs, capsys):
+    """`nnxscale export`: the merged Hugging Face directory computes the LoRA model's logits;
+    each PEFT pair (lora_B @ lora_A, scaled) is the merged weight less the base's, under the
+    Hugging Face tensor's own name and layout."""
+    from safetensors.numpy import load_file
+
+    ref, _ = lora_runs
+    peft, merged = tmp_path / "peft", tmp_path / "merged"
+    code, out, err = run_main(capsys, ["export", "--run-dir", str(ref), "--peft", str(peft), "--merged", str(merged)])
+    assert code == 0, err
+    config = json.loads((peft / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+    assert config["target_modules"] == sorted(f"{p}.{n}_proj" for p, ns in (("self_attn", "qkvo"), ("mlp", ["gate", "up", "down"]))
+                                              for n in ns)  # fmt: skip
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, (2, 16)), jnp.int32)
+    trained = nnxscale.load_model(ref, warn=lambda _: None)
+    np.testing.assert_allclose(llama.from_pretrained(merged)(tokens), trained(tokens), atol=2e-5)
+    pairs, base_w, merged_w = load_file(peft / "adapter_model.safetensors"), load_file(HF_LLAMA / "model.safetensors"), load_file(merged / "model.safetensors")
+    assert len(pairs) == 2 * 7 * 2  # A and B of 7 weights in each of 2 layers
+    for key, a in pairs.items():
+        if ".lora_A." not in key:
+            continue
+        b = pairs[key.replace(".lora_A.", ".lora_B.")]
+        name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        np.testing.assert_allclose(merged_w[name] - base_w[name], 2.0 * b @ a, atol=1e-6, err_msg=name)
