@@ -19,9 +19,8 @@ from test_train import flat, quiet_train, tiny_cfg
 import nnxscale
 from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
 from nnxscale.layers import lora
-from nnxscale.models import FAMILIES, find_preset, llama
-from nnxscale.sharding.activations import use_rules
-from nnxscale.training.adapters import BASE, split_params
+from nnxscale.models import find_preset, llama
+from nnxscale.training.adapters import BASE
 from nnxscale.training.model import lora_spec, with_adapters
 from nnxscale.training.rundir import read_metrics
 from nnxscale.training.state import init_state, setup
@@ -235,3 +234,13 @@ def test_export_peft_and_merged_agree_with_the_trained_model(tmp_path, lora_runs
         b = pairs[key.replace(".lora_A.", ".lora_B.")]
         name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
         np.testing.assert_allclose(merged_w[name] - base_w[name], 2.0 * b @ a, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--lora-alpha", "16"], "--lora-alpha set(s) LoRA adapters, which need --lora-rank R"),
+    (["--lora-rank", "4", "--lora-targets", "q,nope"], "--lora-targets 'nope' names no linear layer of the model"),
+    (["--lora-rank", "0"], "--lora-rank (lora.rank) must be at least 1"),
+])  # fmt: skip
+def test_bad_lora_flags_are_one_line(tmp_path, capsys, flags, says):
+    code, _, err = run_main(capsys, ["train", "--model", "llama-tiny", "--run-dir", str(tmp_path / "r"), *flags])
+    assert code == 2 and err.count("\n") == 1 and says in err, err

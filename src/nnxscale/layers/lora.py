@@ -38,7 +38,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from typing import Iterable, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -261,11 +261,6 @@ def attach(model: nnx.Module, spec: LoraSpec, *, key: jax.Array) -> nnx.Module:
                                                dropout=spec.dropout, index=index))  # fmt: skip
     model.lora_dropout = float(spec.dropout)  # static: the model asks for dropout keys when positive (dropout_rate)
     return model
-
-
-def is_adapter_path(path: Iterable) -> bool:
-    """Whether a state path (keys) lies inside an adapter."""
-    return any(str(getattr(k, "key", k)).startswith(PREFIX) for k in path)
 
 
 def adapted(model: nnx.Module) -> list[tuple[str, nnx.Module, str, Adapter]]:
