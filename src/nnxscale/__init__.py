@@ -110,6 +110,7 @@ _EXPORTS = {
     "ParallelConfig": "nnxscale.training.config",
     "CheckpointConfig": "nnxscale.training.config",
     "LoggingConfig": "nnxscale.training.config",
+    "LoraSettings": "nnxscale.training.config",
     "train": "nnxscale.training.loop",
     "TrainResult": "nnxscale.training.loop",
     "setup": "nnxscale.training.state",

@@ -61,7 +61,7 @@ def configure_cpu_devices(n: Optional[int]) -> None:
 PLAN_SETTINGS = (
     "model.name", "parallel.mesh", "parallel.rules", "data.batch_size", "data.seq_len", "model.remat", "model.dtype",
     "model.attention", "data.document_mask", "model.dropout", "optim.grad_accum", "parallel.microbatches", "parallel.pipeline_repeats", "parallel.pipeline_schedule", "parallel.min_shard_bytes",
-    "model.capacity_factor",
+    "model.capacity_factor", "lora.rank", "lora.alpha", "lora.targets",
 )  # fmt: skip
 INIT_SETTINGS = ("model.name", "parallel.mesh", "parallel.rules", "parallel.min_shard_bytes", "seed", "run_dir")
 
@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_parser(sub)
     _tokenize_parser(sub)
     _launch_parser(sub)
+    _export_parser(sub)
     return parser
 
 
@@ -250,6 +251,21 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--table", action="store_true", help="also print the per-Variable sharding table")
     pl.add_argument("--json", action="store_true", help="end with one JSON line: the plan (with --sweep: the plans, and the meshes not planned with the reason)")
     _add_common(pl)
+
+
+def _export_parser(sub) -> None:
+    ex = sub.add_parser(
+        "export",
+        help="write a LoRA run's adapters as a Hugging Face PEFT adapter, or merged into a whole HF model",
+        description="Export the newest intact checkpoint of a run trained with --lora-rank: --peft DIR writes "
+        "adapter_config.json and adapter_model.safetensors, which Hugging Face PEFT loads onto the base model "
+        "(PeftModel.from_pretrained); --merged DIR folds the adapters into the base weights and writes a whole "
+        "Hugging Face model directory (config.json, safetensors, the base's tokenizer files).",
+    )
+    ex.add_argument("--run-dir", required=True, help="run directory written by nnxscale train --lora-rank R")
+    ex.add_argument("--peft", metavar="DIR", help="write the adapters as a PEFT LoRA adapter into DIR")
+    ex.add_argument("--merged", metavar="DIR", help="write the base with the adapters folded in, as a Hugging Face directory")
+    _add_common(ex)
 
 
 def _tokenize_parser(sub) -> None:
@@ -371,6 +387,19 @@ def _sample(args) -> int:
         if len(texts) > 1:
             print(f"--- {i + 1} of {len(texts)} ---")
         print(text)
+    return 0
+
+
+def _export(args) -> int:
+    from nnxscale.sharding.layout import format_bytes
+    from nnxscale.training.export import export
+
+    info = export(args.run_dir, peft=args.peft, merged=args.merged, warn=lambda line: print(line, file=sys.stderr))
+    if "peft" in info:
+        print(f"{args.peft}: PEFT LoRA adapter, {info['peft']} tensors, {format_bytes(info['peft_bytes'])} "
+              "(adapter_config.json, adapter_model.safetensors)")  # fmt: skip
+    if "merged" in info:
+        print(f"{args.merged}: the base with the adapters folded in, {info['merged_params']:,} parameters (Hugging Face directory)")
     return 0
 
 
@@ -527,7 +556,7 @@ def main(argv=None) -> int:
         except NnxscaleError as e:
             print(f"nnxscale: error: {e}", file=sys.stderr)
             return 2
-    handler = {"train": _train, "sample": _sample, "init": _init, "plan": _plan}[args.command]
+    handler = {"train": _train, "sample": _sample, "init": _init, "plan": _plan, "export": _export}[args.command]
     from nnxscale.jobs.distributed import current, leave
 
     # In a job of several processes a failure must reach the others (leave): they may be

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from nnxscale.layers import lora
 from nnxscale.sharding.activations import constrain
 from nnxscale.sharding.mesh import sum_to_type, varying_like
 from nnxscale.sharding.rules import LOGICAL_KEY, logical
@@ -366,6 +367,9 @@ class MoE(nnx.Module):
     ``__call__(x (B, T, C))`` returns ``(y (B, T, C), RouterStats)``.
     """
 
+    #: LoRA (nnxscale.layers.lora): each expert's weight is (in, out), an adapter per expert, folded in at use.
+    lora_weights = {"w1": (1, 1), "w3": (1, 1), "w2": (1, 1)}
+
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *, dtype, param_dtype,
                  rngs: nnx.Rngs, capacity_factor: Optional[float] = None):  # fmt: skip
         C, F, E = hidden, intermediate, num_experts
@@ -388,8 +392,8 @@ class MoE(nnx.Module):
         tokens = x.reshape(B * T, C)
         logits = self.gate(tokens.astype(jnp.float32))  # (N, E), float32 as HF's router
         E = logits.shape[-1]
-        cast = lambda w: w[...].astype(self.dtype)  # noqa: E731
-        experts_w = (cast(self.w1), cast(self.w3), cast(self.w2))
+        cast = lambda name: lora.weight(self, name).astype(self.dtype)  # noqa: E731  (a LoRA adapter folded in)
+        experts_w = (cast("w1"), cast("w3"), cast("w2"))
         cap = None if dropless else capacity(self.capacity_factor, T, self.top_k, E)
         where = None  # the tokens' places in their sequences: for the capacity's priority
         if cap is not None:

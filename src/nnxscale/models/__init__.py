@@ -137,6 +137,34 @@ class ModelDims:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraNames:
+    """A family's names for LoRA (:mod:`nnxscale.layers.lora`) and for PEFT's files.
+
+    ``targets``: ``--lora-targets`` name -> the weight path suffixes it adapts; ``default``:
+    the names adapted when ``--lora-targets`` is not given. ``hf_param``: the family's HF
+    naming of a parameter (``_hf_param(path, shape)``); ``hf_prefix``: what the HF
+    ``*ForCausalLM`` model's keys have before the names ``save_pretrained`` writes (GPT-2:
+    ``transformer.``); ``fan_in_fan_out``: HF stores the weights ``(in, out)`` (GPT-2's Conv1D).
+    """
+
+    targets: Mapping[str, tuple[str, ...]]
+    default: tuple[str, ...]
+    hf_param: Callable[..., Any]
+    hf_prefix: str = ""
+    fan_in_fan_out: bool = False
+
+    def resolve(self, names: Optional[str]) -> tuple[str, ...]:
+        """Weight path suffixes of ``--lora-targets`` (comma-separated; default :attr:`default`);
+        a name the family does not know is taken as a path suffix of its own."""
+        chosen = self.default if names is None else [n.strip() for n in names.split(",") if n.strip()]
+        return tuple(dict.fromkeys(p for n in chosen for p in self.targets.get(n, (n,))))
+
+
+_LLAMA_ATTENTION = {"q": ("self_attn.q_proj",), "k": ("self_attn.k_proj",), "v": ("self_attn.v_proj",),
+                    "o": ("self_attn.o_proj",)}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelFamily:
     """One family of language models, described for the trainer.
 
@@ -161,6 +189,7 @@ class ModelFamily:
         on the preset.
       loss: ``loss(model, inputs, targets, *, rngs)`` -> scalar; default
         :func:`next_token_loss`.
+      lora: the family's LoRA target names and PEFT naming (:class:`LoraNames`).
     """
 
     name: str
@@ -173,6 +202,7 @@ class ModelFamily:
     hf_model_types: tuple[str, ...]
     run_options: tuple[str, ...] = ("dropout", "dtype", "remat", "attention")
     loss: Callable[..., Any] = next_token_loss
+    lora: Optional[LoraNames] = None
 
     def flops_per_token(self, config, seq_len: int) -> int:
         """Training FLOPs per token at ``seq_len`` (the config's own formula)."""
@@ -206,6 +236,11 @@ FAMILIES: dict[str, ModelFamily] = {
         pretrained_config=gpt2.pretrained_config,
         hf_model_types=("gpt2",),
         loss=chunked_next_token_loss,
+        lora=LoraNames(
+            targets={"c_attn": ("attn.c_attn",), "c_proj": ("attn.c_proj", "mlp.c_proj"), "c_fc": ("mlp.c_fc",)},
+            default=("c_attn", "c_proj", "c_fc"), hf_param=gpt2.hf._hf_param, hf_prefix="transformer.",
+            fan_in_fan_out=True,
+        ),  # fmt: skip
     ),
     "llama": ModelFamily(
         name="llama",
@@ -217,6 +252,10 @@ FAMILIES: dict[str, ModelFamily] = {
         pretrained_config=llama.pretrained_config,
         hf_model_types=("llama",),
         loss=chunked_next_token_loss,
+        lora=LoraNames(
+            targets={**_LLAMA_ATTENTION, "gate": ("mlp.gate_proj",), "up": ("mlp.up_proj",), "down": ("mlp.down_proj",)},
+            default=("q", "k", "v", "o", "gate", "up", "down"), hf_param=llama.hf._hf_param,
+        ),
     ),
     "mixtral": ModelFamily(
         name="mixtral",
@@ -229,6 +268,10 @@ FAMILIES: dict[str, ModelFamily] = {
         hf_model_types=("mixtral",),
         loss=chunked_next_token_loss,
         run_options=("dropout", "dtype", "remat", "attention", "capacity_factor"),
+        lora=LoraNames(
+            targets={**_LLAMA_ATTENTION, **{w: (f"block_sparse_moe.{w}",) for w in ("w1", "w2", "w3")}},
+            default=("q", "k", "v", "o", "w1", "w2", "w3"), hf_param=mixtral.hf._hf_param,
+        ),
     ),
 }
 
@@ -289,6 +332,7 @@ def architecture_differences(family: ModelFamily, a, b) -> list[str]:
 
 __all__ = [
     "FAMILIES",
+    "LoraNames",
     "ModelDims",
     "ModelFamily",
     "architecture_differences",

@@ -58,7 +58,9 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int], s=None) -> dict[str,
     def per_device(tree) -> int:
         return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
-    param_bytes = per_device(s.abstract["params"])
+    trained = per_device(s.abstract["params"])  # a LoRA run: its adapters; its frozen base has no gradient
+    # frozen arrays beside them: a LoRA run's base, --objective dpo's reference parameters
+    param_bytes = trained + sum(per_device(s.abstract.get(k, {})) for k in ("base", "reference"))
     return {
         "model": s.model,
         "abstract": s.model_state,
@@ -69,7 +71,7 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int], s=None) -> dict[str,
         "full_param_bytes": sum(full_bytes(r.shape, r.dtype) for r in rows),
         "param_bytes": param_bytes,
         "optimizer_bytes": per_device(s.abstract["opt_state"]),
-        "gradient_bytes": param_bytes,  # float32, constrained to the parameters' layout
+        "gradient_bytes": trained,  # float32, constrained to the parameters' layout
         "batch_bytes": per_device(s.abstract_batch),
         "pipeline": s.pipeline,
         "stacked_layers": s.stacked_layers,

@@ -17,7 +17,7 @@ from nnxscale import _lazy
 
 _EXPORTS = {
     "TrainConfig": "config", "OptimConfig": "config", "DataConfig": "config", "ModelSettings": "config",
-    "ParallelConfig": "config", "CheckpointConfig": "config", "LoggingConfig": "config",
+    "ParallelConfig": "config", "CheckpointConfig": "config", "LoggingConfig": "config", "LoraSettings": "config",
     "RunModel": "model", "run_model": "model",
     "make_optimizer": "optimizer", "decay_mask": "optimizer",
     "Setup": "state", "setup": "state", "init_state": "state",

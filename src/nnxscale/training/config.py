@@ -68,6 +68,24 @@ class ModelSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """Low-rank adapters (LoRA, :mod:`nnxscale.layers.lora`): with ``rank`` set, the base
+    weights are frozen (no gradient, no optimizer state, stored in the compute dtype) and only
+    the adapters beside the ``targets`` train, in float32."""
+
+    rank: Optional[int] = setting(None, "--lora-rank", "train low-rank adapters of this rank beside the target layers "
+                                  "and freeze the base weights (in the compute --dtype); default: off, every weight trains")  # fmt: skip
+    alpha: Optional[float] = setting(None, "--lora-alpha", "the adapters' output is scaled alpha / rank (default: alpha = "
+                                     "rank, a scale of 1)")  # fmt: skip
+    dropout: float = setting(0.0, "--lora-dropout", "dropout on the adapters' inputs in training (layers called as "
+                             "layers; adapters folded into a weight, Mixtral's experts, have none)")  # fmt: skip
+    targets: Optional[str] = setting(None, "--lora-targets", "comma-separated layers to adapt, by the family's names: "
+                                     "llama q,k,v,o,gate,up,down; mixtral q,k,v,o,w1,w2,w3 (every expert); gpt2 "
+                                     "c_attn,c_proj,c_fc (or attn.c_proj, mlp.c_proj); or any module path suffix of "
+                                     "your own module; default: all of these (every linear layer of the blocks)")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """How the run is split over devices: the mesh, the rules, and the pipeline."""
 
@@ -190,6 +208,7 @@ class TrainConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
 
     def __init__(self, **fields):
         sections = {f.name: f for f in dataclasses.fields(self)}
@@ -263,6 +282,9 @@ class TrainConfig:
             "parallel.min_shard_bytes": at_least(0),
             "parallel.microbatches": (lambda v: v is None or v >= 1, "at least 1 (or unset: no pipeline)"),
             "parallel.pipeline_repeats": at_least(1),
+            "lora.rank": (lambda v: v is None or v >= 1, "at least 1 (or unset: no adapters)"),
+            "lora.alpha": (lambda v: v is None or v > 0, "positive (or unset: the rank)"),
+            "lora.dropout": below_one,
         }
         for path, (ok, wanted) in ranges.items():
             if not ok(fields[path]):
@@ -290,6 +312,13 @@ class TrainConfig:
             raise ConfigError(
                 f"{_label('model.attention')} must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, got {self.model.attention!r}"
             )
+        lora = self.lora
+        if lora.rank is None and (lora.alpha is not None or lora.dropout or lora.targets is not None):
+            given = [f for f, v in (("--lora-alpha", lora.alpha), ("--lora-dropout", lora.dropout or None),
+                                    ("--lora-targets", lora.targets)) if v is not None]  # fmt: skip
+            raise ConfigError(f"{', '.join(given)} set(s) LoRA adapters, which need --lora-rank R (e.g. --lora-rank 16)")
+        if lora.targets is not None and not [t for t in lora.targets.split(",") if t.strip()]:
+            raise ConfigError("--lora-targets is empty: name the layers to adapt (e.g. q,k,v,o) or leave it unset")
         from nnxscale.training.observe import parse_profile_steps
 
         parse_profile_steps(self.logging.profile_steps)

@@ -38,6 +38,7 @@ from nnxscale.progress import ProgressBar
 from nnxscale.sharding.devices import peak_flops
 from nnxscale.sharding.mesh import format_mesh, process_findings
 from nnxscale.sharding.state import LAYOUT_FINDINGS, group_findings, lint
+from nnxscale.training import adapters as lora_state
 from nnxscale.training.config import ConfigError, TrainConfig
 from nnxscale.training.guards import SkipCounter, StopSignals
 from nnxscale.training.inputs import (
@@ -240,6 +241,7 @@ class _Run:
         self.scalars: Optional[Scalars] = None  # TensorBoard, opened at the first record (after a resume's start is known)
         self.wandb: Optional[WandbRun] = None
         self.profile = ProfileWindow(parse_profile_steps(cfg.logging.profile_steps), cfg.run_dir)
+        self.base: Optional[dict] = None  # a LoRA run's base: its source and fingerprint (adapters_base in checkpoints)
 
     # -- before the first step ----------------------------------------------------------
 
@@ -247,9 +249,18 @@ class _Run:
         """Resume from the latest intact checkpoint, or create the state (fresh, or ``--init-from``)."""
         cfg, s, ckpt, watch = self.cfg, self.s, self.ckpt, self.watch
         skipped_before = 0
+        init_from = cfg.model.init_from or (None if own_model else pretrained_source(cfg))
+        lora = s.model.lora is not None
+        if lora:
+            self.base = lora_state.base_record(cfg, init_from, s.model)
         if ckpt.steps():
             watch.phase("restoring the latest checkpoint", compiles=True, kind="save")
-            start, state, extras = ckpt.restore_intact(s.abstract, warn=self.log, set_aside=True)
+            # A LoRA run's checkpoints hold its adapters and their optimizer state; the base comes from its source.
+            target = lora_state.without_base(s.abstract) if lora else s.abstract
+            start, state, extras = ckpt.restore_intact(target, warn=self.log, set_aside=True)
+            if lora:
+                lora_state.check_base(extras.get("adapters_base"), self.base, f"{cfg.run_dir} (step {start})")
+                state[lora_state.BASE] = lora_state.load_base(s, init_from, lambda src: load_init_params(s, src, warn=self.log))
             watch.progress(f"restored step {start}")
             self.state = run_order(s, state)  # checkpoints hold layer order
             ckpt.remove_surplus()
@@ -265,7 +276,6 @@ class _Run:
             self.log(f"resumed {cfg.run_dir} from step {start} on mesh {format_mesh(s.mesh.shape)}")
             self.start = self.step = self.s_last = start
         else:
-            init_from = cfg.model.init_from or (None if own_model else pretrained_source(cfg))
             watch.phase("initializing the model", compiles=True, kind="save")
             params = load_init_params(s, init_from, warn=self.log) if init_from else None
             self.state = init_state(s, params)
@@ -279,12 +289,16 @@ class _Run:
             return
         run_dir, tokenizer = Path(self.cfg.run_dir), self.inputs.tokenizer
         saved = {"train": self.cfg.to_dict(), "model": self.s.model.describe(), "data": self.inputs.tokens.description}
+        if self.base is not None:
+            saved["adapters_base"] = self.base
         write_atomic(run_dir / "config.json", json.dumps(saved, indent=2, sort_keys=True) + "\n")
         if tokenizer is not None:
             keep_tokenizer(tokenizer, run_dir)
 
     def describe(self) -> None:
         s = self.s
+        if s.model.lora is not None:
+            self.log(lora_state.describe(s))
         self.log(describe_decay(s.decay_mask, s.abstract["params"], self.cfg.optim.weight_decay))
         if getattr(s.model.config, "attention", None):  # a family's model (your own module picks its own)
             c = s.model.config
@@ -428,9 +442,12 @@ class _Run:
         self.skips.check(self.latest_saved)
         extras = {"data": self.inputs.train_it.get_state(), "data_fingerprint": self.inputs.tokens.fingerprint,
                   "config": self.cfg.to_dict(), "skipped_steps": self.skips.total}  # fmt: skip
+        if self.base is not None:  # a LoRA run saves its adapters, and names the base they belong to
+            extras["adapters_base"] = self.base
         self.watch.phase(f"saving step {step}", compiles=not self.saved, kind="save")
-        ordered = saved_order(self.s, self.state)
-        if ordered is not self.state:  # a program with collectives beside the step's chain: let it finish
+        trained = lora_state.without_base(self.state)
+        ordered = saved_order(self.s, trained)
+        if ordered is not trained:  # a program with collectives beside the step's chain: let it finish
             jax.block_until_ready(ordered)
         self.ckpt.save(step, ordered, extras, force=True)
         self.saved.append(step)

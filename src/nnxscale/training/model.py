@@ -13,6 +13,7 @@ from flax import nnx
 
 from nnxscale.data import text as text
 from nnxscale.errors import ModelError
+from nnxscale.layers import lora as lora_layers
 from nnxscale.models import (
     FAMILIES,
     ModelDims,
@@ -46,6 +47,7 @@ class RunModel:
     separator: Optional[int] = None  # --document-mask: the token that ends a document
     ignored_targets: bool = False  # --loss-on completion: targets IGNORED (a prompt's) are not trained
     reference: bool = False  # --objective dpo: ``loss`` also takes ``reference=``, the reference's log-probabilities
+    lora: Optional[lora_layers.LoraSpec] = None  # --lora-rank: adapters beside the targets, the rest frozen
 
     @property
     def dims(self) -> Optional[ModelDims]:
@@ -61,6 +63,35 @@ class RunModel:
         if self.family is None:
             return {"family": None}
         return {"family": self.family.name, **dataclasses.asdict(self.config)}
+
+
+def lora_spec(cfg: TrainConfig, family: Optional[ModelFamily]) -> Optional[lora_layers.LoraSpec]:
+    """The adapters ``cfg.lora`` asks for (``None`` without ``--lora-rank``): the family's
+    target names resolved to weight paths; for your own module the names are path suffixes,
+    and by default every linear layer of its stacked layers (:func:`nnxscale.stack_layers`)."""
+    settings = cfg.lora
+    if settings.rank is None:
+        return None
+    if family is not None and family.lora is not None:
+        targets = family.lora.resolve(settings.targets)
+    elif settings.targets is not None:
+        targets = tuple(dict.fromkeys(t.strip() for t in settings.targets.split(",") if t.strip()))
+    else:
+        targets = None
+    alpha = float(settings.rank if settings.alpha is None else settings.alpha)
+    return lora_layers.LoraSpec(settings.rank, alpha, targets, settings.dropout)
+
+
+def with_adapters(build: Callable[[nnx.Rngs], nnx.Module], spec: Optional[lora_layers.LoraSpec]):
+    """``build`` followed by :func:`nnxscale.layers.lora.attach` (its ``A`` from the same ``rngs``)."""
+    if spec is None:
+        return build
+
+    def adapted(rngs: nnx.Rngs) -> nnx.Module:
+        model = build(rngs)
+        return lora_layers.attach(model, spec, key=rngs.params())
+
+    return adapted
 
 
 def model_architecture(name: str, recorded: Optional[dict] = None) -> tuple[ModelFamily, Any]:
@@ -135,12 +166,16 @@ def run_model(
         if changed:
             given = ", ".join(f"{flag('model.' + k)} {v}" for k, v in changed.items())
             raise ConfigError(f"{given}: these set a family preset's options; your own module (model=) sets its own")
-        return RunModel(cfg.model.name, model, loss or next_token_loss)
+        spec = lora_spec(cfg, None)
+        return RunModel(cfg.model.name, with_adapters(model, spec), loss or next_token_loss, lora=spec)
     family, preset = model_architecture(cfg.model.name, recorded)
     if unsupported := [k for k in changed if k not in family.run_options]:
         given = ", ".join(f"{flag('model.' + k)} {changed[k]}" for k in unsupported)
         raise ConfigError(f"{given}: {cfg.model.name} ({family.name}) has no such option; it takes {', '.join(family.run_options)}")
     config = dataclasses.replace(preset, **{k: getattr(cfg.model, k) for k in family.run_options})
+    spec = lora_spec(cfg, family)
+    if spec is not None:  # the frozen base is stored in the compute dtype (the adapters are float32)
+        config = dataclasses.replace(config, param_dtype=cfg.model.dtype)
     objective = loss or family.loss
     if separator is not None and cfg.data.document_mask:
         if "separator" not in inspect.signature(objective).parameters:
@@ -153,9 +188,12 @@ def run_model(
             raise ConfigError(f"--loss-on completion: the {family.name} family's loss cannot skip a prompt's targets")
         objective = functools.partial(objective, ignored_targets=True)
     if cfg.objective == "dpo":
+        if spec is not None:
+            raise ConfigError("--objective dpo with --lora-rank is not implemented yet (its reference would be the base "
+                              "with the adapters off): train DPO without --lora-rank")  # fmt: skip
         from nnxscale.training.preference import dpo_loss
 
         objective = functools.partial(dpo_loss, beta=cfg.dpo_beta, separator=separator)
         ignored_targets = True
-    return RunModel(cfg.model.name, lambda rngs: family.build(config, rngs=rngs), objective, family, config, separator,
-                    ignored_targets, cfg.objective == "dpo")  # fmt: skip
+    build = with_adapters(lambda rngs: family.build(config, rngs=rngs), spec)
+    return RunModel(cfg.model.name, build, objective, family, config, separator, ignored_targets, cfg.objective == "dpo", spec)

@@ -71,8 +71,23 @@ def _restore(run_dir, model: Optional[Callable], warn: Callable[[str], None], me
                                  "data.document_mask": False, "data.batch_size": rows, "optim.grad_accum": 1}),
               mesh=mesh, model=model, recorded=recorded)  # fmt: skip
     with Checkpointer(checkpoint_dir(run_dir), async_save=False) as ckpt:
-        _, state, _ = ckpt.restore_intact({"params": s.abstract["params"]}, warn=warn, part=True)
-    return s, nnx.merge(s.graphdef, state["params"])
+        step, state, extras = ckpt.restore_intact({"params": s.abstract["params"]}, warn=warn, part=True)
+    if s.model.lora is None:
+        return s, nnx.merge(s.graphdef, state["params"])
+    return s, nnx.merge(s.graphdef, lora_base(s, cfg, state["params"], extras, f"{run_dir} (step {step})", warn, own_module))
+
+
+def lora_base(s: Setup, cfg: TrainConfig, adapters: dict, extras: dict, where: str, warn, own_module: bool) -> dict:
+    """A LoRA run's model parameters: its restored ``adapters`` over its base, loaded again from
+    where the run took it (refused in one line when that base is not the one they were trained on)."""
+    from nnxscale.training import adapters as lora_state
+    from nnxscale.training.inputs import pretrained_source
+    from nnxscale.training.state import load_init_params
+
+    source = cfg.model.init_from or (None if own_module else pretrained_source(cfg))
+    lora_state.check_base(extras.get("adapters_base"), lora_state.base_record(cfg, source, s.model), where)
+    base = lora_state.load_base(s, source, lambda src: load_init_params(s, src, warn=warn))
+    return lora_state.merge_params(base, adapters)
 
 
 def load_model(run_dir, *, model: Optional[Callable] = None, mesh=None, warn: Callable[[str], None] = print) -> nnx.Module:

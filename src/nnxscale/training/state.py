@@ -8,7 +8,9 @@ pytree of plain dicts, every leaf a sharded ``jax.Array``::
 and, under ``--objective dpo``, ``"reference"``: the frozen parameters the run started from.
 
 Parameters take the layout of the rules; the optimizer state takes the layout of the
-parameter it belongs to (``optax.tree_map_params``); step and key are replicated.
+parameter it belongs to (``optax.tree_map_params``); step and key are replicated. A LoRA
+run (``--lora-rank``) trains its adapters only: ``"params"`` are the adapters and the
+frozen weights are ``"base"`` (:mod:`nnxscale.training.adapters`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from nnxscale.sharding.axes import DATA, EXPERT, STAGE, entry_axes
 from nnxscale.sharding.mesh import format_mesh, make_mesh
 from nnxscale.sharding.rules import MeshRules, resolve
 from nnxscale.sharding.state import abstract_state, is_variable, sharded_init
+from nnxscale.training import adapters as lora_state
 from nnxscale.training.config import ConfigError, TrainConfig
 from nnxscale.training.model import RunModel, run_model
 from nnxscale.training.optimizer import decay_mask, make_optimizer
@@ -81,7 +84,8 @@ class Setup:
 
     @property
     def num_params(self) -> int:
-        return sum(math.prod(a.shape) for a in jax.tree.leaves(self.abstract["params"]))
+        """The model's parameters (a LoRA run's base and adapters alike)."""
+        return sum(math.prod(a.shape) for a in jax.tree.leaves(lora_state.model_params(self.abstract)))
 
     def vocab_size(self) -> int:
         """The model's vocabulary: its family's, or the last axis of its own module's logits
@@ -90,7 +94,7 @@ class Setup:
             return self.model.dims.vocab_size
         tokens = jax.ShapeDtypeStruct((1, self.cfg.data.seq_len), jnp.int32)
         with jax.set_mesh(self.mesh), use_rules(self.rules):
-            logits = jax.eval_shape(lambda p, x: nnx.merge(self.graphdef, p)(x), self.abstract["params"], tokens)
+            logits = jax.eval_shape(lambda p, x: nnx.merge(self.graphdef, p)(x), lora_state.model_params(self.abstract), tokens)
         return int(logits.shape[-1])
 
     def flops_per_token(self) -> int:
@@ -269,6 +273,9 @@ def setup(
     pipe = run_pipeline(cfg, rules)
     if pipe is not None and pipe.one_f_one_b:
         check_1f1b(pipe, rules, routed=m.routed)
+        if m.lora is not None:
+            raise ConfigError("--lora-rank with --pipeline-schedule 1f1b is not supported yet: the 1F1B schedule computes "
+                              "every weight's gradient; use --pipeline-schedule gpipe (the default) with LoRA")  # fmt: skip
     d = cfg.data
 
     factory = lambda: m.build(nnx.Rngs(cfg.seed))  # noqa: E731
@@ -281,8 +288,13 @@ def setup(
         shardings = jax.tree.leaves(param_sh, is_leaf=lambda x: isinstance(x, NamedSharding))
         stacked = check_pipeline(pipe, cfg, rules, m.name, [(a.shape, sh.spec) for a, sh in zip(shapes, shardings)])
     mask = decay_mask(abs_model_state)
+    base_sh = None
+    if m.lora is not None:  # the adapters train; the base is frozen: no gradient, no optimizer state
+        mask = lora_state.split_params(mask)[0]
+        param_sh, base_sh = lora_state.split_params(param_sh)
     tx, schedule = make_optimizer(cfg, mask)
-    abstract, state_sh, init_fn = _train_state(cfg, tx, pure_dict(abs_model_state), param_sh, mesh, reference=m.reference)
+    abstract, state_sh, init_fn = _train_state(cfg, tx, pure_dict(abs_model_state), param_sh, mesh, base_sh,
+                                               reference=m.reference)  # fmt: skip
 
     batch_sharding = rules.sharding(rules.batch_spec())
     batch = jax.ShapeDtypeStruct((d.batch_size, d.seq_len), jnp.int32, sharding=batch_sharding)
@@ -307,15 +319,20 @@ def setup(
     )
 
 
-def _train_state(cfg: TrainConfig, tx, abs_params, param_sh, mesh, *, reference: bool = False):
+def _train_state(cfg: TrainConfig, tx, abs_params, param_sh, mesh, base_sh=None, *, reference: bool = False):
     """``(abstract state, its shardings, init_fn)`` of the train state around ``abs_params``
     (ShapeDtypeStructs, so the model is not traced again): the optimizer state sharded like
-    the parameters it belongs to, the step and the PRNG key replicated. ``reference``
-    (``--objective dpo``): a frozen copy of the starting parameters, laid out like them
+    the parameters it belongs to, the step and the PRNG key replicated. ``base_sh``: a LoRA
+    run's frozen base (its shardings): ``init_fn`` takes the model's parameters and keeps
+    the base beside the adapters, outside the optimizer. ``reference`` (``--objective dpo``):
+    a frozen copy of the starting parameters, laid out like them
     (:mod:`nnxscale.training.preference`)."""
     replicated = NamedSharding(mesh, P())
 
     def state_from(params):
+        base = None
+        if base_sh is not None:
+            params, base = lora_state.split_params(params)
         state = {
             "params": params,
             "opt_state": tx.init(params),
@@ -324,7 +341,7 @@ def _train_state(cfg: TrainConfig, tx, abs_params, param_sh, mesh, *, reference:
         }
         if reference:
             state[REFERENCE] = jax.tree.map(jnp.copy, params)
-        return state
+        return state if base is None else {**state, lora_state.BASE: base}
 
     abs_state = jax.eval_shape(state_from, abs_params)
     opt_sh = optax.tree_map_params(
@@ -338,15 +355,20 @@ def _train_state(cfg: TrainConfig, tx, abs_params, param_sh, mesh, *, reference:
     state_sh = {"params": param_sh, "opt_state": opt_sh, "step": replicated, "key": replicated}
     if reference:
         state_sh[REFERENCE] = param_sh
+    if base_sh is not None:
+        state_sh[lora_state.BASE] = base_sh
     abstract = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abs_state, state_sh)
     return abstract, state_sh, state_from
 
 
 def init_state(s: Setup, params=None):
     """Create the train state directly in its sharded layout (or around given params), in
-    the order the step runs it (:func:`run_order`)."""
+    the order the step runs it (:func:`run_order`). A LoRA run's given params are its base:
+    fresh adapters join them."""
     if params is None:  # the one sharded-init path, shared with `nnxscale init`
         params = pure_dict(nnx.state(sharded_init(s.factory, s.mesh, s.rules, abstract=(s.graphdef, s.model_state))))
+    elif s.model.lora is not None:
+        params = lora_state.merge_params(params, lora_state.init_adapters(s))
     with jax.set_mesh(s.mesh):
         state = jax.jit(s.init_fn, out_shardings=s.state_shardings, donate_argnums=0)(params)
     return run_order(s, state)
@@ -370,7 +392,7 @@ def saved_order(s: Setup, state):
     (the circular pipeline's copy costs one more stacked state of memory while it is saved)."""
     if s.pipeline is None or s.pipeline.repeats == 1:
         return state
-    return to_layer_order(state, s.pipeline, s.state_shardings)
+    return to_layer_order(state, s.pipeline, {k: s.state_shardings[k] for k in state})
 
 
 _SCHEDULE_NAMES = {"gpipe": "GPipe", "circular": "circular", "1f1b": "1F1B"}
@@ -413,7 +435,7 @@ def load_init_params(s: Setup, source: str, *, warn: Callable[[str], None] = pri
         if differences := architecture_differences(family, model.config, m.config):
             raise ConfigError(f"--init-from {path} is not the architecture of --model {m.name} ({'; '.join(differences)})")
         params = pure_dict(nnx.state(model))
-        return jax.tree.map(lambda a, want: a if a.dtype == want.dtype else a.astype(want.dtype), params, s.abstract["params"])
+        return jax.tree.map(lambda a, want: a if a.dtype == want.dtype else a.astype(want.dtype), params, _model_abstract(s))
     ckpt_root = checkpoint_dir(path)
     if not ckpt_root.exists():
         raise ConfigError(
@@ -421,5 +443,11 @@ def load_init_params(s: Setup, source: str, *, warn: Callable[[str], None] = pri
             "nor an nnxscale run directory with checkpoints"
         )
     with Checkpointer(ckpt_root, async_save=False) as ckpt:
-        _, restored, _ = ckpt.restore_intact({"params": s.abstract["params"]}, warn=warn, part=True)
+        _, restored, _ = ckpt.restore_intact({"params": _model_abstract(s)}, warn=warn, part=True)
     return restored["params"]
+
+
+def _model_abstract(s: Setup):
+    """What a seed checkpoint or a Hugging Face directory gives a run: its parameters, or a
+    LoRA run's base."""
+    return s.abstract.get(lora_state.BASE, s.abstract["params"])

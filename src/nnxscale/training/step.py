@@ -22,17 +22,22 @@ from nnxscale.layers.one_f_one_b import pipeline_value_and_grad
 from nnxscale.layers.pipeline import use_pipeline
 from nnxscale.models.common.documents import trained_weights
 from nnxscale.sharding.activations import use_rules
+from nnxscale.training.adapters import BASE, merge_params
 from nnxscale.training.preference import REFERENCE, reference_log_probs
+
+#: Train-state entries no step changes: a LoRA run's base, --objective dpo's reference.
+FROZEN = (BASE, REFERENCE)
 from nnxscale.training.state import Setup
 
 
-def loss_fn(graphdef, params, inputs, targets, key, loss: Callable):
+def loss_fn(graphdef, params, inputs, targets, key, loss: Callable, base=None):
     """``(loss, extras)`` of one (micro-)batch; ``key`` seeds dropout (``None``: evaluation).
 
     ``loss`` returns a scalar, or ``(scalar, extras)``: a dict of arrays the step reports
     beside the loss (a mixture's router losses and expert load), averaged over micro-batches.
+    ``base``: a LoRA run's frozen weights beside ``params``, its adapters (not differentiated).
     """
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, params if base is None else merge_params(base, params))
     out = loss(model, inputs, targets, rngs=None if key is None else nnx.Rngs(dropout=key))
     return out if isinstance(out, tuple) else (out, {})
 
@@ -47,22 +52,22 @@ def make_train_step(s: Setup, *, vote: bool = False):
     """
     graphdef, tx, schedule, objective = s.graphdef, s.tx, s.schedule, s.model.loss
     accum, separator, ignored = s.cfg.optim.grad_accum, s.model.separator, s.model.ignored_targets
-    grad_fn = jax.value_and_grad(lambda p, x, y, k: loss_fn(graphdef, p, x, y, k, objective), has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, x, y, k, base=None: loss_fn(graphdef, p, x, y, k, objective, base), has_aux=True)
     if s.pipeline is not None and s.pipeline.one_f_one_b:  # the schedule computes the gradients itself
         grad_fn = functools.partial(pipeline_value_and_grad, objective, graphdef, pipeline=s.pipeline, mesh=s.mesh,
                                     separator=separator, ignored_targets=ignored)  # fmt: skip
 
     def step(state, batch, votes=None):
-        params = state["params"]
+        params, base = state["params"], state.get(BASE)  # base: a LoRA run's frozen weights (no gradient)
         key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), state["step"])
         x, y = batch["inputs"], batch["targets"]  # (B, T) int32
+        frozen = {} if base is None else {"base": base}
         if s.model.reference:  # --objective dpo (no micro-batches: they would split the pairs)
             reference = reference_log_probs(graphdef, state, x, y, separator=separator)
-            (loss, extras), grads = jax.value_and_grad(
-                lambda p: loss_fn(graphdef, p, x, y, key, functools.partial(objective, reference=reference)), has_aux=True
-            )(params)
+            dpo = functools.partial(objective, reference=reference)
+            (loss, extras), grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, x, y, key, dpo, base), has_aux=True)(params)
         elif accum == 1:
-            (loss, extras), grads = grad_fn(params, x, y, key)
+            (loss, extras), grads = grad_fn(params, x, y, key, **frozen)
         else:
             # Strided micro-batches keep every micro-batch spread over all batch shards.
             micro = lambda a: a.reshape(a.shape[0] // accum, accum, a.shape[1]).swapaxes(0, 1)  # noqa: E731
@@ -70,7 +75,7 @@ def make_train_step(s: Setup, *, vote: bool = False):
             def body(carry, xs):
                 loss_sum, grad_sum, weight_sum = carry
                 i, xm, ym = xs
-                (loss_i, extras_i), grads_i = grad_fn(params, xm, ym, jax.random.fold_in(key, i))
+                (loss_i, extras_i), grads_i = grad_fn(params, xm, ym, jax.random.fold_in(key, i), **frozen)
                 weights = trained_weights(xm, ym, separator, ignored)
                 if weights is not None:
                     # Each micro-batch's loss is a mean over the tokens it trains (not those after
@@ -92,7 +97,7 @@ def make_train_step(s: Setup, *, vote: bool = False):
             "opt_state": opt_state,
             "step": state["step"] + 1,
             "key": state["key"],
-            **{k: state[k] for k in (REFERENCE,) if k in state},  # --objective dpo: frozen
+            **{k: state[k] for k in FROZEN if k in state},  # never updated
         }
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]), **extras}
         if votes is not None:
@@ -124,13 +129,16 @@ def skip_nonfinite(state, new_state, metrics):
     temporary memory per device (step temp 2.76 -> 3.28 GiB).
     """
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-    kept = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, state)
+    trained = lambda tree: {k: v for k, v in tree.items() if k not in FROZEN}  # noqa: E731
+    kept = jax.tree.map(lambda new, old: jnp.where(ok, new, old), trained(new_state), trained(state))
     kept["step"] = new_state["step"]
+    kept |= {k: new_state[k] for k in FROZEN if k in new_state}
     return kept, {**metrics, "skipped": jnp.where(ok, 0, 1).astype(jnp.int32)}
 
 
 def make_eval_step(s: Setup):
-    """The jitted evaluation: ``(state, batch) -> loss`` (the train state: DPO's reference is in it)."""
+    """The jitted evaluation: ``(state, batch) -> loss`` (the train state: a LoRA run's frozen
+    base and DPO's reference are in it)."""
     graphdef, objective, separator = s.graphdef, s.model.loss, s.model.separator
 
     def evaluate(state, batch):
@@ -138,7 +146,7 @@ def make_eval_step(s: Setup):
         fn = objective
         if s.model.reference:
             fn = functools.partial(objective, reference=reference_log_probs(graphdef, state, x, y, separator=separator))
-        return loss_fn(graphdef, state["params"], x, y, None, fn)[0]
+        return loss_fn(graphdef, state["params"], x, y, None, fn, state.get(BASE))[0]
 
     return jax.jit(_under_rules(evaluate, s), in_shardings=(s.state_shardings, s.batch_sharding))
 

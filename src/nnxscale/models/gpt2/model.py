@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxscale.errors import ModelError
-from nnxscale.layers import kv_cache
+from nnxscale.layers import kv_cache, lora
 from nnxscale.layers.attention import attention as attend
 from nnxscale.layers.stack import scan_layers, stack_layers
 from nnxscale.models.common.documents import layer_args
@@ -95,8 +95,9 @@ class Block(nnx.Module):
             return constrain(x + self.mlp(self.ln_2(x)), "batch", "length", "embed"), cache
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         x = constrain(x, "batch", "length", "embed")  # the residual stream
-        x = x + dropout(self.attn(self.ln_1(x), positions, segments), self.dropout, k1)
-        x = x + dropout(self.mlp(self.ln_2(x)), self.dropout, k2)
+        with lora.dropout_key(key):  # LoRA adapters' dropout, when they have one
+            x = x + dropout(self.attn(self.ln_1(x), positions, segments), self.dropout, k1)
+            x = x + dropout(self.mlp(self.ln_2(x)), self.dropout, k2)
         return constrain(x, "batch", "length", "embed")
 
 
@@ -145,7 +146,7 @@ class GPT2(nnx.Module):
             x = constrain(self.wte(tokens) + self.wpe(positions), "batch", "length", "embed")
             x, cache = scan_layers(self.h, x, positions, cache=cache)
             return self.ln_f(x), cache
-        embed_key, block_keys = dropout_keys(rngs, c.dropout, c.n_layer)
+        embed_key, block_keys = dropout_keys(rngs, max(c.dropout, lora.dropout_rate(self)), c.n_layer)
         x = self.wte(tokens) + self.wpe(jnp.arange(T) if positions is None else positions)  # (B, T, C)
         x = dropout(constrain(x, "batch", "length", "embed"), c.dropout, embed_key)
         x = scan_layers(self.h, x, *layer_args(positions, segments), keys=block_keys, remat=c.remat)  # (B, T, C)

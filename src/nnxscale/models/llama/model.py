@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from nnxscale.errors import ModelError
-from nnxscale.layers import kv_cache
+from nnxscale.layers import kv_cache, lora
 from nnxscale.layers.attention import attention as attend
 from nnxscale.layers.stack import Rows, scan_layers, stack_layers
 from nnxscale.layers.mlp_chunks import chunked_mlp
@@ -90,13 +90,26 @@ class LlamaMLP(nnx.Module):
 
     def __call__(self, x):  # (B, T, C)
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        # LoRA adapters (nnxscale.layers.lora), each with its own matrix that has the intermediate axis: B of gate
+        # and up (r, F), A of down (F, r); sliced with the weights, so x @ A_gate is recomputed per slice.
+        adapters = [lora.adapter(m) for m in (gate, up, down)]
+        parts = [(a.b[...], 1) if i < 2 else (a.a[...], 0) for i, a in enumerate(adapters) if a is not None]
 
-        def mlp(x, w_gate, w_up, w_down):  # each projection as its nnx.Linear computes it, with the weight given
-            h = jax.nn.silu(_dense(gate, x, w_gate)) * _dense(up, x, w_up)
-            return _dense(down, constrain(h, "batch", "length", "mlp"), w_down)  # (B, T, F) -> (B, T, C)
+        def mlp(x, w_gate, w_up, w_down, *sliced):  # each projection as its nnx.Linear computes it, with the weight given
+            it = iter(sliced)
+
+            def dense(layer, a, x, w):
+                y = _dense(layer, x, w)
+                if a is None:
+                    return y
+                part = next(it)
+                return y + (a.delta(x, y.dtype, b=part) if layer is not down else a.delta(x, y.dtype, a=part))
+
+            h = jax.nn.silu(dense(gate, adapters[0], x, w_gate)) * dense(up, adapters[1], x, w_up)
+            return dense(down, adapters[2], constrain(h, "batch", "length", "mlp"), w_down)  # (B, T, F) -> (B, T, C)
 
         weights = [(gate.kernel[...], 1), (up.kernel[...], 1), (down.kernel[...], 0)]  # each with its intermediate axis
-        return chunked_mlp(mlp, x, weights, up.out_features)  # long sequences: in slices of the intermediate
+        return chunked_mlp(mlp, x, weights + parts, up.out_features)  # long sequences: in slices of the intermediate
 
 
 def _dense(layer: nnx.Linear, x, w):
@@ -123,8 +136,9 @@ class LlamaDecoderLayer(nnx.Module):
             return constrain(x + self.mlp(self.post_attention_layernorm(x)), "batch", "length", "embed"), cache
         k1, k2 = (None, None) if key is None else jax.random.split(key)
         x = constrain(x, "batch", "length", "embed")  # the residual stream
-        x = x + dropout(self.self_attn(self.input_layernorm(x), cos, sin, positions, segments), self.dropout, k1)
-        x = x + dropout(self.mlp(self.post_attention_layernorm(x)), self.dropout, k2)
+        with lora.dropout_key(key):  # LoRA adapters' dropout, when they have one
+            x = x + dropout(self.self_attn(self.input_layernorm(x), cos, sin, positions, segments), self.dropout, k1)
+            x = x + dropout(self.mlp(self.post_attention_layernorm(x)), self.dropout, k2)
         return constrain(x, "batch", "length", "embed")
 
 
@@ -178,7 +192,7 @@ class Llama(nnx.Module):
         T = tokens.shape[1]
         if T > c.max_position_embeddings:
             raise ModelError(f"sequence length {T} exceeds the context max_position_embeddings={c.max_position_embeddings}")
-        embed_key, layer_keys = dropout_keys(rngs, c.dropout, c.num_hidden_layers)
+        embed_key, layer_keys = dropout_keys(rngs, max(c.dropout, lora.dropout_rate(self)), c.num_hidden_layers)
         inv_freq = rope_frequencies(c.head_size, c.rope_theta, c.rope_scaling).astype(np.float32)  # (H/2,)
         where = jnp.arange(T) if positions is None else positions
         angles = where.astype(jnp.float32)[..., None] * inv_freq  # ([B,] T, H/2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from nnxscale.layers import lora
 from nnxscale.layers.moe import MoE
 from nnxscale.models.common.dropout import dropout
 from nnxscale.models.llama.model import Llama, LlamaAttention, _rms_norm
@@ -35,7 +36,8 @@ class MixtralDecoderLayer(nnx.Module):
             y = self.block_sparse_moe(self.post_attention_layernorm(x), dropless=True)[0]
             return constrain(x + y, "batch", "length", "embed"), cache
         k1, k2 = (None, None) if key is None else jax.random.split(key)
-        x = x + dropout(self.self_attn(self.input_layernorm(x), cos, sin, positions, segments), self.dropout, k1)
+        with lora.dropout_key(key):  # LoRA adapters' dropout (the attention's; the experts' are folded in: none)
+            x = x + dropout(self.self_attn(self.input_layernorm(x), cos, sin, positions, segments), self.dropout, k1)
         y, stats = self.block_sparse_moe(self.post_attention_layernorm(x), positions=positions)
         x = x + dropout(y, self.dropout, k2)
         return constrain(x, "batch", "length", "embed"), stats
