@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--targets", default="h100x8,v5e-8", help=f"comma-separated, of {', '.join(TARGETS)}")
     targets = ap.parse_args().targets.split(",")
     print("llama-3.2-1b, fsdp=8, --remat full, global batch 8, bfloat16 (compiled for the target, deviceless)")
-    print(f"{'target':8}{'':30}{'T':>8}{'working':>14}{'peak':>14}{'compile s':>11}  attention")
+    print(f"{'target':8}{'':34}{'T':>8}{'working':>14}{'peak':>14}{'compile s':>11}  attention")
     summary = {}
     for target in targets:
         mesh = target_mesh(target, "fsdp=8")
@@ -89,7 +89,7 @@ def main() -> None:
                 figures[name, T] = r
                 memory = (f"{format_bytes(r['working']):>14}{format_bytes(r['peak']):>14}" if "peak" in r
                           else f"{'refused: ' + r['refused']:>28}")  # fmt: skip
-                print(f"{target:8}{name:30}{T:>8,}{memory}{r['seconds']:>11.1f}  {r['line']}", flush=True)
+                print(f"{target:8}{name:34}{T:>8,}{memory}{r['seconds']:>11.1f}  {r['line']}", flush=True)
         summary[target] = {}
         for name, *_ in runs:
             small, big = figures[name, LENGTHS[0]], figures[name, LENGTHS[1]]
