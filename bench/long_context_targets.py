@@ -58,8 +58,8 @@ def compile_for(cfg: TrainConfig, mesh) -> dict:
     except Exception as e:  # noqa: BLE001  the TPU compiler's "RESOURCE_EXHAUSTED ... exceeds available HBM"
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        need = re.search(r"Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) hbm", str(e))
-        return {"line": line, "refused": f"needs {need[1]} of {need[2]}" if need else str(e).splitlines()[0][:120],
+        need = re.search(r"\(([\d.]+[KMGT]?)\) exceeds available HBM", str(e))
+        return {"line": line, "refused": f"temporaries {need[1]} > HBM" if need else str(e).splitlines()[0][:60],
                 "seconds": time.perf_counter() - t}  # fmt: skip
     peak = getattr(ma, "peak_memory_in_bytes", 0) or (
         ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes

@@ -56,7 +56,7 @@ from nnxscale.layers.kernels.gpu_flash import gpu_flash_attention
 from nnxscale.layers.kernels.splash import splash_attention
 from nnxscale.sharding.mesh import context_mesh, varying_like
 
-#: ``auto`` uses the blockwise kernel from this many query tokens on (where cuDNN does not apply).
+#: ``auto`` uses the blockwise kernel from this many query tokens on (on CPU and other platforms without a kernel).
 AUTO_BLOCKWISE_FROM = 2048
 #: Query and key/value tokens per tile of the blockwise kernel.
 BLOCK = 512
