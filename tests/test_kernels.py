@@ -77,6 +77,8 @@ def test_auto_picks_each_platforms_kernel_from_the_meshs_devices(monkeypatch):
     assert attn.platform_of(tpu) == "tpu" and attn.platform_of(h100) == "nvidia"
     assert attn.platform_of(_Mesh(_Device("gpu", "AMD Instinct MI300X"))) == "gpu"
     assert attn.platform_of(make_mesh("data=8")) == "cpu"
+    assert attn.platform_of(make_mesh("data=8").abstract_mesh) == "cpu"  # no devices: this process's
+    assert attn.platform_of({"data": 8}) == "cpu"
     bf16, f32 = jnp.bfloat16, jnp.float32
     assert attn.resolve("auto", 1024, f32, 64, platform="tpu") == "splash"
     assert attn.resolve("auto", 128, bf16, 64, documents=True, platform="tpu") == "splash"

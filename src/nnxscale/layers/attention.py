@@ -80,7 +80,10 @@ def platform_of(mesh=None) -> str:
     own name (``"cpu"``, ...). A ``jax.sharding.Mesh`` of a deviceless target's devices
     (``jax.experimental.topologies``) names that target; an abstract mesh, a ``{axis: size}``
     mapping or None names this process's devices."""
-    devices = getattr(mesh, "devices", None)
+    try:
+        devices = getattr(mesh, "devices", None)
+    except ValueError:  # an AbstractMesh has no devices
+        devices = None
     if devices is not None and np.size(devices):
         device = np.ravel(devices)[0]
     else:
