@@ -38,6 +38,11 @@ def test_xla_counts_the_flops_of_an_optimized_module():
     assert jax_private.hlo_cost_analysis(module)["flops"] == 2 * 64 * 64 * 32  # the matmul's multiply-adds
 
 
+def test_the_cudnn_version_is_a_number_or_none():
+    version = jax_private.cudnn_version()  # None without nvidia-cudnn-cu12 (the CPU-only install)
+    assert version is None or (isinstance(version, int) and version >= 8000)
+
+
 def test_a_name_jax_dropped_is_one_error_naming_it():
     with pytest.raises(JaxVersionError, match=r"jax \S+ has no jax\._src\.clusters\.ClusterEnv\._gone, which nnxscale uses to test"):
         jax_private._private("clusters", "ClusterEnv", "_gone", used_for="to test")

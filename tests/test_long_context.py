@@ -48,10 +48,11 @@ def value_and_grads(f, q, k, v, ct):
     return both(q, k, v, ct)
 
 
-def assert_close(got, want, what):
+def assert_close(got, want, what, atol=1e-5):
+    """Each of ``got`` within ``atol`` of ``want``, both scaled by ``want``'s largest magnitude."""
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         scale = float(jnp.max(jnp.abs(w)))
-        np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, rtol=0, atol=1e-5, err_msg=what)
+        np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, rtol=0, atol=atol, err_msg=what)
 
 
 def documents(B, T, lengths_per_row):
@@ -128,7 +129,7 @@ def test_blockwise_memory_grows_linearly_with_the_sequence():
 def test_auto_and_bad_choices():
     assert attn.resolve("auto", 1024, jnp.float32, 64) == "xla"
     assert attn.resolve("auto", 4096, jnp.float32, 64) == "blockwise"
-    with pytest.raises(ConfigError, match="--attention 'flash' is not one of auto, xla, blockwise, cudnn"):
+    with pytest.raises(ConfigError, match="--attention 'flash' is not one of auto, xla, blockwise, cudnn, splash, pallas-gpu"):
         attn.resolve("flash", 1024, jnp.float32, 64)
     with pytest.raises(ConfigError, match="--attention cudnn needs an NVIDIA GPU.*here: cpu, float32"):
         attn.resolve("cudnn", 1024, jnp.float32, 64)

@@ -11,6 +11,7 @@ Checked present in jax 0.10.2 (Python 3.11's newest) and 0.12.0.1 (3.12's and 3.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from nnxscale.errors import JaxVersionError
@@ -61,3 +62,15 @@ def hlo_cost_analysis(module) -> dict:
 
     analyse = _private("lib", "_jax", "hlo_module_cost_analysis", used_for="to count the FLOPs of a program compiled for a GPU")
     return dict(analyse(jax.devices("cpu")[0].client, module))
+
+
+@functools.cache
+def cudnn_version():
+    """The cuDNN library's version as JAX's fused attention reads it (e.g. 92800), or ``None``
+    where none loads (no ``nvidia-cudnn-cu12``: then ``implementation="cudnn"`` cannot even be
+    traced, on a GPU or for one)."""
+    check = _private("cudnn.fused_attention_stablehlo", "check_cudnn_version", used_for="to see whether cuDNN loads")
+    try:
+        return check()
+    except RuntimeError:  # "cuDNN not found." / "cuDNN is not detected."
+        return None

@@ -23,9 +23,20 @@ Implementations (``impl``):
   the scores. Tiles that the masks hide entirely are skipped (``lax.cond``): causal
   attention does about half the work. Works on every backend.
 - ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, NVIDIA's fused
-  kernel; needs an NVIDIA GPU and float16 or bfloat16.
-- ``"auto"``: ``cudnn`` where it applies, else ``xla`` up to :data:`AUTO_BLOCKWISE_FROM`
-  tokens, else ``blockwise``.
+  kernel; needs an NVIDIA GPU (or an NVIDIA target compiled for here), the cuDNN library
+  (``nvidia-cudnn-cu12``), float16 or bfloat16, and no document mask.
+- ``"splash"``: TPU, the Pallas splash attention kernel shipped in JAX
+  (:mod:`nnxscale.layers.kernels.splash`): causal, grouped-query, document masks.
+- ``"pallas-gpu"``: NVIDIA, the Pallas GPU flash attention kernel shipped in JAX
+  (:mod:`nnxscale.layers.kernels.gpu_flash`): causal, grouped-query, document masks.
+- ``"auto"``: chosen for the platform of the mesh's devices (a mesh of a deviceless target
+  included): ``splash`` on TPU; ``cudnn`` on NVIDIA where it applies, else ``pallas-gpu``;
+  elsewhere (CPU) ``xla`` up to :data:`AUTO_BLOCKWISE_FROM` tokens, else ``blockwise``.
+
+The two Pallas kernels mask by place in the sequence: they take the attention of plain or
+packed sequences (positions that restart at each document and rise within it, as
+``nnxscale.models.common.documents`` makes them). Positions in any other order (a sequence
+split over a ``context`` axis is a ring, below) go to the blockwise kernel.
 """
 
 from __future__ import annotations
@@ -40,14 +51,22 @@ import numpy as np
 
 from nnxscale.errors import ConfigError
 from nnxscale.layers.attention_names import IMPLEMENTATIONS
+from nnxscale.layers.kernels import pad_tokens, per_device
+from nnxscale.layers.kernels.gpu_flash import gpu_flash_attention
+from nnxscale.layers.kernels.splash import splash_attention
 from nnxscale.sharding.mesh import context_mesh, varying_like
 
-#: ``auto`` uses the blockwise kernel from this many query tokens on (where cuDNN does not apply).
+#: ``auto`` uses the blockwise kernel from this many query tokens on (on CPU and other platforms without a kernel).
 AUTO_BLOCKWISE_FROM = 2048
 #: Query and key/value tokens per tile of the blockwise kernel.
 BLOCK = 512
 
 _NEG = -1e30  # "minus infinity" that keeps exp() and max() finite in the masked tiles
+
+
+#: The kernels each platform family runs (see :func:`platform_of`); elsewhere XLA's ops only.
+KERNELS = {"splash": "tpu", "pallas-gpu": "nvidia", "cudnn": "nvidia"}
+_PLATFORM_NAMES = {"tpu": "TPU", "nvidia": "NVIDIA GPU"}
 
 
 def check_impl(impl: str) -> str:
@@ -56,53 +75,106 @@ def check_impl(impl: str) -> str:
     return impl
 
 
-def cudnn_applies(dtype, head_dim: int) -> bool:
-    """Whether ``jax.nn.dot_product_attention(implementation="cudnn")`` can run here."""
+def platform_of(mesh=None) -> str:
+    """The platform family of ``mesh``'s devices: ``"tpu"``, ``"nvidia"``, or the platform's
+    own name (``"cpu"``, ...). A ``jax.sharding.Mesh`` of a deviceless target's devices
+    (``jax.experimental.topologies``) names that target; an abstract mesh, a ``{axis: size}``
+    mapping or None names this process's devices."""
     try:
-        platform = jax.devices()[0].platform
-    except RuntimeError:
-        return False
-    return platform == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 128 and head_dim % 8 == 0
+        devices = getattr(mesh, "devices", None)
+    except ValueError:  # an AbstractMesh has no devices
+        devices = None
+    if devices is not None and np.size(devices):
+        device = np.ravel(devices)[0]
+    else:
+        try:
+            device = jax.devices()[0]
+        except RuntimeError:
+            return "cpu"
+    if device.platform in ("gpu", "cuda") and "nvidia" in device.device_kind.lower():
+        return "nvidia"
+    return device.platform
 
 
-def resolve(impl: str, q_len: int, dtype, head_dim: int, documents: bool = False) -> str:
-    """The implementation ``impl`` names for queries of ``q_len`` tokens: ``auto`` decided.
+def _platform_here() -> str:
+    """:func:`platform_of` the mesh of the activation rules in force (while tracing)."""
+    from nnxscale.sharding.activations import current_rules
+
+    rules = current_rules()
+    return platform_of(rules.mesh if rules is not None else None)
+
+
+def cudnn_applies(dtype, head_dim: int, platform: Optional[str] = None) -> bool:
+    """Whether ``jax.nn.dot_product_attention(implementation="cudnn")`` can run (or be compiled)
+    for ``platform`` (default: this process's devices)."""
+    from nnxscale.jobs.jax_private import cudnn_version
+
+    platform = platform or platform_of()
+    shape_ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 128 and head_dim % 8 == 0
+    return platform == "nvidia" and shape_ok and cudnn_version() is not None
+
+
+def resolve(impl: str, q_len: int, dtype, head_dim: int, documents: bool = False, platform: Optional[str] = None) -> str:
+    """The implementation ``impl`` names for queries of ``q_len`` tokens on ``platform``
+    (:func:`platform_of` a mesh; default this process's devices): ``auto`` decided.
     ``documents``: a document mask is in force (segments and per-document positions), which
     the cuDNN path here does not take."""
     check_impl(impl)
+    platform = platform or platform_of()
     if impl == "cudnn" and documents:
-        raise ConfigError("--attention cudnn takes plain causal attention here, not --document-mask: use auto or blockwise")
-    if impl == "cudnn" and not cudnn_applies(dtype, head_dim):
+        raise ConfigError("--attention cudnn takes plain causal attention here, not --document-mask: use auto or pallas-gpu")
+    if impl == "cudnn" and not cudnn_applies(dtype, head_dim, platform):
         raise ConfigError(
-            f"--attention cudnn needs an NVIDIA GPU and float16 or bfloat16 (head width a multiple of 8, at most 128); "
-            f"here: {jax.devices()[0].platform}, {jnp.dtype(dtype).name}, head width {head_dim}: "
+            f"--attention cudnn needs an NVIDIA GPU, the cuDNN library (pip install nvidia-cudnn-cu12) and float16 or "
+            f"bfloat16 (head width a multiple of 8, at most 128); here: {platform}, {jnp.dtype(dtype).name}, head width "
+            f"{head_dim}: use --attention auto, xla or blockwise"
+        )
+    if impl in KERNELS and KERNELS[impl] != platform:
+        raise ConfigError(
+            f"--attention {impl} runs on {_PLATFORM_NAMES[KERNELS[impl]]}s, and the mesh's devices are {platform}: "
             "use --attention auto, xla or blockwise"
         )
     if impl != "auto":
         return impl
-    if cudnn_applies(dtype, head_dim) and not documents:
-        return "cudnn"
+    if platform == "tpu":
+        return "splash"
+    if platform == "nvidia":
+        return "cudnn" if cudnn_applies(dtype, head_dim, platform) and not documents else "pallas-gpu"
     return "blockwise" if q_len >= AUTO_BLOCKWISE_FROM else "xla"
 
 
-def describe(impl: str, q_len: int, dtype, head_dim: int, context: int = 1, documents: bool = False) -> str:
+def describe(impl: str, q_len: int, dtype, head_dim: int, context: int = 1, documents: bool = False,
+             platform: Optional[str] = None) -> str:  # fmt: skip
     """One line for the start of a run and for ``plan``: the implementation in use, and why.
     ``context``: how many ways the sequence is split (then attention is a ring);
-    ``documents``: a document mask is in force."""
+    ``documents``: a document mask is in force; ``platform``: :func:`platform_of` the mesh."""
+    platform = platform or platform_of()
     masked = ", masked at document boundaries" if documents else ""
     if context > 1:
         return (f"attention: ring over {context} devices (the context axis), {q_len // context:,} tokens each, "
                 f"blockwise tiles of {min(BLOCK, q_len // context)}{masked}")  # fmt: skip
-    chosen = resolve(impl, q_len, dtype, head_dim, documents)
+    chosen = resolve(impl, q_len, dtype, head_dim, documents, platform)
     if impl != "auto":
         return f"attention: {chosen} (--attention {impl}){masked}"
-    if chosen == "cudnn":
+    if chosen == "splash":
+        why = "TPU: the Pallas splash attention kernel"
+    elif platform == "nvidia":
         why = "NVIDIA GPU, " + jnp.dtype(dtype).name
+        if chosen == "pallas-gpu":
+            why += "; the Pallas GPU flash kernel, as " + _why_not_cudnn(dtype, head_dim, documents)
     else:
         why = f"{q_len:,} tokens per sequence; blockwise from {AUTO_BLOCKWISE_FROM:,}"
-        if documents and cudnn_applies(dtype, head_dim):
-            why += "; cuDNN takes no document mask here"
     return f"attention: {chosen} (auto: {why}){masked}"
+
+
+def _why_not_cudnn(dtype, head_dim: int, documents: bool) -> str:
+    from nnxscale.jobs.jax_private import cudnn_version
+
+    if documents:
+        return "cuDNN takes no document mask here"
+    if cudnn_version() is None:
+        return "the cuDNN library is not installed (nvidia-cudnn-cu12)"
+    return f"cuDNN takes float16 or bfloat16 and head widths up to 128 in multiples of 8 (here {head_dim})"
 
 
 def attention(
@@ -122,14 +194,15 @@ def attention(
 
     Positions are ``(T,)`` / ``(S,)`` integers (or ``(B, T)`` / ``(B, S)``); segments are
     ``(B, T)`` / ``(B, S)`` integers. The result has ``q``'s dtype. ``block``: tokens per tile
-    of the blockwise kernel (default :data:`BLOCK`).
+    of the blockwise kernel (default :data:`BLOCK`). ``auto`` is decided for the platform of
+    the mesh of the activation rules in force (this process's devices without one).
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     if N % K:
         raise ValueError(f"{N} query heads do not share {K} key/value heads evenly")
     plain = q_positions is None and k_positions is None and q_segments is None and k_segments is None
-    impl = resolve(impl, T, q.dtype, H, documents=q_segments is not None)
+    impl = resolve(impl, T, q.dtype, H, documents=q_segments is not None, platform=_platform_here())
     ring = _ring_axis()
     if ring is not None:  # the sequence is split: a ring, whatever the implementation asked for
         axis, mesh = ring
@@ -137,7 +210,12 @@ def attention(
             q, k, v, axis=axis, mesh=mesh, causal=causal, q_positions=q_positions, k_positions=k_positions,
             q_segments=q_segments, k_segments=k_segments, block=block,
         )  # fmt: skip
-    if impl == "blockwise":
+    # The Pallas kernels mask by place in the sequence: plain or packed sequences (module docstring).
+    in_order = plain or q_segments is not None
+    if impl in ("splash", "pallas-gpu") and in_order and (impl == "splash" or T == S):
+        kernel = splash_attention if impl == "splash" else gpu_flash_attention
+        return per_device(functools.partial(kernel, causal=causal), q, k, v, q_segments, k_segments)
+    if impl in ("blockwise", "splash", "pallas-gpu"):
         return blockwise_attention(
             q, k, v, causal=causal, q_positions=q_positions, k_positions=k_positions,
             q_segments=q_segments, k_segments=k_segments, block=block,
@@ -221,25 +299,16 @@ def _tiled(q, k, v, qp, kp, qs, ks, *, causal: bool, segmented: bool, block: Opt
     bq, bk = min(block, T), min(block, S)
     nq, nk = -(-T // bq), -(-S // bk)
     tiles = (
-        _blocks(q, nq * bq).reshape(B, nq, bq, K, N // K, H),
-        _blocks(k, nk * bk).reshape(B, nk, bk, K, H),
-        _blocks(v, nk * bk).reshape(B, nk, bk, K, H),
-        _blocks(qp, nq * bq).reshape(B, nq, bq),
-        _blocks(kp, nk * bk).reshape(B, nk, bk),
-        _blocks(qs, nq * bq).reshape(B, nq, bq),
-        _blocks(ks, nk * bk, fill=-1).reshape(B, nk, bk),
+        pad_tokens(q, nq * bq).reshape(B, nq, bq, K, N // K, H),
+        pad_tokens(k, nk * bk).reshape(B, nk, bk, K, H),
+        pad_tokens(v, nk * bk).reshape(B, nk, bk, K, H),
+        pad_tokens(qp, nq * bq).reshape(B, nq, bq),
+        pad_tokens(kp, nk * bk).reshape(B, nk, bk),
+        pad_tokens(qs, nq * bq).reshape(B, nq, bq),
+        pad_tokens(ks, nk * bk, fill=-1).reshape(B, nk, bk),
     )
     meta = _Meta(causal=causal, segmented=segmented or nk * bk > S, scale=1.0 / math.sqrt(H))
     return meta, tiles, lambda out: out.reshape(B, nq * bq, N, H)[:, :T].astype(q.dtype)
-
-
-def _blocks(x, n: int, fill=0):
-    """``x`` padded along axis 1 to ``n``."""
-    if x.shape[1] == n:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[1] = (0, n - x.shape[1])
-    return jnp.pad(x, pad, constant_values=fill)
 
 
 class _Meta(NamedTuple):
@@ -490,7 +559,7 @@ def _ring_bwd(ring: _Ring, res, dy):
     def local(q, k, v, qp, kp, qs, ks, out, lse, dy):
         meta, tiles, _ = ring.tiled(q, k, v, qp, kp, qs, ks)
         (B, nq, bq, K, G, H), (nk, bk) = tiles[0].shape, tiles[1].shape[1:3]
-        d_out = _blocks(dy, nq * bq).reshape(B, nq, bq, K, G, H)
+        d_out = pad_tokens(dy, nq * bq).reshape(B, nq, bq, K, G, H)
         dq, dk, dv = _ring_backward(meta, ring.axis, ring.n, *tiles, out, lse, d_out)
         T, S = q.shape[1], k.shape[1]
         return (dq.reshape(B, nq * bq, K * G, H)[:, :T].astype(q.dtype),

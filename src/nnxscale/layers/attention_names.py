@@ -3,4 +3,4 @@
 The implementations behind the names are :func:`nnxscale.layers.attention.attention`'s.
 """
 
-IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn")
+IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn", "splash", "pallas-gpu")

@@ -54,9 +54,10 @@ def write(cache: dict, k, v, positions):
 def attend(q, k, v, positions, *, impl: str = "auto"):
     """Causal attention of queries ``q (B, T, N, H)`` at ``positions (B, T)`` over a whole
     cache ``k, v (B, S, K, H)`` (slot ``s`` holds position ``s``). ``impl``: the layer's
-    attention implementation; ``auto`` and ``cudnn`` become ``xla`` (one query per row when
-    decoding) or ``blockwise`` for prompts of :data:`~nnxscale.layers.attention.AUTO_BLOCKWISE_FROM`
-    tokens and more, as a cache needs positions, which the cuDNN path here does not take."""
+    attention implementation; ``auto`` and the kernels (``cudnn``, ``splash``, ``pallas-gpu``)
+    become ``xla`` (one query per row when decoding) or ``blockwise`` for prompts of
+    :data:`~nnxscale.layers.attention.AUTO_BLOCKWISE_FROM` tokens and more, as a cache needs
+    positions, which the kernels' paths here do not take."""
     T = q.shape[1]
     if impl not in ("xla", "blockwise"):
         impl = "blockwise" if T >= AUTO_BLOCKWISE_FROM else "xla"

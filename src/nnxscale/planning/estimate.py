@@ -288,11 +288,11 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
     split = rules.activation_split
     tp, tph, tpv = split("mlp", dims.mlp_width), split("heads", N), split("vocab", V)
     # Scores per query: every key (xla), or one tile of keys at a time (blockwise, the
-    # ring), which the kernel's backward recomputes instead of keeping.
+    # ring, the accelerators' fused kernels), which the kernel's backward recomputes instead of keeping.
     from nnxscale.layers.attention import BLOCK
     from nnxscale.layers.loss import chunk_count
 
-    tiled = attention_figures(cfg, lay["model"], rules)["attention"] in ("blockwise", "ring")
+    tiled = attention_figures(cfg, lay["model"], rules)["attention"] not in ("xla", None)
     keys = min(BLOCK, T) if tiled else d.seq_len
     shards = rules.batch_shard_count * rules.length_shard_count  # as the families' chunked loss counts them
     logit_chunks = chunk_count(d.batch_size // accum, d.seq_len, V, shards) if lay["model"].family is not None else 1
@@ -354,8 +354,9 @@ def attention_figures(cfg: TrainConfig, model, rules) -> dict[str, Optional[str]
     from nnxscale.layers import attention
 
     c, head, context = model.config, model.dims.head_width, rules.length_shard_count
+    platform = attention.platform_of(rules.mesh)  # the target's, for a mesh of its devices
     return {
-        "attention": "ring" if context > 1 else attention.resolve(c.attention, cfg.data.seq_len, c.dtype, head, cfg.data.document_mask),
-        "attention_line": attention.describe(c.attention, cfg.data.seq_len, c.dtype, head, context, cfg.data.document_mask),
+        "attention": "ring" if context > 1 else attention.resolve(c.attention, cfg.data.seq_len, c.dtype, head, cfg.data.document_mask, platform),
+        "attention_line": attention.describe(c.attention, cfg.data.seq_len, c.dtype, head, context, cfg.data.document_mask, platform),
     }
 

@@ -51,10 +51,12 @@ class ModelSettings:
     remat: str = setting("none", "--remat", "rematerialize in the backward pass: none; full (keep only each block's "
                          "input; a bare --remat); dots (keep the weight matmuls' outputs)", const="full",
                          choices=("none", "full", "dots"))  # fmt: skip
-    attention: str = setting("auto", "--attention", "attention implementation: auto (cudnn on NVIDIA GPUs in bfloat16, "
-                             "else xla up to 2,047 tokens, blockwise from 2,048); xla (jax.nn.dot_product_attention: "
-                             "the full T x T scores); blockwise (flash-attention recurrence in plain JAX: memory "
-                             "linear in T); cudnn", choices=ATTENTION_IMPLEMENTATIONS)  # fmt: skip
+    attention: str = setting("auto", "--attention", "attention implementation: auto (by the mesh's devices: splash on "
+                             "TPUs; cudnn on NVIDIA GPUs in bfloat16 without --document-mask, else pallas-gpu; elsewhere "
+                             "xla up to 2,047 tokens, blockwise from 2,048); xla (jax.nn.dot_product_attention: the full "
+                             "T x T scores); blockwise (flash-attention recurrence in plain JAX: memory linear in T); "
+                             "cudnn; splash (TPU Pallas kernel); pallas-gpu (NVIDIA Pallas flash kernel)",
+                             choices=ATTENTION_IMPLEMENTATIONS)  # fmt: skip
     capacity_factor: Optional[float] = setting(None, "--capacity-factor", "a mixture of experts (mixtral): each expert "
                                                "takes at most this factor x its even share of a sequence's assignments "
                                                "in training, the rest are dropped and counted (router_dropped); "

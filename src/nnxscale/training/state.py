@@ -269,7 +269,8 @@ def setup(
     m = run_model(cfg, model, loss, recorded=recorded, separator=separator, ignored_targets=ignored_targets)
     check_shapes(cfg, rules, m)
     if getattr(m.config, "attention", None):  # --attention cudnn where it cannot run: one line, before anything is built
-        attention.resolve(m.config.attention, cfg.data.seq_len, m.config.dtype, m.dims.head_width, cfg.data.document_mask)
+        attention.resolve(m.config.attention, cfg.data.seq_len, m.config.dtype, m.dims.head_width, cfg.data.document_mask,
+                          attention.platform_of(mesh))
     pipe = run_pipeline(cfg, rules)
     if pipe is not None and pipe.one_f_one_b:
         check_1f1b(pipe, rules, routed=m.routed)

@@ -1,0 +1,134 @@
+"""The accelerators' attention kernels: the Pallas splash (TPU) and GPU flash kernels' own
+code, run in Pallas interpret mode on CPU, equal ``jax.nn.dot_product_attention`` (outputs
+and gradients: 1e-5 in float32, 2e-2 in bfloat16, of the largest magnitude) with grouped
+queries, a length that is not a multiple of the tile, causal and document masks, split over
+a mesh's batch and heads; ``--attention auto`` picks each platform's kernel from the mesh's
+devices; and an NVIDIA target's compiler (deviceless) puts the chosen kernel in the real
+train step."""
+
+import functools
+import importlib.util
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_long_context import assert_close, documents, inputs, reference, value_and_grads
+
+from nnxscale.errors import ConfigError
+from nnxscale.jobs import jax_private
+from nnxscale.layers import attention as attn
+from nnxscale.layers.kernels import per_device
+from nnxscale.layers.kernels.gpu_flash import gpu_flash_attention
+from nnxscale.layers.kernels.splash import splash_attention
+from nnxscale.sharding.activations import use_rules
+from nnxscale.sharding.mesh import make_mesh
+
+KERNELS = {"splash": splash_attention, "pallas-gpu": gpu_flash_attention}
+# B, T, N, K, H: grouped queries (two per key/value head) and 100 tokens, in one tile of 128
+# with 28 padded
+SHAPE = (2, 100, 4, 2, 32)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_in_float32_with_documents_split_over_batch_and_heads_equals_xla(kernel):
+    """One device's rows and heads each (data=2, model=2: one query and one key/value head
+    group per device), packed documents (three in one row, one in the other), causal."""
+    B, T, N, K, H = SHAPE
+    q, k, v, ct = inputs(B, T, T, N, K, H, seed=2)
+    seg = jnp.asarray(documents(B, T, [(17, 60, 23), (100,)]))
+    want = value_and_grads(lambda q, k, v: reference(q, k, v, True, q_segments=seg, k_segments=seg), q, k, v, ct)
+    run = functools.partial(KERNELS[kernel], causal=True, interpret=True)
+    mesh = make_mesh("data=2,model=2", devices=jax.devices()[:4])
+
+    def f(q, k, v):
+        with use_rules("auto", mesh):
+            return per_device(run, q, k, v, seg, seg)
+
+    assert_close(value_and_grads(f, q, k, v, ct), want, kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_in_bfloat16_equals_xla(kernel):
+    B, T, N, K, H = SHAPE
+    q, k, v, ct = (x.astype(jnp.bfloat16) for x in inputs(B, T, T, N, K, H, seed=3))
+    want = value_and_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), q, k, v, ct)
+    got = value_and_grads(lambda q, k, v: KERNELS[kernel](q, k, v, causal=True, interpret=True), q, k, v, ct)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.dtype == jnp.bfloat16
+    assert_close(jax.tree.map(lambda x: x.astype(jnp.float32), got), jax.tree.map(lambda x: x.astype(jnp.float32), want),
+                 kernel, atol=2e-2)  # fmt: skip
+
+
+class _Device:
+    def __init__(self, platform, kind):
+        self.platform, self.device_kind = platform, kind
+
+
+class _Mesh:  # the devices of a mesh are all platform_of reads
+    def __init__(self, device):
+        self.devices = np.array([device])
+
+
+def test_auto_picks_each_platforms_kernel_from_the_meshs_devices(monkeypatch):
+    tpu, h100 = _Mesh(_Device("tpu", "TPU v5 lite")), _Mesh(_Device("gpu", "NVIDIA H100 80GB HBM3"))
+    assert attn.platform_of(tpu) == "tpu" and attn.platform_of(h100) == "nvidia"
+    assert attn.platform_of(_Mesh(_Device("gpu", "AMD Instinct MI300X"))) == "gpu"
+    assert attn.platform_of(make_mesh("data=8")) == "cpu"
+    assert attn.platform_of(make_mesh("data=8").abstract_mesh) == "cpu"  # no devices: this process's
+    assert attn.platform_of({"data": 8}) == "cpu"
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    assert attn.resolve("auto", 1024, f32, 64, platform="tpu") == "splash"
+    assert attn.resolve("auto", 128, bf16, 64, documents=True, platform="tpu") == "splash"
+    monkeypatch.setattr(jax_private, "cudnn_version", lambda: 92800)
+    assert attn.resolve("auto", 4096, bf16, 64, platform="nvidia") == "cudnn"
+    assert attn.resolve("auto", 4096, bf16, 64, documents=True, platform="nvidia") == "pallas-gpu"
+    assert attn.resolve("auto", 4096, f32, 64, platform="nvidia") == "pallas-gpu"
+    assert attn.describe("auto", 4096, bf16, 64, documents=True, platform="nvidia") == (
+        "attention: pallas-gpu (auto: NVIDIA GPU, bfloat16; the Pallas GPU flash kernel, as cuDNN takes no document "
+        "mask here), masked at document boundaries"
+    )
+    assert attn.describe("auto", 4096, bf16, 64, platform="tpu") == "attention: splash (auto: TPU: the Pallas splash attention kernel)"
+    monkeypatch.setattr(jax_private, "cudnn_version", lambda: None)  # jax-cuda12-plugin without nvidia-cudnn-cu12
+    assert attn.resolve("auto", 4096, bf16, 64, platform="nvidia") == "pallas-gpu"
+    assert "the cuDNN library is not installed" in attn.describe("auto", 4096, bf16, 64, platform="nvidia")
+    # CPU: as before
+    assert attn.resolve("auto", 1024, f32, 64, platform="cpu") == "xla"
+    assert attn.resolve("auto", 4096, f32, 64, platform="cpu") == "blockwise"
+    with pytest.raises(ConfigError, match="--attention splash runs on TPUs, and the mesh's devices are cpu"):
+        attn.resolve("splash", 1024, f32, 64, platform="cpu")
+    with pytest.raises(ConfigError, match="--attention pallas-gpu runs on NVIDIA GPUs, and the mesh's devices are tpu"):
+        attn.resolve("pallas-gpu", 1024, f32, 64, platform="tpu")
+
+
+def _bench_targets():
+    """``bench/_targets.py``: deviceless meshes (a stand-in for ``plan --target``)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "_targets.py"
+    spec = importlib.util.spec_from_file_location("_bench_targets", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("document_mask", [False, True], ids=["plain", "documents"])
+def test_an_nvidia_targets_compiler_puts_the_chosen_kernel_in_the_train_step(document_mask):
+    """llama-tiny, bfloat16, fsdp=8 on 8 H100s (compiled for, deviceless): the step holds
+    cuDNN's fused attention (with the cuDNN library) or the Pallas kernel (Triton)."""
+    pytest.importorskip("jax_cuda12_plugin", reason="the NVIDIA compiler: pip install jax-cuda12-plugin jax-cuda12-pjrt")
+    from nnxscale.training.config import TrainConfig
+    from nnxscale.training.state import setup
+    from nnxscale.training.step import make_train_step
+
+    mesh = _bench_targets().target_mesh("h100x8", "fsdp=8")
+    cfg = TrainConfig.from_flags(model="llama-tiny", batch_size=8, seq_len=128, dtype="bfloat16", document_mask=document_mask)
+    s = setup(cfg, mesh=mesh, separator=0 if document_mask else None)
+    c = s.model.config
+    chosen = attn.resolve(c.attention, 128, c.dtype, s.model.dims.head_width, document_mask, attn.platform_of(s.mesh))
+    assert chosen == ("cudnn" if jax_private.cudnn_version() and not document_mask else "pallas-gpu")
+    with jax.set_mesh(s.mesh):
+        text = make_train_step(s).lower(s.abstract, s.abstract_batch).compile().as_text()
+    targets = set(re.findall(r'custom_call_target="([^"]+)"', text))
+    want = "__cudnn$fmha" if chosen == "cudnn" else "__gpu$xla.gpu.triton"
+    assert any(t.startswith(want) for t in targets), targets
