@@ -262,10 +262,31 @@ def test_ring_attention_equals_the_whole_sequence(spec):
     assert "collective-permute" in hlo and "all-gather" not in hlo
 
 
+@pytest.fixture(scope="module")
+def data8_metrics(tmp_path_factory, text_data):
+    """``model -> metrics`` of an uninterrupted 4-step run on data=8, one run per model for the
+    module (two of the meshes below train llama-tiny)."""
+    from test_train import quiet_train, tiny_cfg
+
+    from nnxscale.training.rundir import read_metrics
+
+    runs = {}
+
+    def metrics(model):
+        if model not in runs:
+            run_dir = tmp_path_factory.mktemp("ref") / model
+            quiet_train(tiny_cfg(run_dir, text_data, model=model, steps=4))
+            runs[model] = read_metrics(run_dir)
+        return runs[model]
+
+    return metrics
+
+
 @pytest.mark.parametrize("model, mesh", [
     ("gpt2-tiny", "data=2,context=4"), ("llama-tiny", "context=2,fsdp=2,model=2"), ("llama-tiny", "stage=2,context=2,data=2"),
 ])  # fmt: skip
-def test_context_parallel_training_logs_the_losses_of_data_parallel_and_resumes_without_it(tmp_path, text_data, model, mesh):
+def test_context_parallel_training_logs_the_losses_of_data_parallel_and_resumes_without_it(tmp_path, text_data, model, mesh,
+                                                                                           data8_metrics):  # fmt: skip
     """Three steps with the sequence split over ``context`` (zigzag layout, ring attention,
     the parameters split over context too; beside ``stage``, the ring runs inside each
     pipeline stage), then one more resumed on data=8: the losses and gradient norms of an
@@ -276,7 +297,7 @@ def test_context_parallel_training_logs_the_losses_of_data_parallel_and_resumes_
     from nnxscale.training.rundir import read_metrics
 
     assert PINNED_SCHEDULE["optim.min_lr_ratio"] == 1.0  # the first steps do not depend on --steps
-    quiet_train(tiny_cfg(tmp_path / "ref", text_data, model=model, steps=4))
+    want = data8_metrics(model)
     logs = []
     pipelined = {"microbatches": 2} if "stage" in mesh else {}
     quiet_train(tiny_cfg(tmp_path / "run", text_data, model=model, steps=3, mesh=mesh, save_every=3, **pipelined),
@@ -284,7 +305,7 @@ def test_context_parallel_training_logs_the_losses_of_data_parallel_and_resumes_
     assert any(line.startswith("attention: ring over") for line in logs), logs
     assert any(line.startswith("pipeline: GPipe over 2 stages") for line in logs) == bool(pipelined), logs
     quiet_train(tiny_cfg(tmp_path / "run", text_data, model=model, steps=4))
-    got, want = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "ref")
+    got = read_metrics(tmp_path / "run")
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
     for a, b in zip(got, want):
         what = f"{model} on {mesh}, then data=8: step {a['step']}"
