@@ -71,6 +71,19 @@ import jax  # noqa: E402
 assert jax.device_count() == 8, "tests need 8 simulated CPU devices"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``needs_cuda_plugin`` compile for NVIDIA targets through the CUDA plugin
+    (``pip install -e '.[cuda12]'``; .ci/run installs it and runs them after the suite)."""
+    import importlib.util
+
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is not None:
+        return
+    skip = pytest.mark.skip(reason="the NVIDIA compiler is not installed: pip install -e '.[cuda12]'")
+    for item in items:
+        if "needs_cuda_plugin" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def devices():
     return jax.devices()

@@ -112,11 +112,11 @@ def _bench_targets():
     return module
 
 
+@pytest.mark.needs_cuda_plugin
 @pytest.mark.parametrize("document_mask", [False, True], ids=["plain", "documents"])
 def test_an_nvidia_targets_compiler_puts_the_chosen_kernel_in_the_train_step(document_mask):
     """llama-tiny, bfloat16, fsdp=8 on 8 H100s (compiled for, deviceless): the step holds
     cuDNN's fused attention (with the cuDNN library) or the Pallas kernel (Triton)."""
-    pytest.importorskip("jax_cuda12_plugin", reason="the NVIDIA compiler: pip install jax-cuda12-plugin jax-cuda12-pjrt")
     from nnxscale.training.config import TrainConfig
     from nnxscale.training.state import setup
     from nnxscale.training.step import make_train_step

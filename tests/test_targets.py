@@ -1,8 +1,9 @@
 """plan --target: the step compiled by an accelerator's own compiler on this CPU machine.
 
-GPU targets compile tiny models deviceless in seconds (the CUDA plugin, installed by
-``.[test]``); TPU compiles take tens of seconds even for tiny programs, so they are checked
-in ``bench/targets.py`` and docs/targets.md, not here."""
+GPU targets compile tiny models deviceless in seconds (the CUDA plugin of the ``cuda12``
+extra; tests that need it are marked ``needs_cuda_plugin``); TPU compiles take tens of
+seconds even for tiny programs, so they are checked in ``bench/targets.py`` and
+docs/targets.md, not here."""
 
 import dataclasses
 import importlib.util
@@ -28,6 +29,7 @@ def h100x8_plan():
 
 
 # The suite's persistent compilation cache cannot load a deviceless GPU executable: it compiles again, and says so.
+@pytest.mark.needs_cuda_plugin
 @pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry")
 def test_plan_target_h100x8_reports_the_gpu_compilers_own_figures(h100x8_plan):
     p = h100x8_plan
@@ -49,6 +51,7 @@ def test_plan_target_h100x8_reports_the_gpu_compilers_own_figures(h100x8_plan):
     assert small.fits is False and "does not fit" in str(small)
 
 
+@pytest.mark.needs_cuda_plugin
 def test_the_mesh_is_laid_onto_the_targets_nodes():
     target = targets.get("h100x16")  # two nodes of 8
     devices = target.devices()
@@ -91,6 +94,7 @@ def test_target_names_and_the_list(capsys):
     assert "v5p-8, v5p-16" in capsys.readouterr().err
 
 
+@pytest.mark.needs_cuda_plugin  # without it, the missing extra is the one line
 def test_a_mesh_that_does_not_divide_the_target_is_one_line(capsys):
     assert main(["plan", "--model", "gpt2-tiny", "--mesh", "fsdp=16", "--target", "h100x8"]) == 2
     err = capsys.readouterr().err
