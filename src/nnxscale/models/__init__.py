@@ -53,8 +53,8 @@ def next_token_loss(model, inputs, targets, *, rngs=None):
 def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Optional[int] = None):
     """GPT-2's and Llama's loss: :func:`next_token_loss` without ever holding every logit.
 
-    The model's ``hidden_states`` go through its ``logits`` head a chunk of tokens at a
-    time (:func:`nnxscale.layers.loss.chunked_cross_entropy`); the value and gradients are
+    The model's ``hidden_states`` go through its ``head()`` weight a slice of the vocabulary
+    at a time (:func:`nnxscale.layers.loss.chunked_cross_entropy`); the value and gradients are
     those of :func:`next_token_loss`. With the sequence split over a ``context`` axis, the
     tokens are laid out in :func:`nnxscale.layers.attention.zigzag` order first. For a
     mixture of experts (Mixtral) the router's load-balancing loss and z-loss, averaged over
@@ -83,12 +83,12 @@ def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Opt
             positions, segments, weights = positions[:, order], segments[:, order], weights[:, order]
     if not getattr(model, "routed", False):
         hidden = model.hidden_states(inputs, rngs=rngs, positions=positions, segments=segments)
-        return chunked_cross_entropy(hidden, targets, model.logits, weights=weights, vocab=model.config.vocab_size)
+        return chunked_cross_entropy(hidden, targets, model.head(), weights=weights)
     # A mixture of experts: its router's losses join the objective, and the step reports them.
     hidden, stats = model.hidden_states(inputs, rngs=rngs, positions=positions, segments=segments, with_stats=True)
     c = model.config
     aux, z, load = jnp.mean(stats.aux_loss), jnp.mean(stats.z_loss), jnp.mean(stats.load, axis=0)  # over the layers
-    ce = chunked_cross_entropy(hidden, targets, model.logits, weights=weights, vocab=c.vocab_size)
+    ce = chunked_cross_entropy(hidden, targets, model.head(), weights=weights)
     extras = {"router_aux_loss": aux, "router_z_loss": z, "expert_load": load,
               "expert_load_max_over_mean": jnp.max(load) / jnp.mean(load)}  # fmt: skip
     if getattr(c, "capacity_factor", None):  # the share of the assignments over their expert's capacity
