@@ -72,10 +72,9 @@ def compile_step(cfg, target: str):
     return s, compiled, time.perf_counter() - t0
 
 
-def figures(s, compiled) -> dict:
-    """Memory (the compiler's peak where it reports one), collectives op by op, FLOPs."""
-    import jax
-
+def figures(compiled, params: int) -> dict:
+    """Memory (the compiler's peak where it reports one), collectives op by op, FLOPs, for a
+    model of ``params`` parameters."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _collectives import ops
 
@@ -85,7 +84,6 @@ def figures(s, compiled) -> dict:
         kinds[kind] = kinds.get(kind, 0) + nbytes * n
     reductions = sorted(((nbytes * n, kind, nbytes, n) for kind, nbytes, n in found if kind in ("reduce-scatter", "all-reduce")),
                         reverse=True)  # fmt: skip
-    params = sum(x.size for x in jax.tree.leaves(s.abstract["params"]))
     ma = compiled.memory_analysis()
     peak = getattr(ma, "peak_memory_in_bytes", 0) or (
         ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes)
@@ -118,18 +116,21 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     else:
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    import jax
+
     import nnxscale
     from nnxscale.training.config import TrainConfig
 
     cfg = TrainConfig.from_flags(model=a.model, mesh=a.mesh, batch_size=a.batch_size, seq_len=a.seq_len, dtype=a.dtype,
                                  remat=a.remat, grad_accum=a.grad_accum, microbatches=a.microbatches)  # fmt: skip
     s, compiled, seconds = compile_step(cfg, a.target)
+    params = sum(x.size for x in jax.tree.leaves(s.abstract["params"]))
     if a.hlo:
         with open(a.hlo, "w") as f:
             f.write(compiled.as_text())
     print(json.dumps({"target": a.target, "model": a.model, "mesh": a.mesh, "batch": [a.batch_size, a.seq_len],
                       "dtype": a.dtype, "remat": a.remat, "grad_accum": a.grad_accum, "microbatches": a.microbatches,
-                      "nnxscale": nnxscale.__file__, "compile_s": round(seconds, 1), **figures(s, compiled)}))  # fmt: skip
+                      "nnxscale": nnxscale.__file__, "compile_s": round(seconds, 1), **figures(compiled, params)}))  # fmt: skip
     return 0
 
 

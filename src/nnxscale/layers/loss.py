@@ -10,9 +10,9 @@ recomputes one slice's logits, takes their gradient and moves on. Each slice of 
 and of its gradient is touched once, so on FSDP the head is gathered, and its gradient
 reduced, once per step (see the note above :func:`_vocab_ce`).
 
-The number of slices is the fewest that keep one slice's float32 logits under
-:data:`CHUNK_BYTES` per device; short sequences take one slice, which is the plain
-computation, with the logits held once in the compute dtype.
+The number of slices is the fewest that keep one slice's logits, in the compute dtype,
+under :data:`CHUNK_BYTES` per device; short sequences take one slice, which is the plain
+computation: the logits held once in the compute dtype, and nothing recomputed.
 """
 
 from __future__ import annotations
@@ -28,16 +28,17 @@ import optax
 
 from nnxscale.sharding.activations import constrain, current_rules
 
-#: One chunk's float32 logits, per device, stay under this.
+#: One slice's logits in the compute dtype, per device, stay under this.
 CHUNK_BYTES = 256 << 20
 
 
-def chunk_count(batch: int, length: int, vocab: int, shards: int = 1, budget: Optional[int] = None) -> int:
-    """The fewest chunks of the vocabulary whose float32 logits fit ``budget`` bytes per device,
-    when they are split ``shards`` ways: a divisor of ``vocab`` if one is at most twice that
-    (else the last slice is padded)."""
+def chunk_count(batch: int, length: int, vocab: int, shards: int = 1, budget: Optional[int] = None,
+                itemsize: int = 4) -> int:  # fmt: skip
+    """The fewest slices of the vocabulary whose logits (``itemsize`` bytes each) fit ``budget``
+    bytes per device, when they are split ``shards`` ways: a divisor of ``vocab`` if one is at
+    most twice that (else the last slice is padded)."""
     budget = CHUNK_BYTES if budget is None else budget
-    need = max(1, math.ceil(batch * length * vocab * 4 / max(shards, 1) / budget))
+    need = max(1, math.ceil(batch * length * vocab * itemsize / max(shards, 1) / budget))
     divisor = fewest_chunks(vocab, need * budget, budget)
     return divisor if divisor <= 2 * need else need
 
@@ -100,7 +101,7 @@ def chunked_cross_entropy(hidden, targets, head, *, weights=None, chunks: Option
     V = head.shape[-1]
     w = jnp.ones((B, T), jnp.float32) if weights is None else weights.astype(jnp.float32)
     if chunks is None:
-        chunks = chunk_count(B, T, V, token_shards() * vocab_shards(V))
+        chunks = chunk_count(B, T, V, token_shards() * vocab_shards(V), itemsize=hidden.dtype.itemsize)
     chunks = max(1, min(chunks, V))
     total = _vocab_ce(hidden, head, targets.astype(jnp.int32), w, chunks)
     return total / jnp.sum(w)
