@@ -10,8 +10,8 @@ recomputes one slice's logits, takes their gradient and moves on. Each slice of 
 and of its gradient is touched once, so on FSDP the head is gathered, and its gradient
 reduced, once per step (see the note above :func:`_vocab_ce`).
 
-The number of slices is the fewest that keep one slice's logits, in the compute dtype,
-under :data:`CHUNK_BYTES` per device; short sequences take one slice, which is the plain
+The number of slices is the fewest that keep one slice's float32 logits under
+:data:`CHUNK_BYTES` per device; short sequences take one slice, which is the plain
 computation: the logits held once in the compute dtype, and nothing recomputed.
 """
 
@@ -28,7 +28,7 @@ import optax
 
 from nnxscale.sharding.activations import constrain, current_rules
 
-#: One slice's logits in the compute dtype, per device, stay under this.
+#: One slice's logits, counted in float32 (the loss's dtype), per device, stay under this.
 CHUNK_BYTES = 256 << 20
 
 
@@ -101,9 +101,11 @@ def chunked_cross_entropy(hidden, targets, head, *, weights=None, chunks: Option
     V = head.shape[-1]
     w = jnp.ones((B, T), jnp.float32) if weights is None else weights.astype(jnp.float32)
     if chunks is None:
-        chunks = chunk_count(B, T, V, token_shards() * vocab_shards(V), itemsize=hidden.dtype.itemsize)
+        chunks = chunk_count(B, T, V, token_shards() * vocab_shards(V))
     chunks = max(1, min(chunks, V))
-    total = _vocab_ce(hidden, head, targets.astype(jnp.int32), w, chunks)
+    # The head in the compute dtype: its gradient is reduced over the batch shards in it, as
+    # every other weight's (bfloat16 halves those bytes), and upcast to the parameter after.
+    total = _vocab_ce(hidden, head.astype(hidden.dtype), targets.astype(jnp.int32), w, chunks)
     return total / jnp.sum(w)
 
 
@@ -151,9 +153,8 @@ def _ce_forward(x, head, targets, w, chunks):
     B, T, _ = x.shape
     if chunks == 1:
         logits = head_logits(x, head)  # (B, T, V) in the compute dtype: kept for the backward
-        full = logits.astype(jnp.float32)
-        lse = jax.nn.logsumexp(full, axis=-1)
-        picked = jnp.take_along_axis(full, targets[..., None], axis=-1)[..., 0]
+        lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0].astype(jnp.float32)
         return jnp.sum((lse - picked) * w), (x, head, targets, w, lse, logits)
     slices, ids = _slices(head, chunks)
 
