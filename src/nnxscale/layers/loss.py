@@ -84,7 +84,7 @@ def head_logits(x, head) -> jax.Array:
 
 def chunked_cross_entropy(hidden, targets, head, *, weights=None, chunks: Optional[int] = None) -> jax.Array:
     """Mean next-token cross-entropy of :func:`head_logits` ``(hidden, head)`` against
-    ``targets``, in chunks of the vocabulary, float32.
+    ``targets``, in slices of the vocabulary, float32.
 
     ``hidden`` ``(B, T, C)``: the model's last hidden states; ``head`` ``(C, V)``: the output
     head's weight (its gradient comes back in its own dtype); ``targets`` ``(B, T)`` ints;
@@ -204,11 +204,4 @@ def _ce_backward(chunks, res, g):
     return dx.astype(x.dtype), dw, None, None
 
 
-_vocab_ce.defvjp(lambda x, head, targets, w, chunks: _ce_forward(x, head, targets, w, chunks), _ce_backward)
-
-
-def strided(a, chunks: int):
-    """``(B, T, ...) -> (chunks, B, T / chunks, ...)``: chunk ``i`` holds tokens ``i, i + n, ...``."""
-    B, T = a.shape[:2]
-    return jnp.moveaxis(a.reshape(B, T // chunks, chunks, *a.shape[2:]), 2, 0)
-
+_vocab_ce.defvjp(_ce_forward, _ce_backward)
