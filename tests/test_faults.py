@@ -7,6 +7,7 @@ checkpoints, readable metrics, and a resume that continues the run exactly.
 Runs are the byte-level ``gpt2-tiny`` of ``test_train.py``, batch 16 x 32, a few steps.
 """
 
+import functools
 import json
 import math
 import os
@@ -151,6 +152,42 @@ def test_a_diverging_run_skips_its_bad_steps_stops_and_keeps_finite_checkpoints(
         for path, leaf in jax.tree_util.tree_leaves_with_path(state):
             if np.issubdtype(np.asarray(leaf).dtype, np.floating):
                 assert np.isfinite(leaf).all(), f"checkpoint step {step} {jax.tree_util.keystr(path)}"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_step_changes_nothing_and_a_finite_one_updates(bad):
+    """The guard inside the jitted step, with the state donated as the trainer donates it:
+    a NaN or Inf loss leaves every parameter and optimizer array bit for bit as it was (the
+    step counter advances, ``skipped`` is 1); a finite one applies the update."""
+    import jax.numpy as jnp
+    import optax
+
+    from nnxscale.training.step import skip_nonfinite
+
+    tx = optax.adamw(0.1)
+    params = {"w": jnp.arange(6, dtype=jnp.float32).reshape(2, 3), "b": jnp.ones(3)}
+
+    def fresh():
+        return {"params": params, "opt_state": tx.init(params), "step": jnp.int32(4), "key": jnp.zeros(2, jnp.uint32)}
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, loss):
+        grads = jax.tree.map(lambda p: jnp.full_like(p, loss), state["params"])
+
+        def update(p, o):
+            updates, o = tx.update(grads, o, p)
+            return optax.apply_updates(p, updates), o
+
+        return skip_nonfinite(state, update, {"loss": loss, "grad_norm": optax.tree.norm(grads)})
+
+    before = jax.tree.map(np.asarray, fresh())
+    kept, metrics = step(fresh(), jnp.float32(bad))
+    assert int(metrics["skipped"]) == 1 and int(kept["step"]) == 5
+    for part in ("params", "opt_state"):
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, kept[part]), before[part])
+    moved, metrics = step(fresh(), jnp.float32(0.5))
+    assert int(metrics["skipped"]) == 0 and int(moved["step"]) == 5
+    assert not np.array_equal(np.asarray(moved["params"]["w"]), before["params"]["w"])
 
 
 # --------------------------------------------------------------------------------------

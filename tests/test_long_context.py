@@ -149,7 +149,7 @@ def test_the_chunked_loss_equals_the_plain_one_and_never_holds_all_logits():
 
     for chunks in (1, 3, 4):
         chunked = lambda hidden, head, weights: losslib.chunked_cross_entropy(  # noqa: E731
-            hidden, targets, lambda x: x @ head, weights=weights, chunks=chunks  # noqa: B023
+            hidden, targets, head, weights=weights, chunks=chunks  # noqa: B023
         )
         got = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1)))(hidden, head, weights)
         want = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(hidden, head, weights)
@@ -161,12 +161,46 @@ def test_the_chunked_loss_equals_the_plain_one_and_never_holds_all_logits():
         h = jax.ShapeDtypeStruct((1, 4096, 64), jnp.float32)
         w = jax.ShapeDtypeStruct((64, 8192), jnp.float32)
         t = jnp.zeros((1, 4096), jnp.int32)
-        f = lambda h, w: losslib.chunked_cross_entropy(h, t, lambda x: x @ w, chunks=chunks)  # noqa: E731
+        f = lambda h, w: losslib.chunked_cross_entropy(h, t, w, chunks=chunks)  # noqa: E731
         return jax.jit(jax.grad(f, argnums=(0, 1))).lower(h, w).compile().memory_analysis().temp_size_in_bytes
 
     logits = 4096 * 8192 * 4
     assert temp(1) >= logits
     assert temp(8) <= 3 * logits / 8, (temp(8), logits)
+
+
+def test_on_fsdp_the_head_gradient_is_reduced_once_per_step():
+    """The loss in 4 slices of a 1,024-word vocabulary on fsdp=8 (tokens split over the
+    devices, the head split as FSDP splits it): the loss and the gradients equal the plain
+    loss's (float32 1e-5), and the compiled program reduces the head's gradient once
+    (all-reduce and reduce-scatter bytes, loop trip counts included). Chunks of tokens
+    reduced it once per chunk: 4x here, 8x on llama-3.2-1b on 8 H100s (issue 31)."""
+    import nnxscale
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from nnxscale.planning import hlo
+
+    B, T, C, V = 8, 32, 64, 1024
+    r = np.random.default_rng(6)
+    hidden = jnp.asarray(r.standard_normal((B, T, C)), jnp.float32)
+    head = jnp.asarray(r.standard_normal((C, V)) / 8, jnp.float32)
+    targets = jnp.asarray(r.integers(0, V, (B, T)), jnp.int32)
+    want = jax.jit(jax.value_and_grad(lambda h, w: optax_ce(h @ w, targets).mean(), argnums=(0, 1)))(hidden, head)
+
+    mesh = nnxscale.make_mesh("fsdp=8")
+    rules = nnxscale.resolve("auto", mesh, min_shard_bytes=0)
+    layouts = (NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P("fsdp")))  # (B, T, C) and (C, V)
+
+    def chunked(h, w):
+        with nnxscale.use_rules(rules):
+            return losslib.chunked_cross_entropy(h, targets, w, chunks=4)
+
+    step = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1)), in_shardings=layouts, out_shardings=(None, layouts))
+    compiled = step.lower(hidden, head).compile()
+    assert_close(compiled(hidden, head), want, "fsdp=8, 4 slices")
+    reduced = sum(c.total_bytes for c in hlo.collectives(compiled.as_text()) if c.kind in ("all-reduce", "reduce-scatter"))
+    assert reduced <= 1.02 * head.nbytes, reduced / head.nbytes
 
 
 def test_the_mlp_in_slices_of_its_intermediate_equals_the_whole_and_holds_one_slice(monkeypatch):
@@ -435,12 +469,14 @@ def test_plan_counts_the_rings_permutes_and_proposes_context_meshes(text_data):
     assert "context: the sequence split 2 ways, 16 tokens per device" in str(p)
     # Beside stage, the step's permutes are the pipeline's (of T / 2 tokens per device) and
     # the ring's in each stage's share of the iterations, and again a few tensors outside the
-    # layers (measured 34% more here: three (rows, T / 2, width) slabs, large beside 2 layers;
-    # 0.2% more for batch 8 x 64 with the default --min-shard-bytes).
+    # layers (measured 34% more here with the loss in chunks of tokens: three (rows, T / 2,
+    # width) slabs of 65,536 bytes, large beside 2 layers; 0.2% more for batch 8 x 64 with the
+    # default --min-shard-bytes; 45% with the loss in slices of the vocabulary, 2026-11-26: a
+    # fourth slab, 787,712 -> 853,248 bytes, the same permutes in the layers).
     cfg = tiny_cfg("unused", text_data, model="llama-tiny", mesh="stage=2,context=2,data=2", microbatches=2)
     both = report.plan(cfg, compile="always")
     expected = both.pipeline["permute_bytes_expected"] + both.context["permute_bytes_expected"]
-    assert expected <= both.context["permute_bytes_per_step"] <= 1.4 * expected, (both.pipeline, both.context)
+    assert expected <= both.context["permute_bytes_per_step"] <= 1.5 * expected, (both.pipeline, both.context)
 
     cfg = with_overrides(TrainConfig(), {"model.name": "llama-3.2-1b", "parallel.mesh": "context=8", "data.seq_len": 131072,
                                          "data.batch_size": 1, "model.remat": "full"})  # fmt: skip

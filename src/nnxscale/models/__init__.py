@@ -54,8 +54,8 @@ def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Opt
                             ignored_targets: bool = False):  # fmt: skip
     """GPT-2's and Llama's loss: :func:`next_token_loss` without ever holding every logit.
 
-    The model's ``hidden_states`` go through its ``logits`` head a chunk of tokens at a
-    time (:func:`nnxscale.layers.loss.chunked_cross_entropy`); the value and gradients are
+    The model's ``hidden_states`` go through its ``head()`` weight a slice of the vocabulary
+    at a time (:func:`nnxscale.layers.loss.chunked_cross_entropy`); the value and gradients are
     those of :func:`next_token_loss`. With the sequence split over a ``context`` axis, the
     tokens are laid out in :func:`nnxscale.layers.attention.zigzag` order first. For a
     mixture of experts (Mixtral) the router's load-balancing loss and z-loss, averaged over
@@ -75,7 +75,7 @@ def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Opt
     is over the others (:func:`~nnxscale.models.common.documents.trained_weights`).
     """
     hidden, targets, weights, extras = hidden_and_weights(model, inputs, targets, rngs, separator, ignored_targets)
-    ce = chunked_cross_entropy(hidden, targets, model.logits, weights=weights, vocab=model.config.vocab_size)
+    ce = chunked_cross_entropy(hidden, targets, model.head(), weights=weights)
     if extras is None:
         return ce
     return ce + extras.pop("router_aux_term") + extras.pop("router_z_term"), extras

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from nnxscale.layers.loss import chunk_count, strided, token_shards
+from nnxscale.layers.loss import CHUNK_BYTES, fewest_chunks, token_shards
 from nnxscale.models import hidden_and_weights
 
 #: The train state's entry holding the reference parameters.
@@ -39,13 +39,14 @@ def sequence_log_probs(model, inputs, targets, *, rngs=None, separator: Optional
     mixture's router terms (``None`` for a dense model).
 
     The head runs over chunks of tokens as the chunked loss runs it
-    (:func:`nnxscale.layers.loss.chunk_count`: one chunk's logits within budget per
+    (one chunk's logits within :data:`nnxscale.layers.loss.CHUNK_BYTES` per
     device), each chunk recomputed in the backward pass, summing per row instead of over
     the batch.
     """
     hidden, targets, weights, extras = hidden_and_weights(model, inputs, targets, rngs, separator, True)
     B, T, _ = hidden.shape
-    chunks = chunk_count(B, T, model.config.vocab_size, token_shards())
+    # chunks of tokens (a divisor of T) whose float32 logits fit the chunked loss's budget per device
+    chunks = fewest_chunks(T, B * T * model.config.vocab_size * 4 / token_shards(), CHUNK_BYTES)
 
     def row_sums(x, t, w):  # (B, t, C), (B, t), (B, t) -> (B,)
         logits = model.logits(x).astype(jnp.float32)
@@ -61,6 +62,12 @@ def sequence_log_probs(model, inputs, targets, *, rngs=None, separator: Optional
     xs = (strided(hidden, chunks), strided(targets, chunks), strided(weights, chunks))
     total, _ = jax.lax.scan(body, jnp.zeros((B,), jnp.float32), xs)
     return total, extras
+
+
+def strided(a, chunks: int):
+    """``(B, T, ...) -> (chunks, B, T / chunks, ...)``: chunk ``i`` holds tokens ``i, i + n, ...``."""
+    B, T = a.shape[:2]
+    return jnp.moveaxis(a.reshape(B, T // chunks, chunks, *a.shape[2:]), 2, 0)
 
 
 def dpo_loss(model, inputs, targets, *, rngs=None, reference, beta: float, separator: Optional[int] = None):

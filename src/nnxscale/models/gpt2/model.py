@@ -158,8 +158,12 @@ class GPT2(nnx.Module):
         c = self.config
         return kv_cache.empty(c.n_layer, batch, length, c.n_head, c.n_embd // c.n_head, jnp.dtype(c.dtype), "heads")
 
+    def head(self):
+        """The output head's weight (n_embd, vocab_size), in the parameters' dtype: the token
+        embedding's transpose (tied)."""
+        return self.wte.embedding[...].T
+
     def logits(self, x):
         """The output head, tied to the token embedding: (B, T, C) -> float32 logits (B, T, V)."""
-        wte = self.wte.embedding[...].astype(x.dtype)  # (V, C)
-        logits = jnp.einsum("btc,vc->btv", x, wte, preferred_element_type=jnp.float32)  # (B, T, V)
-        return constrain(logits, "batch", "length", "vocab")
+        logits = jnp.einsum("btc,cv->btv", x, self.head().astype(x.dtype), preferred_element_type=jnp.float32)
+        return constrain(logits, "batch", "length", "vocab")  # (B, T, V)

@@ -218,12 +218,14 @@ class Llama(nnx.Module):
         c = self.config
         return kv_cache.empty(c.num_hidden_layers, batch, length, c.num_key_value_heads, c.head_size, jnp.dtype(c.dtype))
 
+    def head(self):
+        """The output head's weight (hidden_size, vocab_size), in the parameters' dtype: the
+        token embedding's transpose when tied, else ``lm_head``'s kernel."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.embedding[...].T
+        return self.lm_head.kernel[...]
+
     def logits(self, x):
         """The output head: (B, T, hidden_size) -> float32 logits (B, T, vocab_size)."""
-        if self.config.tie_word_embeddings:
-            head = self.embed_tokens.embedding[...].astype(x.dtype)  # (V, C)
-            logits = jnp.einsum("btc,vc->btv", x, head, preferred_element_type=jnp.float32)
-        else:
-            head = self.lm_head.kernel[...].astype(x.dtype)  # (C, V)
-            logits = jnp.einsum("btc,cv->btv", x, head, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("btc,cv->btv", x, self.head().astype(x.dtype), preferred_element_type=jnp.float32)
         return constrain(logits, "batch", "length", "vocab")  # (B, T, V)
