@@ -1,5 +1,11 @@
 """Collectives counted in compiled programs: by kind, per device, through loops."""
 
+import functools
+import gzip
+import math
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -103,3 +109,99 @@ ENTRY %main (x: f32[256]) -> f32[256] {
 """
     (op,) = hlo.collectives(text)
     assert (op.kind, op.bytes, op.group) == ("all-reduce", 1024, 4)
+
+# --------------------------------------------------------------------------------------
+# Real compilers' programs: tests/data/hlo/*.hlo.gz (tests/data/hlo/make_fixtures.py).
+# Each hand-written step's collectives follow from its shapes and mesh (STEPS); the
+# counter must find exactly those, in the dtype each compiler chose, on every backend.
+# --------------------------------------------------------------------------------------
+
+FIXTURES = Path(__file__).parent / "data" / "hlo"
+sys.path.insert(0, str(FIXTURES))
+from make_fixtures import BACKENDS, STEPS  # noqa: E402
+
+sys.path.remove(str(FIXTURES))
+
+
+@functools.cache
+def fixture_ops(backend: str, step: str) -> tuple[hlo.Collective, ...]:
+    with gzip.open(FIXTURES / f"{backend}_{step}.hlo.gz", "rt") as f:
+        return tuple(hlo.collectives(f.read()))
+
+
+def elements(op: hlo.Collective) -> int:
+    """Elements per execution of the tensors an op counts (bytes without the dtype)."""
+    return sum(math.prod(s) for s in op.shapes)
+
+
+def moved(ops, kinds, each: int, group: int | None = None) -> int:
+    """Elements moved per run by the ops of ``kinds`` that move ``each`` elements at a time."""
+    picked = [op for op in ops if op.kind in kinds and elements(op) == each]
+    assert all(group is None or op.group == group for op in picked), [(op.name, op.group) for op in picked]
+    return sum(elements(op) * op.executions for op in picked)
+
+
+ITEMSIZE = {"f32": 4, "bf16": 2}
+#: XLA:CPU has no reduce-scatter: it all-reduces the gradient and each device keeps its part.
+GRADIENT_REDUCTION = ("reduce-scatter", "all-reduce")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("step", list(STEPS))
+def test_every_op_counts_its_tensors_in_the_dtype_compiled(backend, step):
+    ops = fixture_ops(backend, step)
+    assert ops and all(op.trips_known and not op.in_branch for op in ops)
+    for op in ops:
+        assert op.dtype in ITEMSIZE, op
+        assert op.bytes == elements(op) * ITEMSIZE[op.dtype], op
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fsdp_gathers_each_weight_twice_and_reduces_its_gradient_once(backend):
+    c = STEPS["fsdp_scan"]
+    ops, n, layer = fixture_ops(backend, "fsdp_scan"), c["mesh"]["fsdp"], c["width"] ** 2
+    assert moved(ops, ("all-gather",), layer, n) == 2 * c["layers"] * layer  # forward, and backward (remat)
+    assert moved(ops, GRADIENT_REDUCTION, layer, n) == c["layers"] * layer
+    if backend != "cpu":  # the step computes in bfloat16: the accelerators gather and reduce in it
+        assert {op.dtype for op in ops if op.kind in ("all-gather", "reduce-scatter")} == {"bf16"}
+        assert moved(ops, ("reduce-scatter",), layer, n) == c["layers"] * layer
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_accumulation_nests_the_layer_loop_in_the_microbatch_loop(backend):
+    c = STEPS["fsdp_accum"]
+    ops, n, layer = fixture_ops(backend, "fsdp_accum"), c["mesh"]["fsdp"], c["width"] ** 2
+    assert moved(ops, ("all-gather",), layer, n) == c["micro"] * 2 * c["layers"] * layer
+    assert moved(ops, GRADIENT_REDUCTION, layer, n) == c["micro"] * c["layers"] * layer
+    loops = {op.executions for op in ops if op.kind == "all-gather" and elements(op) == layer}
+    assert loops == {c["micro"] * c["layers"]}  # inner trip count x outer trip count
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensor_parallel_all_reduces_activations_over_model_and_gradients_over_data(backend):
+    c = STEPS["tp_mlp"]
+    ops, (data, model) = fixture_ops(backend, "tp_mlp"), (c["mesh"]["data"], c["mesh"]["model"])
+    activation = c["batch"] // data * c["width"]
+    weight = c["width"] * c["hidden"] // model  # each of the two weights' shards
+    assert moved(ops, ("all-reduce",), activation, model) == 2 * c["layers"] * activation  # forward and backward
+    gradients = [op for op in ops if op.kind == "all-reduce" and op.group == data]
+    assert sum(elements(op) * op.executions for op in gradients) == c["layers"] * 2 * weight
+    assert hlo.collective_bytes(ops)["all-reduce"] == sum(op.total_bytes for op in ops)  # nothing else
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_context_ring_permutes_keys_and_values_once_per_hop(backend):
+    c = STEPS["context_ring"]
+    ops, n = fixture_ops(backend, "context_ring"), c["mesh"]["context"]
+    block = c["batch"] * c["seq"] // n * c["heads"] * c["head_dim"]
+    assert {op.kind for op in ops} == {"collective-permute"}
+    assert sum(elements(op) * op.executions for op in ops) == n * 2 * block  # n hops of K and V
+    assert all(op.executions == n for op in ops)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_experts_exchange_tokens_twice_forward_and_twice_backward(backend):
+    c = STEPS["expert_a2a"]
+    ops, n = fixture_ops(backend, "expert_a2a"), c["mesh"]["expert"]
+    assert {op.kind for op in ops} == {"all-to-all"}
+    assert moved(ops, ("all-to-all",), c["tokens"] // n * c["width"], n) == 4 * c["tokens"] // n * c["width"]
