@@ -3,6 +3,7 @@
 import functools
 import gzip
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -118,7 +119,7 @@ ENTRY %main (x: f32[256]) -> f32[256] {
 
 FIXTURES = Path(__file__).parent / "data" / "hlo"
 sys.path.insert(0, str(FIXTURES))
-from make_fixtures import BACKENDS, STEPS  # noqa: E402
+from make_fixtures import BACKENDS, NNXSCALE_STEPS, STEPS  # noqa: E402
 
 sys.path.remove(str(FIXTURES))
 
@@ -205,3 +206,156 @@ def test_experts_exchange_tokens_twice_forward_and_twice_backward(backend):
     ops, n = fixture_ops(backend, "expert_a2a"), c["mesh"]["expert"]
     assert {op.kind for op in ops} == {"all-to-all"}
     assert moved(ops, ("all-to-all",), c["tokens"] // n * c["width"], n) == 4 * c["tokens"] // n * c["width"]
+
+
+def count_by_results(text: str) -> dict[str, int]:
+    """An op-by-op count written apart from the module, from what each device ends up with.
+
+    Asynchronous ops are counted at their ``-done`` (whose type is the result alone), TPU's
+    async collective fusions at the copy flagged ``flag_start -1``, loops by their recorded
+    trip count or else the one integer constant their condition compares with; a
+    reduce-scatter's result is scaled back to its input by the group size.
+    """
+    comps, lines, entry = {}, {}, None
+    for line in text.splitlines():
+        if line.startswith(("%", "ENTRY")) and line.endswith("{"):
+            name = line.split("%", 1)[1].split(" ", 1)[0]
+            comps[name], entry = [], name if line.startswith("ENTRY") else entry
+        elif line.startswith("  %"):
+            comps[name].append(line)
+            lines[line.split("=", 1)[0].strip(" %")] = line
+    edges = []  # (caller, callee, times)
+    for comp, body in comps.items():
+        for line in body:
+            if re.search(r"-done\(", line):
+                continue
+            trips = 1
+            if " while(" in line:
+                known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                cond = re.search(r"condition=%([\w.\-]+)", line).group(1)
+                bounds = [int(c) for ln in comps[cond] for c in re.findall(r"s32\[\]\S* constant\((\d+)\)", ln)]
+                trips = int(known.group(1)) if known else bounds[0]
+            for callee in re.findall(r"\b(?:calls|to_apply|body)=%([\w.\-]+)", line):
+                edges.append((comp, callee, trips))
+    runs = {}
+
+    def visit(comp, times):
+        runs[comp] = runs.get(comp, 0) + times
+        for caller, callee, trips in edges:
+            if caller == comp:
+                visit(callee, times * trips)
+
+    visit(entry, 1)
+    totals = dict.fromkeys(hlo.KINDS, 0)
+    size = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4}
+    for comp, times in runs.items():
+        for line in comps[comp]:
+            m = re.search(r"= (.*?) (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(-start|-done)?\(", line)
+            if not m or m.group(3) == "-start" or ('async_collective_fusion_config' in line and '"flag_start":"-1"' not in line):
+                continue
+            kind, where = m.group(2), line
+            if m.group(3) == "-done":  # its start says who takes part
+                where = lines[re.search(r"-done\(%([\w.\-]+)", line).group(1)]
+            nbytes = sum(math.prod(int(d) for d in dims.split(",") if d) * size[dt]
+                         for dt, dims in re.findall(r"\b(f32|bf16|s32|u32)\[([\d,]*)\]", m.group(1)))  # fmt: skip
+            if kind == "reduce-scatter":
+                nbytes *= group_of(where)
+            if kind == "all-reduce" and comp.startswith("all-reduce-scatter"):
+                kind = "reduce-scatter"
+            totals[kind] += nbytes * times
+    return totals
+
+
+def group_of(line: str) -> int:
+    """Devices in the first replica group of ``line``, in the three ways the fixtures write them."""
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+    if m := re.search(r"replica_groups=\{\{([\d,]+)\}", line):
+        return m.group(1).count(",") + 1
+    return int(re.search(r"replica_groups=\[\d+,(\d+)\]<=", line).group(1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("step", [*STEPS, *NNXSCALE_STEPS])
+def test_the_count_agrees_with_an_op_by_op_count_of_the_results(backend, step):
+    with gzip.open(FIXTURES / f"{backend}_{step}.hlo.gz", "rt") as f:
+        text = f.read()
+    assert hlo.collective_bytes(text) == count_by_results(text)
+
+
+# Forms the fixtures do not show: an async-start wrapping a computation, a conditional, a loop
+# whose trip count cannot be read, and a TPU loop with a counter starting at 2.
+WRAPPED = """HloModule m, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%wrapped_reduce_scatter (p: f32[64]) -> f32[16] {
+  %p = f32[64]{0} parameter(0)
+  ROOT %rs = f32[16]{0} reduce-scatter(%p), replica_groups={}, dimensions={0}, to_apply=%add
+}
+
+%gather (p: f32[16]) -> f32[64] {
+  %p = f32[16]{0} parameter(0)
+  ROOT %ag = f32[64]{0} all-gather(%p), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%reduce (p: f32[64]) -> f32[64] {
+  %p = f32[64]{0} parameter(0)
+  %ar = f32[64]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %ar2 = f32[64]{0} all-reduce(%ar), replica_groups={{0,1,2,3}}, to_apply=%add
+}
+
+%cond (p: (s32[], f32[64])) -> pred[] {
+  %p = (s32[], f32[64]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(7)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %p = (s32[], f32[64]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %x = f32[64]{0} get-tuple-element(%p), index=1
+  %y = f32[64]{0} all-reduce(%x), replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %t = (s32[], f32[64]) tuple(%next, %y)
+}
+
+%opaque_cond (p: (s32[], f32[64])) -> pred[] {
+  %p = (s32[], f32[64]) parameter(0)
+  ROOT %go = pred[] custom-call(%p), custom_call_target="keep_going"
+}
+
+ENTRY %main (x: f32[64], c: pred[]) -> f32[64] {
+  %x = f32[64]{0} parameter(0)
+  %c = pred[] parameter(1)
+  %start = ((f32[64]{0}), f32[16]{0}, u32[]) async-start(%x), calls=%wrapped_reduce_scatter
+  %done = f32[16]{0} async-done(%start), calls=%wrapped_reduce_scatter
+  %branch = f32[64]{0} conditional(%c, %done, %x), branch_computations={%gather, %reduce}
+  %two = s32[] constant(2)
+  %counter = s32[] copy(%two)
+  %init = (s32[], f32[64]) tuple(%counter, %branch)
+  %loop = (s32[], f32[64]) while(%init), condition=%cond, body=%body
+  %unknown = (s32[], f32[64]) while(%init), condition=%opaque_cond, body=%body
+  ROOT %r = f32[64]{0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_wrapped_async_ops_conditionals_and_loops_without_a_recorded_count():
+    ops = {(op.computation, op.name): op for op in hlo.collectives(WRAPPED)}
+    rs = ops["wrapped_reduce_scatter", "rs"]  # once, though the start and the done both name it
+    assert (rs.kind, rs.bytes, rs.group, rs.executions) == ("reduce-scatter", 64 * 4, 4, 1)  # no groups: every device
+    ag, ar = ops["gather", "ag"], ops["reduce", "ar"]  # one branch runs: the heavier one is counted
+    assert ag.in_branch and ar.in_branch and (ag.executions, ar.executions, ops["reduce", "ar2"].executions) == (0, 1, 1)
+    loop = ops["body", "y"]  # 7 - 2 trips read from the loop, and 1 for the loop it cannot read
+    assert loop.executions == 5 + 1 and not loop.trips_known
+    assert hlo.collective_bytes(WRAPPED)["all-reduce"] == 6 * 256 + 2 * 256
+    assert hlo.collective_bytes(WRAPPED)["all-gather"] == 0
+
