@@ -3,7 +3,6 @@
 import functools
 import gzip
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -119,7 +118,7 @@ ENTRY %main (x: f32[256]) -> f32[256] {
 
 FIXTURES = Path(__file__).parent / "data" / "hlo"
 sys.path.insert(0, str(FIXTURES))
-from make_fixtures import BACKENDS, NNXSCALE_STEPS, STEPS  # noqa: E402
+from make_fixtures import BACKENDS, NNXSCALE_STEPS, STEPS, count_by_results  # noqa: E402
 
 sys.path.remove(str(FIXTURES))
 
@@ -206,74 +205,6 @@ def test_experts_exchange_tokens_twice_forward_and_twice_backward(backend):
     ops, n = fixture_ops(backend, "expert_a2a"), c["mesh"]["expert"]
     assert {op.kind for op in ops} == {"all-to-all"}
     assert moved(ops, ("all-to-all",), c["tokens"] // n * c["width"], n) == 4 * c["tokens"] // n * c["width"]
-
-
-def count_by_results(text: str) -> dict[str, int]:
-    """An op-by-op count written apart from the module, from what each device ends up with.
-
-    Asynchronous ops are counted at their ``-done`` (whose type is the result alone), TPU's
-    async collective fusions at the copy flagged ``flag_start -1``, loops by their recorded
-    trip count or else the one integer constant their condition compares with; a
-    reduce-scatter's result is scaled back to its input by the group size.
-    """
-    comps, lines, entry = {}, {}, None
-    for line in text.splitlines():
-        if line.startswith(("%", "ENTRY")) and line.endswith("{"):
-            name = line.split("%", 1)[1].split(" ", 1)[0]
-            comps[name], entry = [], name if line.startswith("ENTRY") else entry
-        elif line.startswith("  %"):
-            comps[name].append(line)
-            lines[line.split("=", 1)[0].strip(" %")] = line
-    edges = []  # (caller, callee, times)
-    for comp, body in comps.items():
-        for line in body:
-            if re.search(r"-done\(", line):
-                continue
-            trips = 1
-            if " while(" in line:
-                known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                cond = re.search(r"condition=%([\w.\-]+)", line).group(1)
-                bounds = [int(c) for ln in comps[cond] for c in re.findall(r"s32\[\]\S* constant\((\d+)\)", ln)]
-                trips = int(known.group(1)) if known else bounds[0]
-            for callee in re.findall(r"\b(?:calls|to_apply|body)=%([\w.\-]+)", line):
-                edges.append((comp, callee, trips))
-    runs = {}
-
-    def visit(comp, times):
-        runs[comp] = runs.get(comp, 0) + times
-        for caller, callee, trips in edges:
-            if caller == comp:
-                visit(callee, times * trips)
-
-    visit(entry, 1)
-    totals = dict.fromkeys(hlo.KINDS, 0)
-    size = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4}
-    for comp, times in runs.items():
-        for line in comps[comp]:
-            m = re.search(r"= (.*?) (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(-start|-done)?\(", line)
-            if not m or m.group(3) == "-start" or ('async_collective_fusion_config' in line and '"flag_start":"-1"' not in line):
-                continue
-            kind, where = m.group(2), line
-            if m.group(3) == "-done":  # its start says who takes part
-                where = lines[re.search(r"-done\(%([\w.\-]+)", line).group(1)]
-            nbytes = sum(math.prod(int(d) for d in dims.split(",") if d) * size[dt]
-                         for dt, dims in re.findall(r"\b(f32|bf16|s32|u32)\[([\d,]*)\]", m.group(1)))  # fmt: skip
-            if kind == "reduce-scatter":
-                nbytes *= group_of(where)
-            if kind == "all-reduce" and comp.startswith("all-reduce-scatter"):
-                kind = "reduce-scatter"
-            totals[kind] += nbytes * times
-    return totals
-
-
-def group_of(line: str) -> int:
-    """Devices in the first replica group of ``line``, in the three ways the fixtures write them."""
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line):
-        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
-    if m := re.search(r"replica_groups=\{\{([\d,]+)\}", line):
-        return m.group(1).count(",") + 1
-    return int(re.search(r"replica_groups=\[\d+,(\d+)\]<=", line).group(1))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

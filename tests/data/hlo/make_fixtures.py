@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import math
 import os
 import re
 import subprocess
@@ -33,6 +34,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute", "collective-broadcast")
 BACKENDS = ("cpu", "h100", "tpu")
 
 #: The hand-written steps: their meshes and shapes (per whole array, before sharding).
@@ -223,6 +225,125 @@ def expert_a2a(mesh, c):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (x, w1, w2)
 
 
+def arithmetic(name: str) -> list[tuple[str, int, int, int, str]]:
+    """What step ``name`` must move per device per run, from its shapes and mesh alone:
+    ``[(kind, group, elements per tensor, tensors per run, what)]`` (see :data:`STEPS`)."""
+    c = STEPS[name]
+    if name in ("fsdp_scan", "fsdp_accum"):
+        n, layer, runs = c["mesh"]["fsdp"], c["width"] ** 2, c["layers"] * c.get("micro", 1)
+        return [("all-gather", n, layer, 2 * runs, "each layer's weight, forward and backward"),
+                ("reduce-scatter", n, layer, runs, "each layer's weight gradient")]  # fmt: skip
+    if name == "tp_mlp":
+        data, model = c["mesh"]["data"], c["mesh"]["model"]
+        return [("all-reduce", model, c["batch"] // data * c["width"], 2 * c["layers"], "block output and input gradient over model"),
+                ("all-reduce", data, c["width"] * c["hidden"] // model, 2 * c["layers"], "two weight gradients over data")]  # fmt: skip
+    if name == "context_ring":
+        n = c["mesh"]["context"]
+        return [("collective-permute", 1, c["batch"] * c["seq"] // n * c["heads"] * c["head_dim"], 2 * n, "key and value blocks, a hop per step")]
+    n = c["mesh"]["expert"]
+    return [("all-to-all", n, c["tokens"] // n * c["width"], 4, "tokens to experts and back, forward and backward")]
+
+
+def table() -> str:
+    """Markdown: each step's arithmetic beside what the counter finds in each backend's program.
+
+    An op is the arithmetic's when it is of its kind and group and moves a whole number of
+    the arithmetic's tensors (compilers combine, flatten and split them); XLA:CPU
+    reduces gradients with an all-reduce where the others reduce-scatter.
+    """
+    from nnxscale.planning import hlo
+
+    rows = ["| step (mesh) | collective: what the arithmetic moves | backend | expected elements | counted elements | counted bytes (dtype) | other collectives in the program |",
+            "| --- | --- | --- | ---: | ---: | ---: | --- |"]  # fmt: skip
+    for name, c in STEPS.items():
+        mesh = ",".join(f"{k}={v}" for k, v in c["mesh"].items())
+        for backend in BACKENDS:
+            with gzip.open(fixture_path(backend, name), "rt") as f:
+                ops = hlo.collectives(f.read())
+            left = list(ops)
+            entries = arithmetic(name)
+            for k, (kind, group, each, times, what) in enumerate(entries):
+                kinds = (kind, "all-reduce") if kind == "reduce-scatter" else (kind,)
+                mine = [op for op in left if op.kind in kinds and op.group == group and sum(map(math.prod, op.shapes)) % each == 0]
+                left = [op for op in left if op not in mine]
+                counted = sum(math.prod(s) * op.executions for op in mine for s in op.shapes)
+                nbytes = sum(op.total_bytes for op in mine)
+                dtypes = "+".join(sorted({op.dtype for op in mine}))
+                kinds_seen = "/".join(sorted({op.kind for op in mine}))
+                other = "; ".join(f"{op.kind} {op.dtype}{list(op.shapes[0])} x{op.executions}" for op in left) if k == len(entries) - 1 else ""
+                rows.append(f"| {name} ({mesh}) | {kind}: {what} | {backend} | {each * times:,} | {counted:,} | "
+                            f"{nbytes / 1e6:.2f} MB ({kinds_seen}, {dtypes}) | {other or '-'} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def count_by_results(text: str) -> dict[str, int]:
+    """An op-by-op count of a module's collectives, written apart from ``nnxscale.planning.hlo``, from what each device ends up with.
+
+    Asynchronous ops are counted at their ``-done`` (whose type is the result alone), TPU's
+    async collective fusions at the copy flagged ``flag_start -1``, loops by their recorded
+    trip count or else the one integer constant their condition compares with; a
+    reduce-scatter's result is scaled back to its input by the group size.
+    """
+    comps, lines, entry = {}, {}, None
+    for line in text.splitlines():
+        if line.startswith(("%", "ENTRY")) and line.endswith("{"):
+            name = line.split("%", 1)[1].split(" ", 1)[0]
+            comps[name], entry = [], name if line.startswith("ENTRY") else entry
+        elif line.startswith("  %"):
+            comps[name].append(line)
+            lines[line.split("=", 1)[0].strip(" %")] = line
+    edges = []  # (caller, callee, times)
+    for comp, body in comps.items():
+        for line in body:
+            if re.search(r"-done\(", line):
+                continue
+            trips = 1
+            if " while(" in line:
+                known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                cond = re.search(r"condition=%([\w.\-]+)", line).group(1)
+                bounds = [int(c) for ln in comps[cond] for c in re.findall(r"s32\[\]\S* constant\((\d+)\)", ln)]
+                trips = int(known.group(1)) if known else bounds[0]
+            for callee in re.findall(r"\b(?:calls|to_apply|body)=%([\w.\-]+)", line):
+                edges.append((comp, callee, trips))
+    runs = {}
+
+    def visit(comp, times):
+        runs[comp] = runs.get(comp, 0) + times
+        for caller, callee, trips in edges:
+            if caller == comp:
+                visit(callee, times * trips)
+
+    visit(entry, 1)
+    totals = dict.fromkeys(KINDS, 0)
+    size = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4}
+    for comp, times in runs.items():
+        for line in comps[comp]:
+            m = re.search(r"= (.*?) (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(-start|-done)?\(", line)
+            if not m or m.group(3) == "-start" or ('async_collective_fusion_config' in line and '"flag_start":"-1"' not in line):
+                continue
+            kind, where = m.group(2), line
+            if m.group(3) == "-done":  # its start says who takes part
+                where = lines[re.search(r"-done\(%([\w.\-]+)", line).group(1)]
+            nbytes = sum(math.prod(int(d) for d in dims.split(",") if d) * size[dt]
+                         for dt, dims in re.findall(r"\b(f32|bf16|s32|u32)\[([\d,]*)\]", m.group(1)))  # fmt: skip
+            if kind == "reduce-scatter":
+                nbytes *= group_of(where)
+            if kind == "all-reduce" and comp.startswith("all-reduce-scatter"):
+                kind = "reduce-scatter"
+            totals[kind] += nbytes * times
+    return totals
+
+
+def group_of(line: str) -> int:
+    """Devices in the first replica group of ``line``, in the three ways the fixtures write them."""
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+    if m := re.search(r"replica_groups=\{\{([\d,]+)\}", line):
+        return m.group(1).count(",") + 1
+    return int(re.search(r"replica_groups=\[\d+,(\d+)\]<=", line).group(1))
+
+
 def _nnxscale_step(devs, c):
     import jax
 
@@ -286,7 +407,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=(*BACKENDS, "all"), default="all")
     ap.add_argument("--step", action="append", choices=(*STEPS, *NNXSCALE_STEPS), help="default: every step")
+    ap.add_argument("--table", action="store_true", help="print the expected-vs-counted table of the saved fixtures")
     args = ap.parse_args()
+    if args.table:
+        print(table())
+        return
     names = args.step or [*STEPS, *NNXSCALE_STEPS]
     if args.backend != "all":
         run_backend(args.backend, names)
