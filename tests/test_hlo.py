@@ -216,7 +216,8 @@ def test_the_count_agrees_with_an_op_by_op_count_of_the_results(backend, step):
 
 
 # Forms the fixtures do not show: an async-start wrapping a computation, a conditional, a loop
-# whose trip count cannot be read, and a TPU loop with a counter starting at 2.
+# whose trip count cannot be read, TPU loops (no recorded count) from 2 to 7 and from 0 to 3 (a
+# fused condition, written bound > counter).
 WRAPPED = """HloModule m, num_partitions=4
 
 %add (a: f32[], b: f32[]) -> f32[] {
@@ -258,6 +259,18 @@ WRAPPED = """HloModule m, num_partitions=4
   ROOT %t = (s32[], f32[64]) tuple(%next, %y)
 }
 
+%fused_lt (c: s32[]) -> pred[] {
+  %c = s32[] parameter(0)
+  %limit = s32[] constant(3)
+  ROOT %gt = pred[] compare(%limit, %c), direction=GT
+}
+
+%fused_cond (p: (s32[], f32[64])) -> pred[] {
+  %p = (s32[], f32[64]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %f = pred[] fusion(%i), kind=kLoop, calls=%fused_lt
+}
+
 %opaque_cond (p: (s32[], f32[64])) -> pred[] {
   %p = (s32[], f32[64]) parameter(0)
   ROOT %go = pred[] custom-call(%p), custom_call_target="keep_going"
@@ -274,6 +287,9 @@ ENTRY %main (x: f32[64], c: pred[]) -> f32[64] {
   %init = (s32[], f32[64]) tuple(%counter, %branch)
   %loop = (s32[], f32[64]) while(%init), condition=%cond, body=%body
   %unknown = (s32[], f32[64]) while(%init), condition=%opaque_cond, body=%body
+  %zero = s32[] constant(0)
+  %init0 = (s32[], f32[64]) tuple(%zero, %x)
+  %fused = (s32[], f32[64]) while(%init0), condition=%fused_cond, body=%body
   ROOT %r = f32[64]{0} get-tuple-element(%loop), index=1
 }
 """
@@ -285,8 +301,8 @@ def test_wrapped_async_ops_conditionals_and_loops_without_a_recorded_count():
     assert (rs.kind, rs.bytes, rs.group, rs.executions) == ("reduce-scatter", 64 * 4, 4, 1)  # no groups: every device
     ag, ar = ops["gather", "ag"], ops["reduce", "ar"]  # one branch runs: the heavier one is counted
     assert ag.in_branch and ar.in_branch and (ag.executions, ar.executions, ops["reduce", "ar2"].executions) == (0, 1, 1)
-    loop = ops["body", "y"]  # 7 - 2 trips read from the loop, and 1 for the loop it cannot read
-    assert loop.executions == 5 + 1 and not loop.trips_known
-    assert hlo.collective_bytes(WRAPPED)["all-reduce"] == 6 * 256 + 2 * 256
+    loop = ops["body", "y"]  # 7 - 2 and 3 - 0 trips read from the loops, and 1 for the loop it cannot read
+    assert loop.executions == 5 + 3 + 1 and not loop.trips_known
+    assert hlo.collective_bytes(WRAPPED)["all-reduce"] == 9 * 256 + 2 * 256
     assert hlo.collective_bytes(WRAPPED)["all-gather"] == 0
 

@@ -236,8 +236,8 @@ def _dimension(attrs: str) -> int | None:
 # --------------------------------------------------------------------------------------
 
 
-def _collective(comp: _Comp, instr: _Instr, devices: int):
-    """``(kind, bytes, group, dtype, shapes)`` if ``instr`` is a collective to count here."""
+def _collective(comp: _Comp, instr: _Instr, devices: int) -> Collective | None:
+    """``instr`` as a collective executed once, if it is one to count where it stands."""
     opcode = instr.opcode
     if opcode.endswith("-done"):
         return None
@@ -263,7 +263,9 @@ def _collective(comp: _Comp, instr: _Instr, devices: int):
     leaves = [(dt, dims) for dt, dims in leaves if dt in _DTYPE_BYTES and dt != "token"]
     nbytes = int(sum(math.prod(dims) * _DTYPE_BYTES[dt] for dt, dims in leaves))
     dtype = "+".join(dict.fromkeys(dt for dt, _ in leaves))
-    return kind, nbytes, group, dtype, tuple(dims for _, dims in leaves)
+    source = _OP_NAME.search(instr.attrs)
+    shapes = tuple(dims for _, dims in leaves)
+    return Collective(kind, instr.name, comp.name, nbytes, 1, group, dtype, shapes, source=source.group(1) if source else "")
 
 
 def _starts_async(comp: _Comp) -> bool:
@@ -304,45 +306,28 @@ def _counter(comp: _Comp, name: str) -> int | None:
     return int(m.group(1)) if m and param is not None and param.opcode == "parameter" else None
 
 
-def _compare(comps: dict[str, _Comp], comp: _Comp):
-    """``(index, direction, bound)``: the condition ``param[index] <direction> bound``."""
-    root = comp.instrs.get(comp.root)
-    operand_of = lambda n: n  # noqa: E731
-    if root is not None and root.opcode == "fusion":  # the compare fused: read it inside
-        fused = comps.get(_called(root)[0]) if _called(root) else None
-        inner = fused.instrs.get(fused.root) if fused else None
-        if inner is None or inner.opcode != "compare":
-            return None
-        params = {i.name: int(re.match(r"\s*(\d+)", i.attrs).group(1)) for i in fused.instrs.values()
-                  if i.opcode == "parameter" and re.match(r"\s*(\d+)", i.attrs)}  # fmt: skip
-        lhs, rhs = inner.operands[:2]
+_FLIPPED = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
 
-        def outside(n):  # a fused parameter -> the fusion's operand, or a constant inside
-            return root.operands[params[n]] if n in params else None
 
-        sides = []
-        for n in (lhs, rhs):
-            value = _constant(fused, n)
-            sides.append(("const", value) if value is not None else ("name", outside(n)))
-        direction = re.search(r"direction=(\w+)", inner.attrs)
-    elif root is not None and root.opcode == "compare":
-        sides = []
-        for n in root.operands[:2]:
-            value = _constant(comp, n)
-            sides.append(("const", value) if value is not None else ("name", operand_of(n)))
-        direction = re.search(r"direction=(\w+)", root.attrs)
-    else:
+def _compare(comps: dict[str, _Comp], comp: _Comp) -> tuple[int, str, int] | None:
+    """``(index, direction, bound)`` when loop condition ``comp`` is ``param[index] <direction> bound``."""
+    root, where, outside = comp.instrs.get(comp.root), comp, None
+    if root is not None and root.opcode == "fusion" and _called(root):  # the compare fused: read it inside
+        where, outside = comps.get(_called(root)[0]), root
+        root = where.instrs.get(where.root) if where else None
+    if root is None or root.opcode != "compare" or len(root.operands) < 2:
         return None
-    if direction is None:
-        return None
-    d = direction.group(1)
-    if sides[0][0] == "const" and sides[1][0] == "name":
-        sides.reverse()
-        d = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}.get(d, d)
-    if sides[0][0] != "name" or sides[1][0] != "const" or sides[0][1] is None:
-        return None
-    index = _counter(comp, sides[0][1])
-    return None if index is None else (index, d, sides[1][1])
+    m = re.search(r"direction=(\w+)", root.attrs)
+    counter, bound, direction = *root.operands[:2], m.group(1) if m else ""
+    if _constant(where, counter) is not None:  # written "bound > counter"
+        counter, bound, direction = bound, counter, _FLIPPED.get(direction, "")
+    bound = _constant(where, bound)
+    if outside is not None:  # a parameter of the fusion: the operand it was given
+        param = _through(where, counter)
+        k = int(param.args) if param is not None and param.opcode == "parameter" and param.args.strip().isdigit() else -1
+        counter = outside.operands[k] if 0 <= k < len(outside.operands) else ""
+    index = _counter(comp, counter)
+    return None if bound is None or index is None or not direction else (index, direction, bound)
 
 
 def _trip_count(comps: dict[str, _Comp], caller: _Comp, loop: _Instr) -> int | None:
@@ -396,50 +381,43 @@ def collectives(hlo_text: str) -> list[Collective]:
     comps, entry, devices = _read(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation in this HLO text: pass compiled.as_text()")
-    memo: dict[str, list[tuple[str, str, tuple, int, bool, bool]]] = {}
+    memo: dict[str, list[Collective]] = {}
 
-    def expand(name: str, depth: int = 0):
-        """``[(computation, op name, facts, executions, trips_known, in_branch)]`` per run of ``name``."""
-        if name in memo:
-            return memo[name]
+    def expand(name: str, depth: int = 0) -> list[Collective]:
+        """The collectives one run of computation ``name`` executes, through what it calls."""
         comp = comps.get(name)
-        if comp is None or depth > 64:
-            return []
+        if name in memo or comp is None or depth > 64:
+            return memo.get(name, [])
         out = []
         for instr in comp.instrs.values():
-            facts = _collective(comp, instr, devices)
-            if facts is not None:
-                out.append((comp.name, instr.name, facts, 1, True, False, instr))
+            op = _collective(comp, instr, devices)
+            out += [op] if op is not None else []
             if instr.opcode.endswith("-done") or instr.opcode == "async-update":
-                continue  # the same wrapped computation as its start
+                continue  # they name the computation their start already called
             if instr.opcode == "while":
                 trip = _trip_count(comps, comp, instr)
-                times = 1 if trip is None else trip
-                for key, extra in (("body", 0), ("condition", 1)):
-                    callee = _attr_comp(instr.attrs, key)
-                    for c, n, f, e, known, branch, i in expand(callee, depth + 1) if callee else []:
-                        out.append((c, n, f, e * (times + extra), known and trip is not None, branch, i))
+                for key, extra in (("body", 0), ("condition", 1)):  # the condition runs once more
+                    for op in expand(_attr_comp(instr.attrs, key) or "", depth + 1):
+                        runs, known = op.executions * ((trip or 1) + extra), op.trips_known and trip is not None
+                        out.append(dataclasses.replace(op, executions=runs, trips_known=known))
             elif instr.opcode == "conditional":
                 branches = [expand(b, depth + 1) for b in _called(instr)]
-                heaviest = max(range(len(branches)), key=lambda k: sum(x[2][1] * x[3] for x in branches[k]), default=0)
-                for k, ops in enumerate(branches):
-                    for c, n, f, e, known, _, i in ops:
-                        out.append((c, n, f, e if k == heaviest else 0, known, True, i))
+                heaviest = max(branches, key=lambda ops: sum(op.total_bytes for op in ops), default=None)
+                for ops in branches:
+                    out += [dataclasses.replace(op, executions=op.executions * (ops is heaviest), in_branch=True) for op in ops]
             else:
                 for callee in _called(instr):
-                    out.extend(expand(callee, depth + 1))
+                    out += expand(callee, depth + 1)
         memo[name] = out
         return out
 
     merged: dict[tuple[str, str], Collective] = {}
-    for comp, name, (kind, nbytes, group, dtype, shapes), times, known, branch, instr in expand(entry):
-        source = _OP_NAME.search(instr.attrs)
-        op = merged.get((comp, name))
-        if op is not None:  # the same op reached along two paths: add up its runs
-            times += op.executions
-            known, branch = known and op.trips_known, branch or op.in_branch
-        merged[(comp, name)] = Collective(kind, name, comp, nbytes, times, group, dtype, shapes, known, branch,
-                                          source.group(1) if source else "")  # fmt: skip
+    for op in expand(entry):
+        seen = merged.get((op.computation, op.name))
+        if seen is not None:  # the same op reached along two paths: add up its runs
+            op = dataclasses.replace(op, executions=op.executions + seen.executions, trips_known=op.trips_known and seen.trips_known,
+                                     in_branch=op.in_branch or seen.in_branch)  # fmt: skip
+        merged[(op.computation, op.name)] = op
     return list(merged.values())
 
 
