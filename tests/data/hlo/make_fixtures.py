@@ -15,6 +15,7 @@ training step of ``llama-tiny`` (``compile_step``), checked against an independe
     pip install "jax[tpu]==0.10.2" jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2
     python tests/data/hlo/make_fixtures.py              # every backend, one child process each
     python tests/data/hlo/make_fixtures.py --backend h100 --step fsdp_scan
+    python tests/data/hlo/make_fixtures.py --table    # expected vs counted (docs/planning.md)
 
 TPU compiles take tens of seconds each and GBs of memory; on a shared machine run it under
 ``flock`` with ``nice``. The ``FileNames``/``StackFrames`` tables (local source paths) are
