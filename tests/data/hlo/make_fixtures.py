@@ -293,7 +293,7 @@ def count_by_results(text: str) -> dict[str, int]:
         elif line.startswith("  %"):
             comps[name].append(line)
             lines[line.split("=", 1)[0].strip(" %")] = line
-    edges = []  # (caller, callee, times)
+    edges = {}  # caller: [(callee, times)]
     for comp, body in comps.items():
         for line in body:
             if re.search(r"-done\(", line):
@@ -305,14 +305,13 @@ def count_by_results(text: str) -> dict[str, int]:
                 bounds = [int(c) for ln in comps[cond] for c in re.findall(r"s32\[\]\S* constant\((\d+)\)", ln)]
                 trips = int(known.group(1)) if known else bounds[0]
             for callee in re.findall(r"\b(?:calls|to_apply|body)=%([\w.\-]+)", line):
-                edges.append((comp, callee, trips))
+                edges.setdefault(comp, []).append((callee, trips))
     runs = {}
 
     def visit(comp, times):
         runs[comp] = runs.get(comp, 0) + times
-        for caller, callee, trips in edges:
-            if caller == comp:
-                visit(callee, times * trips)
+        for callee, trips in edges.get(comp, []):
+            visit(callee, times * trips)
 
     visit(entry, 1)
     totals = dict.fromkeys(KINDS, 0)
