@@ -306,3 +306,17 @@ def test_wrapped_async_ops_conditionals_and_loops_without_a_recorded_count():
     assert hlo.collective_bytes(WRAPPED)["all-reduce"] == 9 * 256 + 2 * 256
     assert hlo.collective_bytes(WRAPPED)["all-gather"] == 0
 
+
+
+def test_a_collective_whose_type_cannot_be_read_is_named():
+    text = """HloModule m
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %odd = f32[?] custom-call(%x), custom_call_target="x"
+  ROOT %ag = f32[?,8]{1,0} all-gather(%x), replica_groups={{0,1}}, dimensions={0}
+}
+"""
+    with pytest.raises(ValueError, match="cannot read the collective %ag in computation %main"):
+        hlo.collectives(text)
+    assert hlo.collectives(text.replace("f32[?,8]", "f32[16]")) != []  # the other unreadable op is no collective

@@ -191,7 +191,12 @@ def _read(hlo_text: str) -> tuple[dict[str, _Comp], str | None, int]:
         m = _INSTR.match(line)
         if current is None or not m:
             continue
-        instr = _parse_instr(m.group(2), m.group(3))
+        try:
+            instr = _parse_instr(m.group(2), m.group(3))
+        except (ValueError, IndexError) as e:  # a type this reader does not know: harmless unless it is a collective's
+            if any(f" {kind}" in m.group(3) for kind in KINDS):
+                raise ValueError(f"cannot read the collective %{m.group(2)} in computation %{current.name}: {e}") from None
+            continue
         current.instrs[instr.name] = instr
         if m.group(1):
             current.root = instr.name
