@@ -290,9 +290,9 @@ def count_by_results(text: str) -> dict[str, int]:
         if line.startswith(("%", "ENTRY")) and line.endswith("{"):
             name = line.split("%", 1)[1].split(" ", 1)[0]
             comps[name], entry = [], name if line.startswith("ENTRY") else entry
-        elif line.startswith("  %"):
+        elif m := re.match(r"  (?:ROOT )?%([\w.\-]+) = ", line):
             comps[name].append(line)
-            lines[line.split("=", 1)[0].strip(" %")] = line
+            lines[m.group(1)] = line
     edges = {}  # caller: [(callee, times)]
     for comp, body in comps.items():
         for line in body:
@@ -302,8 +302,7 @@ def count_by_results(text: str) -> dict[str, int]:
             if " while(" in line:
                 known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
                 cond = re.search(r"condition=%([\w.\-]+)", line).group(1)
-                bounds = [int(c) for ln in comps[cond] for c in re.findall(r"s32\[\]\S* constant\((\d+)\)", ln)]
-                trips = int(known.group(1)) if known else bounds[0]
+                trips = int(known.group(1)) if known else _read_trips(comps, lines, cond, re.search(r"body=%([\w.\-]+)", line).group(1))
             for callee in re.findall(r"\b(?:calls|to_apply|body)=%([\w.\-]+)", line):
                 edges.setdefault(comp, []).append((callee, trips))
     runs = {}
@@ -332,6 +331,24 @@ def count_by_results(text: str) -> dict[str, int]:
                 kind = "reduce-scatter"
             totals[kind] += nbytes * times
     return totals
+
+
+def _read_trips(comps, lines, cond: str, body: str) -> int:
+    """A loop without a recorded trip count, read as the text says: the integer constant its
+    condition compares with, over the constant its body adds to the compared element
+    (tuple index ``k``); the counter starts at 0 in every loop of the fixtures."""
+    text = "\n".join(comps[cond])
+    bound = int(re.search(r"[su]32\[\]\S* constant\((\d+)\)", text).group(1))
+    k = int(re.search(r"get-tuple-element\(%[\w.\-]+\), index=(\d+)", text).group(1))
+    root = next(ln for ln in comps[body] if ln.lstrip().startswith("ROOT"))
+    element = re.findall(r"%([\w.\-]+)", root.split(" tuple(", 1)[1])[k]
+    step = 1
+    while element in lines and " add(" not in lines[element] and re.search(r" copy\(%([\w.\-]+)", lines[element]):
+        element = re.search(r" copy\(%([\w.\-]+)", lines[element]).group(1)
+    if element in lines and " add(" in lines[element]:
+        for operand in re.findall(r"%([\w.\-]+)", lines[element].split(" add(", 1)[1].split(")", 1)[0]):
+            step = int(m.group(1)) if (m := re.search(r" constant\((\d+)\)", lines.get(operand, ""))) else step
+    return -(-bound // step)
 
 
 def group_of(line: str) -> int:
