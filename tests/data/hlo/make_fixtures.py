@@ -282,7 +282,7 @@ def count_by_results(text: str) -> dict[str, int]:
 
     Asynchronous ops are counted at their ``-done`` (whose type is the result alone), TPU's
     async collective fusions at the copy flagged ``flag_start -1``, loops by their recorded
-    trip count or else the one integer constant their condition compares with; a
+    trip count or else as :func:`_read_trips` reads the text; a
     reduce-scatter's result is scaled back to its input by the group size.
     """
     comps, lines, entry = {}, {}, None
