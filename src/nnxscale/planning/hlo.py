@@ -1,12 +1,14 @@
 """What a compiled program communicates: its collectives by kind, counted through loops.
 
 Reads the text of a compiled, SPMD-partitioned XLA module (``compiled.as_text()``), where
-every shape is already a per-device shape. Each collective is counted once per execution:
-an op inside the body of a ``while`` loop (a ``jax.lax.scan`` over layers, gradient
-accumulation) runs ``known_trip_count`` times, which XLA records on the loop.
+every shape is already a per-device shape, from any backend's compiler (XLA:CPU, the
+CUDA plugin's, libtpu's). Each collective is counted once per execution: an op inside the
+body of a ``while`` loop (a ``jax.lax.scan`` over layers, gradient accumulation, a ring)
+runs as many times as the loop turns, nested loops multiplied.
 
 Bytes are the size of the tensor a device takes part in, per execution (the convention of
-the ZeRO and FSDP papers, in which FSDP moves "3x the parameters" per step):
+the ZeRO and FSDP papers, in which FSDP moves "3x the parameters" per step), in the dtype
+the compiler chose (a float32 step may all-to-all in bfloat16 on TPU):
 
 - ``all-gather``: the gathered result (the full tensor);
 - ``reduce-scatter``: the input being reduced (result x group size);
@@ -16,7 +18,23 @@ the ZeRO and FSDP papers, in which FSDP moves "3x the parameters" per step):
 A ring implementation puts about ``(n-1)/n`` of that on the wire per device for a gather,
 a scatter or an all-to-all, twice that for an all-reduce, and a permute sends its whole
 buffer; :func:`wire_bytes` applies those factors.
-Asynchronous pairs (``all-gather-start`` / ``-done``) count once, at the start.
+
+How each backend writes the same things, all read here:
+
+- Asynchronous pairs count once, at the start: ``all-gather-start`` / ``-done`` (GPU, with
+  tuple shapes ``(operands, results[, contexts])``, several tensors combined into one op),
+  ``async-start`` wrapping a computation (``calls=``), and TPU's async collective fusions
+  (one collective copied into a start fusion, overlapped fusions and a done fusion; counted
+  in the fusion that starts it, the one with a ``AsyncCollectiveStart`` custom call).
+- TPU reduce-scatters appear as an ``all-reduce`` inside a fusion computation named
+  ``all-reduce-scatter``: counted as the reduce-scatter they are.
+- Loop trip counts come from ``known_trip_count`` (GPU, CPU) or, where the compiler does
+  not record it (TPU), from the loop itself: a counter from a constant, stepped by a
+  constant, compared with a constant. A loop whose count cannot be read is counted once
+  and its collectives say so (``trips_known=False``).
+- A ``conditional`` runs one branch: the branch moving the most bytes is counted (an upper
+  bound), the others are listed with ``executions=0``; all say ``in_branch=True``.
+- Collective matmuls (windowed einsums) are collective-permutes in a loop: counted as such.
 """
 
 from __future__ import annotations
@@ -32,13 +50,20 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0, "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25,
+    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "f8e3m4": 1,
+    "f8e8m0fnu": 1, "f4e2m1fn": 0.5,
 }  # fmt: skip
-_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
-_CALLEE = re.compile(r"\b(?:body|calls)=%([\w.\-]+)")
-_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_OPCODES = {"ragged-all-to-all": "all-to-all"}  # opcodes counted under another kind
+_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+_OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
+_CALLED = re.compile(r"\b(?:calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+_CALLED_LIST = re.compile(r"\b(?:called_computations|branch_computations)=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_OP_NAME = re.compile(r'\bop_name="([^"]*)"')
+_NUM_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
+_REPLICA_COUNT = re.compile(r"\breplica_count=(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +72,12 @@ class Collective:
 
     ``bytes`` is per device and per execution (see the module docstring); ``executions``
     is how often one run of the program executes it (loop trip counts multiplied);
-    ``group`` the number of devices taking part.
+    ``group`` the number of devices taking part. ``dtype`` is the element type the compiler
+    chose (``"bf16"``; several joined by ``+`` for an op that combines tensors of different
+    types) and ``shapes`` the per-device shapes counted (the gathered results, the
+    reduce-scatter inputs). ``trips_known`` is False inside a loop whose trip count could
+    not be read (counted as one trip); ``in_branch`` is True inside a ``conditional``.
+    ``source`` is the JAX operation it came from (the HLO metadata's ``op_name``), if any.
     """
 
     kind: str
@@ -56,120 +86,344 @@ class Collective:
     bytes: int
     executions: int
     group: int
+    dtype: str = ""
+    shapes: tuple[tuple[int, ...], ...] = ()
+    trips_known: bool = True
+    in_branch: bool = False
+    source: str = ""
 
     @property
     def total_bytes(self) -> int:
         return self.bytes * self.executions
 
 
-def _shape_bytes(text: str) -> list[int]:
-    """Bytes of each array shape written in ``text`` (a type: one array or a tuple)."""
-    out = []
-    for dtype, dims in _ARRAY.findall(text):
-        if dtype not in _DTYPE_BYTES:
+# --------------------------------------------------------------------------------------
+# reading the text
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Instr:
+    name: str
+    opcode: str
+    type: object  # an array (dtype, dims) or a list of types (a tuple)
+    operands: list[str]
+    attrs: str  # what follows the operands: ", dimensions={0}, metadata={...}, ..."
+    args: str = ""  # the text inside the parentheses: operands, or a constant's literal
+
+
+@dataclasses.dataclass
+class _Comp:
+    name: str
+    instrs: dict[str, _Instr]
+    root: str = ""
+
+
+def _skip_space(s: str, i: int) -> int:
+    while i < len(s):
+        if s[i].isspace() or s[i] == ",":
+            i += 1
+        elif s.startswith("/*", i):
+            i = s.index("*/", i) + 2
+        else:
+            break
+    return i
+
+
+def _parse_type(s: str, i: int = 0):
+    """``(type, end)`` for the HLO type starting at ``s[i]``: ``(dtype, dims)`` or a list."""
+    i = _skip_space(s, i)
+    if s[i] == "(":
+        items, i = [], i + 1
+        while True:
+            i = _skip_space(s, i)
+            if s[i] == ")":
+                return items, i + 1
+            item, i = _parse_type(s, i)
+            items.append(item)
+    m = _ARRAY.match(s, i)
+    if not m:
+        raise ValueError(f"cannot read an HLO type at {s[i:i + 40]!r}")
+    dims = tuple(int(d.lstrip("<=")) for d in m.group(2).split(",") if d.strip())
+    i = m.end()
+    if i < len(s) and s[i] == "{":  # the layout, e.g. {1,0:T(8,128)(2,1)S(1)}
+        i = s.index("}", i) + 1
+    return (m.group(1), dims), i
+
+
+def _closing(s: str, i: int) -> int:
+    """Index just past the parenthesis that closes the one at ``s[i]``."""
+    depth = 0
+    for j in range(i, len(s)):
+        depth += s[j] == "("
+        depth -= s[j] == ")"
+        if depth == 0:
+            return j + 1
+    return len(s)
+
+
+def _parse_instr(name: str, rhs: str) -> _Instr:
+    type_, i = _parse_type(rhs)
+    m = _OPCODE.match(rhs, i)
+    if not m:
+        return _Instr(name, "", type_, [], rhs[i:])
+    start = m.end() - 1
+    end = _closing(rhs, start)
+    operands = re.findall(r"%([\w.\-]+)", rhs[start:end])
+    return _Instr(name, m.group(1), type_, operands, rhs[end:], rhs[start + 1 : end - 1])
+
+
+def _read(hlo_text: str) -> tuple[dict[str, _Comp], str | None, int]:
+    """``(computations, entry name, devices in the module)`` of a module's text."""
+    comps: dict[str, _Comp] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if not line.startswith(" "):
+            header = _HEADER.match(line)
+            if header:
+                current = _Comp(header.group(2), {})
+                comps[current.name] = current
+                entry = current.name if header.group(1) else entry
+                continue
+            if line.strip() == "}":
+                current = None
             continue
-        count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-        out.append(int(count * _DTYPE_BYTES[dtype]))
-    return out
+        m = _INSTR.match(line)
+        if current is None or not m:
+            continue
+        try:
+            instr = _parse_instr(m.group(2), m.group(3))
+        except (ValueError, IndexError) as e:  # a type this reader does not know: harmless unless it is a collective's
+            if any(f" {kind}" in m.group(3) for kind in KINDS):
+                raise ValueError(f"cannot read the collective %{m.group(2)} in computation %{current.name}: {e}") from None
+            continue
+        current.instrs[instr.name] = instr
+        if m.group(1):
+            current.root = instr.name
+    head = hlo_text[: hlo_text.find("\n")] if "\n" in hlo_text else hlo_text
+    parts = _NUM_PARTITIONS.search(head)
+    replicas = _REPLICA_COUNT.search(head)
+    devices = (int(parts.group(1)) if parts else 1) * (int(replicas.group(1)) if replicas else 1)
+    return comps, entry, devices
 
 
-def _split_type(rhs: str) -> tuple[str, str]:
-    """``"f32[8]{0} all-gather(...)"`` -> ``("f32[8]{0}", "all-gather(...)")``; tuples too."""
-    if rhs.startswith("("):
-        depth = 0
-        for i, ch in enumerate(rhs):
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0:
-                return rhs[: i + 1], rhs[i + 1 :].strip()
-    head, _, rest = rhs.partition(" ")
-    return head, rest.strip()
+def _leaves(t) -> list[tuple[str, tuple[int, ...]]]:
+    if isinstance(t, list):
+        return [leaf for item in t for leaf in _leaves(item)]
+    return [t]
 
 
-def _group_size(line: str) -> int:
-    """Devices per replica group, from any of XLA's three ways of writing the groups."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\S+)?\s*\{([^}]*)\}", line)
+def _group_size(attrs: str, devices: int) -> int:
+    """Devices per replica group, from any of XLA's ways of writing the groups."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\S+)?\s*\{([^}]*)\}", attrs)
     if m:
         sizes = {k.strip("'\" "): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))}
         named = [a.strip("'\" ") for a in m.group(2).split(",") if a.strip()]
         return math.prod(sizes.get(a, 1) for a in named)
-    m = re.search(r"replica_groups=\{\{([^}]*)\}", line)
+    m = re.search(r"replica_groups=\{\{([^}]*)\}", attrs)
     if m:
         return len([d for d in m.group(1).split(",") if d.strip()])
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
     if m:
         return int(m.group(1).split(",")[-1])
+    if re.search(r"replica_groups=\{\}", attrs):  # one group of every device
+        return devices
     return 1
 
 
-def _parse(hlo_text: str):
-    """Computations -> (collectives found, [(callee, multiplier)])."""
-    comps: dict[str, dict] = {}
-    entry = None
-    current = None
-    for line in hlo_text.splitlines():
-        header = _HEADER.match(line)
-        if header and not line.startswith(" "):
-            current = header.group(1)
-            comps[current] = {"ops": [], "calls": []}
-            if line.startswith("ENTRY"):
-                entry = current
-            continue
-        if current is None:
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, rhs = m.groups()
-        type_text, rest = _split_type(rhs)
-        opcode = rest.split("(", 1)[0].strip()
-        trip = 1
-        if opcode == "while":
-            t = _TRIP.search(line)
-            trip = int(t.group(1)) if t else 1
-        for callee in _CALLEE.findall(line):
-            comps[current]["calls"].append((callee, trip))
-        b = _BRANCHES.search(line)
-        if b:  # a conditional runs one branch: each is counted as if it ran
-            for callee in re.findall(r"%([\w.\-]+)", b.group(1)):
-                comps[current]["calls"].append((callee, 1))
-        kind = opcode.removesuffix("-start")
-        if kind in KINDS and not opcode.endswith("-done"):
-            sizes = _shape_bytes(type_text)
-            group = _group_size(line)
-            if opcode.endswith("-start") and kind in ("all-gather", "collective-permute"):
-                nbytes = max(sizes, default=0)  # (operand, result[, contexts]): the result
-            else:
-                nbytes = sum(sizes)
-            if kind == "reduce-scatter":
-                nbytes *= group
-            comps[current]["ops"].append((kind, name, nbytes, group))
-    return comps, entry
+def _dimension(attrs: str) -> int | None:
+    m = re.search(r"\bdimensions=\{(\d+)\}", attrs)
+    return int(m.group(1)) if m else None
+
+
+# --------------------------------------------------------------------------------------
+# one op
+# --------------------------------------------------------------------------------------
+
+
+def _collective(comp: _Comp, instr: _Instr, devices: int) -> Collective | None:
+    """``instr`` as a collective executed once, if it is one to count where it stands."""
+    opcode = instr.opcode
+    if opcode.endswith("-done"):
+        return None
+    asynchronous = opcode.endswith("-start")
+    base = opcode.removesuffix("-start")
+    kind = _OPCODES.get(base, base)
+    if kind not in KINDS:
+        return None
+    if '"async_collective_fusion_config"' in instr.attrs and not _starts_async(comp):
+        return None  # TPU: a copy of a collective its start fusion already counted
+    if kind == "all-reduce" and comp.name.startswith("all-reduce-scatter"):
+        kind = "reduce-scatter"  # TPU: all-reduce, then each device keeps its slice
+    group = _group_size(instr.attrs, devices)
+    t = instr.type
+    if asynchronous and base != "all-reduce" and isinstance(t, list) and len(t) >= 2:
+        t = t[0] if kind == "reduce-scatter" else t[1]  # (operands, results[, contexts])
+        leaves = _leaves(t)
+    else:
+        leaves = _leaves(t)
+        if kind == "reduce-scatter" and base == "reduce-scatter":  # the result: scale back
+            dim = _dimension(instr.attrs)
+            leaves = [(dt, tuple(d * group if k == dim else d for k, d in enumerate(dims))) for dt, dims in leaves]
+    leaves = [(dt, dims) for dt, dims in leaves if dt in _DTYPE_BYTES and dt != "token"]
+    nbytes = int(sum(math.prod(dims) * _DTYPE_BYTES[dt] for dt, dims in leaves))
+    dtype = "+".join(dict.fromkeys(dt for dt, _ in leaves))
+    source = _OP_NAME.search(instr.attrs)
+    shapes = tuple(dims for _, dims in leaves)
+    return Collective(kind, instr.name, comp.name, nbytes, 1, group, dtype, shapes, source=source.group(1) if source else "")
+
+
+def _starts_async(comp: _Comp) -> bool:
+    return any(
+        i.opcode == "custom-call" and 'custom_call_target="AsyncCollectiveStart"' in i.attrs for i in comp.instrs.values()
+    )
+
+
+# --------------------------------------------------------------------------------------
+# loops
+# --------------------------------------------------------------------------------------
+
+
+def _through(comp: _Comp, name: str) -> _Instr | None:
+    """The instruction ``name`` stands for, looking through copies and bitcasts."""
+    seen = 0
+    instr = comp.instrs.get(name)
+    while instr is not None and instr.opcode in ("copy", "bitcast", "convert", "reshape") and seen < 32:
+        instr = comp.instrs.get(instr.operands[0]) if instr.operands else None
+        seen += 1
+    return instr
+
+
+def _constant(comp: _Comp, name: str) -> int | None:
+    instr = _through(comp, name)
+    if instr is None or instr.opcode != "constant" or isinstance(instr.type, list) or instr.type[1]:
+        return None
+    return int(instr.args) if re.fullmatch(r"\s*-?\d+\s*", instr.args) else None
+
+
+def _counter(comp: _Comp, name: str) -> int | None:
+    """The tuple index of a loop parameter that ``name`` reads, if it is one."""
+    instr = _through(comp, name)
+    if instr is None or instr.opcode != "get-tuple-element":
+        return None
+    param = comp.instrs.get(instr.operands[0]) if instr.operands else None
+    m = re.search(r"\bindex=(\d+)", instr.attrs)
+    return int(m.group(1)) if m and param is not None and param.opcode == "parameter" else None
+
+
+_FLIPPED = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
+
+
+def _compare(comps: dict[str, _Comp], comp: _Comp) -> tuple[int, str, int] | None:
+    """``(index, direction, bound)`` when loop condition ``comp`` is ``param[index] <direction> bound``."""
+    root, where, outside = comp.instrs.get(comp.root), comp, None
+    if root is not None and root.opcode == "fusion" and _called(root):  # the compare fused: read it inside
+        where, outside = comps.get(_called(root)[0]), root
+        root = where.instrs.get(where.root) if where else None
+    if root is None or root.opcode != "compare" or len(root.operands) < 2:
+        return None
+    m = re.search(r"direction=(\w+)", root.attrs)
+    counter, bound, direction = *root.operands[:2], m.group(1) if m else ""
+    if _constant(where, counter) is not None:  # written "bound > counter"
+        counter, bound, direction = bound, counter, _FLIPPED.get(direction, "")
+    bound = _constant(where, bound)
+    if outside is not None:  # a parameter of the fusion: the operand it was given
+        param = _through(where, counter)
+        k = int(param.args) if param is not None and param.opcode == "parameter" and param.args.strip().isdigit() else -1
+        counter = outside.operands[k] if 0 <= k < len(outside.operands) else ""
+    index = _counter(comp, counter)
+    return None if bound is None or index is None or not direction else (index, direction, bound)
+
+
+def _trip_count(comps: dict[str, _Comp], caller: _Comp, loop: _Instr) -> int | None:
+    """How often a ``while`` turns: recorded by the compiler, or read from the loop."""
+    m = _TRIP.search(loop.attrs)
+    if m:
+        return int(m.group(1))
+    cond = comps.get(_attr_comp(loop.attrs, "condition") or "")
+    body = comps.get(_attr_comp(loop.attrs, "body") or "")
+    if cond is None or body is None or not loop.operands:
+        return None
+    test = _compare(comps, cond)
+    init_tuple = _through(caller, loop.operands[0])
+    root = body.instrs.get(body.root)
+    if test is None or init_tuple is None or init_tuple.opcode != "tuple" or root is None or root.opcode != "tuple":
+        return None
+    index, direction, bound = test
+    if index >= len(init_tuple.operands) or index >= len(root.operands):
+        return None
+    start = _constant(caller, init_tuple.operands[index])
+    update = _through(body, root.operands[index])
+    if start is None or update is None or update.opcode != "add" or len(update.operands) != 2:
+        return None
+    a, b = update.operands
+    step = _constant(body, b) if _counter(body, a) == index else _constant(body, a) if _counter(body, b) == index else None
+    if not step or step <= 0 or direction not in ("LT", "LE", "NE"):
+        return None
+    stop = bound + 1 if direction == "LE" else bound
+    return max(0, -(-(stop - start) // step))
+
+
+def _attr_comp(attrs: str, key: str) -> str | None:
+    m = re.search(rf"\b{key}=%([\w.\-]+)", attrs)
+    return m.group(1) if m else None
+
+
+def _called(instr: _Instr) -> list[str]:
+    names = _CALLED.findall(instr.attrs)
+    for group in _CALLED_LIST.findall(instr.attrs):
+        names += re.findall(r"%([\w.\-]+)", group)
+    return names
+
+
+# --------------------------------------------------------------------------------------
+# the program
+# --------------------------------------------------------------------------------------
 
 
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective of a compiled module, with how often one run executes it."""
-    comps, entry = _parse(hlo_text)
+    comps, entry, devices = _read(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation in this HLO text: pass compiled.as_text()")
-    runs: dict[str, int] = {}
+    memo: dict[str, list[Collective]] = {}
 
-    def visit(name: str, times: int, depth: int = 0) -> None:
-        if name not in comps or depth > 64:
-            return
-        runs[name] = runs.get(name, 0) + times
-        for callee, trip in comps[name]["calls"]:
-            visit(callee, times * trip, depth + 1)
+    def expand(name: str, depth: int = 0) -> list[Collective]:
+        """The collectives one run of computation ``name`` executes, through what it calls."""
+        comp = comps.get(name)
+        if name in memo or comp is None or depth > 64:
+            return memo.get(name, [])
+        out = []
+        for instr in comp.instrs.values():
+            op = _collective(comp, instr, devices)
+            out += [op] if op is not None else []
+            if instr.opcode.endswith("-done") or instr.opcode == "async-update":
+                continue  # they name the computation their start already called
+            if instr.opcode == "while":
+                trip = _trip_count(comps, comp, instr)
+                for key, extra in (("body", 0), ("condition", 1)):  # the condition runs once more
+                    for op in expand(_attr_comp(instr.attrs, key) or "", depth + 1):
+                        runs, known = op.executions * ((trip or 1) + extra), op.trips_known and trip is not None
+                        out.append(dataclasses.replace(op, executions=runs, trips_known=known))
+            elif instr.opcode == "conditional":
+                branches = [expand(b, depth + 1) for b in _called(instr)]
+                heaviest = max(branches, key=lambda ops: sum(op.total_bytes for op in ops), default=None)
+                for ops in branches:
+                    out += [dataclasses.replace(op, executions=op.executions * (ops is heaviest), in_branch=True) for op in ops]
+            else:
+                for callee in _called(instr):
+                    out += expand(callee, depth + 1)
+        memo[name] = out
+        return out
 
-    visit(entry, 1)
-    out = []
-    for comp, times in runs.items():
-        for kind, name, nbytes, group in comps[comp]["ops"]:
-            out.append(Collective(kind, name, comp, nbytes, times, group))
-    return out
+    merged: dict[tuple[str, str], Collective] = {}
+    for op in expand(entry):
+        seen = merged.get((op.computation, op.name))
+        if seen is not None:  # the same op reached along two paths: add up its runs
+            op = dataclasses.replace(op, executions=op.executions + seen.executions, trips_known=op.trips_known and seen.trips_known,
+                                     in_branch=op.in_branch or seen.in_branch)  # fmt: skip
+        merged[(op.computation, op.name)] = op
+    return list(merged.values())
 
 
 def collective_bytes(hlo_text_or_ops) -> dict[str, int]:
