@@ -335,14 +335,9 @@ def iter_rows(path: Path) -> Iterator[tuple[int, Any]]:
     a line that is not JSON gives a :class:`RowError` as its value."""
     name = path.name.lower()
     if name.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise DataError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow (or nnxscale[parquet])") from None
-        try:
-            table = pq.ParquetFile(path)
-        except Exception as e:
-            raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+        from nnxscale.data.text import open_parquet
+
+        table = open_parquet(path)
         row = 0
         for batch in table.iter_batches(batch_size=1024):
             for value in batch.to_pylist():

@@ -216,6 +216,19 @@ def is_record_file(path: Path) -> bool:
     return path.name.lower().endswith(RECORD_SUFFIXES)
 
 
+def open_parquet(path: Path):
+    """A ``pyarrow.parquet.ParquetFile``; DataError naming the file when pyarrow is missing or
+    the file is not Parquet."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow (or nnxscale[parquet])") from None
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:
+        raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+
+
 def _record_documents(path: Path, records: Records, stats: "EncodeStats", at: Callable[[int], None]) -> Iterator[bytes]:
     """The documents of one JSON Lines or Parquet file, a row at a time, as UTF-8 bytes.
     ``at(n)``: about ``n`` of the file's bytes are read so far (for a progress bar: what a
@@ -228,14 +241,7 @@ def _record_documents(path: Path, records: Records, stats: "EncodeStats", at: Ca
         stats.bad_rows += 1
 
     if path.name.lower().endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise DataError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow (or nnxscale[parquet])") from None
-        try:
-            table = pq.ParquetFile(path)
-        except Exception as e:
-            raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+        table = open_parquet(path)
         if field not in table.schema_arrow.names:
             raise DataError(f"{path}: no column {field!r} (columns: {', '.join(table.schema_arrow.names)}): "
                             "choose one with --text-field")  # fmt: skip
