@@ -24,35 +24,19 @@ import os
 import sys
 import time
 
-H100 = """gpu_device_info { threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-shared_memory_per_block_optin: 232448 shared_memory_per_core: 233472 threads_per_core_limit: 2048
-core_count: 132 fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
-block_dim_limit_z: 65535 memory_bandwidth: 3350000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
-device_memory_size: 85899345920 cuda_compute_capability { major: 9 minor: 0 }
-registers_per_core_limit: 65536 registers_per_block_limit: 65536 } platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 8 } device_description_str: "NVIDIA H100 80GB HBM3\""""
-
-#: TPU names as Google sells them -> (topology, chip config): v5p-N has N/2 chips.
-TPUS = {
-    "v5p-8": ("v5:2x2x1", "megacore"), "v5p-16": ("v5:2x2x2", "megacore"), "v5p-32": ("v5:2x2x4", "megacore"),
-    "v5p-64": ("v5:2x4x4", "megacore"), "v5e-4": ("v5e:2x2", None), "v5e-8": ("v5e:2x4", None),
-    "v5e-16": ("v5e:4x4", None),
-}  # fmt: skip
+#: Some TPU names (any name of ``nnxscale plan --list-targets`` works).
+TPUS = ("v5p-8", "v5p-16", "v5p-32", "v5p-64", "v5e-4", "v5e-8", "v5e-16")
 
 
 def target_devices(target: str):
+    """This machine's devices for ``cpu``, else the target's (the planner's catalog), deviceless."""
     import jax
-    from jax.experimental import topologies
+
+    from nnxscale.planning import targets
 
     if target == "cpu":
         return jax.devices()
-    if target.startswith("h100x"):
-        n = int(target[5:])
-        topo = topologies.get_topology_desc(platform="cuda", target_config=H100, topology=f"1x{max(n // 8, 1)}x{min(n, 8)}")
-        return topo.devices
-    name, chips = TPUS[target]
-    kw = {"chip_config_name": chips} if chips else {}
-    return topologies.get_topology_desc(topology_name=name, platform="tpu", **kw).devices
+    return targets.get(target).devices()
 
 
 def compile_step(cfg, target: str):

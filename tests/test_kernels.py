@@ -104,7 +104,7 @@ def test_auto_picks_each_platforms_kernel_from_the_meshs_devices(monkeypatch):
 
 
 def _bench_targets():
-    """``bench/_targets.py``: deviceless meshes (a stand-in for ``plan --target``)."""
+    """``bench/_targets.py``: deviceless meshes of the planner's targets (``plan --target``'s)."""
     path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "_targets.py"
     spec = importlib.util.spec_from_file_location("_bench_targets", path)
     module = importlib.util.module_from_spec(spec)

@@ -5,7 +5,7 @@ own compiler on a machine with no accelerator (deviceless, ahead of time), gzipp
 
 - ``cpu``: XLA:CPU, 8 simulated host devices;
 - ``h100``: the CUDA plugin's compiler for one node of 8 NVIDIA H100s (topology ``1x1x8``),
-  from the GPU description below (published H100 SXM figures);
+  from the planner's H100 description (`nnxscale.planning.targets`, published H100 SXM figures);
 - ``tpu``: libtpu's compiler for a TPU v5e-8 (topology ``v5e:2x4``, 8 chips).
 
 The steps (:data:`STEPS`) are written by hand so that the bytes each one must move follow
@@ -67,33 +67,14 @@ NNXSCALE_STEPS = {
                        grad_accum=2, min_shard_bytes=0),
 }  # fmt: skip
 
-#: The H100 description the CUDA plugin compiles for (``GpuTargetConfigProto`` text).
-H100_TARGET = """
-gpu_device_info {
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_block_optin: 232448 shared_memory_per_core: 233472 threads_per_core_limit: 2048
-  core_count: 132 fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
-  block_dim_limit_z: 65535 memory_bandwidth: 3350000000000 l2_cache_size: 52428800
-  clock_rate_ghz: 1.98 device_memory_size: 85899345920
-  cuda_compute_capability { major: 9 minor: 0 }
-  registers_per_core_limit: 65536 registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 8 patch: 0 }
-device_description_str: "NVIDIA H100 80GB HBM3"
-"""
-
-
 def devices(backend: str):
     import jax
 
     if backend == "cpu":
         return jax.devices("cpu")[:8]
-    from jax.experimental import topologies
+    from nnxscale.planning import targets  # the planner's catalog: published H100 figures, TPU topologies
 
-    if backend == "h100":
-        return topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET, topology="1x1x8").devices
-    return topologies.get_topology_desc(topology_name="v5e:2x4", platform="tpu").devices
+    return targets.get("h100x8" if backend == "h100" else "v5e-8").devices()
 
 
 def _mesh(devs, axes: dict):
