@@ -320,3 +320,75 @@ ENTRY %main (x: f32[8]) -> f32[8] {
     with pytest.raises(ValueError, match="cannot read the collective %ag in computation %main"):
         hlo.collectives(text)
     assert hlo.collectives(text.replace("f32[?,8]", "f32[16]")) != []  # the other unreadable op is no collective
+
+
+# --------------------------------------------------------------------------------------
+# FLOPs: matrix products counted through loops, the same on every backend's HLO
+# --------------------------------------------------------------------------------------
+
+
+def step_flops(step: str) -> float:
+    """Matmul FLOPs per device of one run of a hand-written step, from its shapes (STEPS):
+    2 per multiply-add; a step's gradient runs each product forward once and twice backward,
+    a rematerialized layer its forward once more."""
+    c = STEPS[step]
+    n = math.prod(c["mesh"].values())
+    if step in ("fsdp_scan", "fsdp_accum"):  # (batch / n, width) @ (width, width) per layer, remat: 4 products
+        return c.get("micro", 1) * c["layers"] * 4 * 2 * (c["batch"] // n) * c["width"] ** 2
+    if step == "tp_mlp":  # two products per layer on (batch / data) rows, hidden / model columns; no remat: 3x
+        rows, cols = c["batch"] // c["mesh"]["data"], c["hidden"] // c["mesh"]["model"]
+        return c["layers"] * 3 * 2 * 2 * rows * c["width"] * cols
+    if step == "context_ring":  # per hop: k.v (b k h d e) then q.(kv) (b q h d e), forward only
+        b, s, h, d = c["batch"], c["seq"] // n, c["heads"], c["head_dim"]
+        return n * 2 * 2 * b * s * h * d * d
+    if step == "expert_a2a":  # each device's expert sees tokens / n rows: two products, 3x for the gradient
+        return 3 * 2 * 2 * (c["tokens"] // n) * c["width"] * c["hidden"]
+    raise KeyError(step)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("step", list(STEPS))
+def test_matmul_flops_count_each_loop_trip_on_every_backend(backend, step):
+    with gzip.open(FIXTURES / f"{backend}_{step}.hlo.gz", "rt") as f:
+        ops = hlo.matmuls(f.read())
+    assert ops and all(op.trips_known and op.flops > 0 for op in ops)
+    assert hlo.matmul_flops(ops) == step_flops(step)  # XLA:TPU's batched-matmul convolutions included
+
+
+def test_the_nnxscale_step_counts_the_same_flops_on_every_backend():
+    counts = {}
+    for backend in BACKENDS:
+        with gzip.open(FIXTURES / f"{backend}_llama_fsdp.hlo.gz", "rt") as f:
+            counts[backend] = hlo.matmul_flops(f.read())
+    assert len(set(counts.values())) == 1, counts
+    # llama-tiny, remat full, 16 x 128 tokens on 8 devices, 2 micro-batches: the formula plus
+    # each layer's forward again, less the MLP's down projection XLA does not recompute.
+    from nnxscale.models.llama.config import PRESETS
+
+    c, spec = PRESETS["llama-tiny"], NNXSCALE_STEPS["llama_fsdp"]
+    tokens = spec["batch_size"] * spec["seq_len"] / 8
+    formula = c.flops_per_token(spec["seq_len"]) * tokens
+    again = (c.flops_per_token(spec["seq_len"]) - 6 * c.vocab_size * c.hidden_size) / 3 * tokens
+    down = 2 * c.hidden_size * c.intermediate_size * c.num_hidden_layers * tokens
+    assert abs(counts["cpu"] / (formula + again - down) - 1) < 0.005
+
+
+def test_a_convolution_counts_only_the_taps_that_meet_the_input():
+    """XLA:TPU writes a batched matmul as a convolution whose batch dimension is a window over
+    an input dilated by as much, or as a window sliding over a length-1 input's padding
+    (both forms taken from its programs): one tap per output position meets the input."""
+    text = """HloModule m, num_partitions=1
+
+ENTRY %main (a: bf16[128,64,2], b: bf16[64,32,2], c: bf16[128,128,1], d: bf16[16,8,128]) -> (f32[2,128,32], bf16[128,16,8]) {
+  %a = bf16[128,64,2]{2,1,0} parameter(0)
+  %b = bf16[64,32,2]{2,1,0} parameter(1)
+  %c = bf16[128,128,1]{2,1,0} parameter(2)
+  %d = bf16[16,8,128]{2,1,0} parameter(3)
+  %dilated = f32[2,128,32]{2,1,0} convolution(%a, %b), window={size=2 stride=1 lhs_dilate=2}, dim_labels=bf0_io0->0bf
+  %padded = bf16[128,16,8]{2,1,0} convolution(%c, %d), window={size=16 pad=15_15 rhs_reversal=1}, dim_labels=bf0_0oi->b0f
+  ROOT %t = (f32[2,128,32]{2,1,0}, bf16[128,16,8]{2,1,0}) tuple(%dilated, %padded)
+}
+"""
+    ops = {op.name: op for op in hlo.matmuls(text)}
+    assert ops["dilated"].flops == 2 * 2 * 128 * 64 * 32  # two (128, 64) @ (64, 32) products
+    assert ops["padded"].flops == 2 * 16 * 128 * 128 * 8  # sixteen (128, 128) @ (128, 8) products

@@ -7,11 +7,12 @@ docs/targets.md, not here."""
 
 import dataclasses
 import importlib.util
+import re
 
 import pytest
 
 from nnxscale.cli.commands import main
-from nnxscale.planning import meshes, targets
+from nnxscale.planning import compiler, meshes, report, targets
 from nnxscale.planning.compiler import compile_step, compiled_flops, measure
 from nnxscale.planning.report import plan
 from nnxscale.training.config import FLAT_NAMES, TrainConfig, with_overrides
@@ -42,7 +43,7 @@ def test_plan_target_h100x8_reports_the_gpu_compilers_own_figures(h100x8_plan):
     ma = compiled.memory_analysis()
     assert p.peak_bytes == ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
     assert p.collective_bytes == measure(compiled, "gpu")["collective_bytes"] and p.collective_bytes["reduce-scatter"] > 0
-    assert p.flops == compiled_flops(compiled, "gpu") > 0 and p.flops_expected > 0
+    assert p.flops == compiled_flops(compiled) > 0 and p.flops_expected > 0
     # bfloat16 compute over float32 master weights: the state is float32, the program computes in bf16.
     assert p.full_param_bytes == 4 * p.num_params and "bf16[" in compiled.as_text()
     assert p.fits is True and "verdict: fits" in str(p)
@@ -109,3 +110,41 @@ def test_without_the_extra_target_names_it(capsys, monkeypatch):
     assert main(["plan", "--model", "gpt2-tiny", "--target", "h100x8"]) == 2
     err = capsys.readouterr().err
     assert "pip install 'nnxscale[cuda12]'" in err and len(err.strip().splitlines()) == 1
+
+
+#: What libtpu 0.0.42.1 said (2026-11-26, v5e-8, deviceless) for arguments, outputs and
+#: temporaries larger than a chip, and its longer form (a template in the same libtpu).
+REFUSALS = [
+    ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (20.00G) exceeds "
+     "available HBM (15.75G).", 20 << 30, int(15.75 * (1 << 30)), []),
+    ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (80.00G) exceeds "
+     "available HBM (15.75G).", 80 << 30, int(15.75 * (1 << 30)), []),
+    ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 17.50G of 15.75G "
+     "hbm. Exceeded hbm capacity by 1.75G.\n\nTotal hbm usage >= 18.01G:\n    reserved        530.00M\n\n"
+     "  Largest program allocations in hbm:\n\n  1. Size: 4.00G\n     Operator: op_name=\"jit(step)/dot_general\"\n"
+     "  2. Size: 2.00G\n", int(17.5 * (1 << 30)), int(15.75 * (1 << 30)), ["1. Size: 4.00G", "2. Size: 2.00G"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("message,needs,available,buffers", REFUSALS)
+def test_the_tpu_compilers_refusal_is_read(message, needs, available, buffers):
+    r = compiler.refusal(message)
+    assert (r["needs"], r["available"], r["buffers"]) == (needs, available, buffers)
+    assert r["first_line"].startswith("RESOURCE_EXHAUSTED")
+    assert compiler.refusal("RESOURCE_EXHAUSTED: something else")["needs"] is None
+
+
+def test_a_refused_plan_shows_what_the_compiler_said_and_no_zeros(monkeypatch):
+    message, needs, available, _ = REFUSALS[0]
+    refused = {"refused": compiler.refusal(message), "compile_seconds": 1.0, "source": "compiler (v5e-8: XLA:TPU, libtpu, deviceless)"}
+    monkeypatch.setattr(report, "compile_for_target", lambda cfg, target: refused)
+    p = plan(tiny("fsdp=8"), target="v5e-8")
+    text = str(p)
+    assert p.fits is False and p.peak_bytes == needs
+    assert re.search(r"needs, as the compiler refused it +20.0 GiB .*: of 15.8 GiB per chip", text)
+    assert "verdict: does not fit: needs 20.0 GiB of 15.8 GiB per chip" in text
+    assert not re.search(r"\b0 B\b", text) and "total" not in text  # nothing measured is shown as zero
+    # A refusal that names no sizes: its first line, still no zeros.
+    refused["refused"] = compiler.refusal("RESOURCE_EXHAUSTED: something else")
+    text = str(plan(tiny("fsdp=8"), target="v5e-8"))
+    assert "verdict: does not fit: RESOURCE_EXHAUSTED: something else" in text and not re.search(r"\b0 B\b", text)

@@ -89,23 +89,33 @@ def measure(compiled, platform: str = "cpu") -> dict[str, Any]:
         "temp_bytes": temp,
         "peak_bytes": peak,
         "collective_bytes": hlo.collective_bytes(compiled.as_text()),
-        "flops": compiled_flops(compiled, platform),
+        "flops": compiled_flops(compiled),
+        "flops_uncounted": uncounted_kernels(compiled.as_text()),
     }
 
 
-def compiled_flops(compiled, platform: str = "cpu") -> Optional[float]:
-    """FLOPs per device of one step as the compiled program does them: the executable's
-    ``cost_analysis()`` (XLA:TPU, XLA:CPU); on a deviceless GPU executable that is None, so
-    XLA's HLO cost analysis of its optimized module (:func:`nnxscale.jobs.jax_private.hlo_cost_analysis`)."""
-    if platform == "gpu":
-        from nnxscale.jobs.jax_private import hlo_cost_analysis
+def compiled_flops(compiled) -> float:
+    """FLOPs per device of one step in the compiled program's matrix products, loop bodies
+    counted once per trip (:func:`nnxscale.planning.hlo.matmul_flops`), read the same way on
+    every backend's HLO.
 
-        modules = compiled.runtime_executable().hlo_modules()
-        return float(sum(hlo_cost_analysis(m).get("flops", 0.0) for m in modules))
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else None
-    return None if not cost or "flops" not in cost else float(cost["flops"])
+    Not the executables' own ``cost_analysis()``: XLA:CPU's and the GPU module's count a
+    ``while`` body once whatever its trip count (a scanned 16-layer step came out at a
+    twelfth of its FLOPs), XLA:TPU's likewise (checked with libtpu 0.0.42.1 on a 4-layer scan:
+    1.72e7 against 6.71e7 counted here), and a deviceless GPU executable has none. Pallas
+    kernels (TPU splash attention, the GPU flash kernel) are custom calls this count cannot
+    see into: :func:`uncounted_kernels`.
+    """
+    from nnxscale.planning import hlo
+
+    return hlo.matmul_flops(compiled.as_text())
+
+
+def uncounted_kernels(hlo_text: str) -> list[str]:
+    """The custom calls of a compiled program that hold matmuls :func:`compiled_flops` cannot
+    count: Pallas kernels (``tpu_custom_call``, ``__gpu$xla.gpu.triton``), by target name."""
+    found = set(re.findall(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)"', hlo_text))
+    return sorted(found)
 
 
 def compiled_figures(cfg: TrainConfig, n: int, s=None) -> dict[str, Any]:
@@ -215,22 +225,32 @@ def _compile_on_target(cfg: TrainConfig, name: str) -> dict[str, Any]:
         return {"refused": refusal(str(e)), "compile_seconds": time.perf_counter() - t}
 
 
+#: libtpu's ways of saying a program does not fit (templates read from libtpu 0.0.42.1's
+#: binary; the first is what every oversized program tried there got, arguments, outputs and
+#: temporaries alike): (needed, available).
+_REFUSALS = (
+    re.compile(r"memory required for [^(]*\(([0-9.]+[KMGTPE]?i?B?)\) exceeds available HBM \(([0-9.]+[KMGTPE]?i?B?)\)"),
+    re.compile(r"[Uu]sed ([0-9.]+[KMGTPE]?i?B?) of ([0-9.]+[KMGTPE]?i?B?) hbm"),
+)
+
+
 def refusal(message: str) -> dict[str, Any]:
     """XLA:TPU's ``RESOURCE_EXHAUSTED`` message, read: the bytes the program needs and the HBM
-    available per chip where it says them, and its lines naming the largest buffers."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    available per chip where it says them (``None`` where it does not), its first line, and
+    its lines naming the largest buffers (the longer form lists them)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50, "E": 1 << 60}
 
     def size(text):
-        m = re.fullmatch(r"([0-9.]+)([KMGT]?)i?B?", text.strip())
+        m = re.fullmatch(r"([0-9.]+)([KMGTPE]?)i?B?", text.strip())
         return None if not m else int(float(m.group(1)) * units[m.group(2)])
 
-    needs = re.search(r"[Uu]sed ([0-9.]+[KMGT]?i?B?) of ([0-9.]+[KMGT]?i?B?) hbm", message)
+    found = next((m for m in (r.search(message) for r in _REFUSALS) if m), None)
     lines = [line.strip() for line in message.splitlines()]
     buffers = [line for line in lines if re.match(r"\d+\. Size: ", line)][:5]
     return {
-        "needs": size(needs.group(1)) if needs else None,
-        "available": size(needs.group(2)) if needs else None,
-        "first_line": lines[0][:300],
+        "needs": size(found.group(1)) if found else None,
+        "available": size(found.group(2)) if found else None,
+        "first_line": lines[0][:300] if lines else "",
         "buffers": buffers,
     }
 

@@ -53,6 +53,25 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
     return out
 
 
+def formula_flops(cfg: TrainConfig, lay: dict, n: int) -> tuple[float, Optional[float]]:
+    """``(formula, with recompute)``: training FLOPs per device per step by the model's
+    formula (``6N + attention`` per token, :meth:`~nnxscale.training.Setup.flops_per_token`),
+    and that plus what rematerialization runs again in the backward pass: with ``remat full``
+    each layer's forward (a third of the formula less the output head's ``6 x vocab x
+    width``), with ``remat dots`` the attention's score and value products (a third of the
+    attention term). ``None`` for your own module (no head or attention known) or no remat."""
+    tokens = cfg.data.batch_size * cfg.data.seq_len / n
+    per_token = lay["setup"].flops_per_token()
+    dims, remat = lay["model"].dims, cfg.model.remat
+    if dims is None or remat == "none":
+        return per_token * tokens, None
+    if remat == "full":
+        again = (per_token - 6 * dims.vocab_size * dims.width) / 3
+    else:  # dots: the weight matmuls' outputs are kept, attention's products are not
+        again = 4 * dims.layers * dims.heads * dims.head_width * cfg.data.seq_len
+    return per_token * tokens, (per_token + again) * tokens
+
+
 def pipeline_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional[dict] = None) -> Optional[dict]:
     """The pipeline of a plan: its layout (schedule, stages, layers per stage, repeats,
     microbatches and their rows per batch shard), its bubble, and per device and step the

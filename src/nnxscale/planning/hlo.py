@@ -381,21 +381,23 @@ def _called(instr: _Instr) -> list[str]:
 # --------------------------------------------------------------------------------------
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective of a compiled module, with how often one run executes it."""
+def _per_run(hlo_text: str, visit, weight) -> list:
+    """Every record ``visit(comp, instr, devices)`` makes of a compiled module (an op executed
+    once, or None), with how often one run executes it: loop bodies times their trip count
+    (nested loops multiplied), the heaviest branch of a ``conditional`` by ``weight``."""
     comps, entry, devices = _read(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation in this HLO text: pass compiled.as_text()")
-    memo: dict[str, list[Collective]] = {}
+    memo: dict[str, list] = {}
 
-    def expand(name: str, depth: int = 0) -> list[Collective]:
-        """The collectives one run of computation ``name`` executes, through what it calls."""
+    def expand(name: str, depth: int = 0) -> list:
+        """The records one run of computation ``name`` executes, through what it calls."""
         comp = comps.get(name)
         if name in memo or comp is None or depth > 64:
             return memo.get(name, [])
         out = []
         for instr in comp.instrs.values():
-            op = _collective(comp, instr, devices)
+            op = visit(comp, instr, devices)
             out += [op] if op is not None else []
             if instr.opcode.endswith("-done") or instr.opcode == "async-update":
                 continue  # they name the computation their start already called
@@ -407,7 +409,7 @@ def collectives(hlo_text: str) -> list[Collective]:
                         out.append(dataclasses.replace(op, executions=runs, trips_known=known))
             elif instr.opcode == "conditional":
                 branches = [expand(b, depth + 1) for b in _called(instr)]
-                heaviest = max(branches, key=lambda ops: sum(op.total_bytes for op in ops), default=None)
+                heaviest = max(branches, key=lambda ops: sum(weight(op) for op in ops), default=None)
                 for ops in branches:
                     out += [dataclasses.replace(op, executions=op.executions * (ops is heaviest), in_branch=True) for op in ops]
             else:
@@ -416,7 +418,7 @@ def collectives(hlo_text: str) -> list[Collective]:
         memo[name] = out
         return out
 
-    merged: dict[tuple[str, str], Collective] = {}
+    merged: dict[tuple[str, str], object] = {}
     for op in expand(entry):
         seen = merged.get((op.computation, op.name))
         if seen is not None:  # the same op reached along two paths: add up its runs
@@ -424,6 +426,139 @@ def collectives(hlo_text: str) -> list[Collective]:
                                      in_branch=op.in_branch or seen.in_branch)  # fmt: skip
         merged[(op.computation, op.name)] = op
     return list(merged.values())
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of a compiled module, with how often one run executes it."""
+    return _per_run(hlo_text, _collective, lambda op: op.total_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """One matrix product of a compiled program: a ``dot``, a ``convolution`` (XLA:TPU writes
+    matmuls as those), or a library call that is one (cuBLAS GEMMs, cuDNN fused attention).
+
+    ``flops`` per device and per execution (2 per multiply-add); ``executions`` as for
+    :class:`Collective`.
+    """
+
+    kind: str  # "dot", "convolution", or the custom call's target
+    name: str
+    computation: str
+    flops: float
+    executions: int
+    trips_known: bool = True
+    in_branch: bool = False
+    source: str = ""
+
+    @property
+    def total_flops(self) -> float:
+        return self.flops * self.executions
+
+
+def _dims_of(comp: _Comp, name: str) -> tuple[int, ...] | None:
+    instr = comp.instrs.get(name)
+    if instr is None:
+        return None
+    leaves = _leaves(instr.type)
+    return leaves[0][1] if len(leaves) == 1 else None
+
+
+def _int_list(text: str, key: str) -> list[int]:
+    """``key={1,2}`` (HLO attributes) or ``"key":["1","2"]`` (a backend_config's JSON)."""
+    m = re.search(rf"\b{key}=\{{([\d,]*)\}}", text) or re.search(rf'"{key}"\s*:\s*\[([^\]]*)\]', text)
+    return [int(d) for d in re.findall(r"\d+", m.group(1))] if m else []
+
+
+def _dot_flops(lhs: tuple[int, ...], rhs: tuple[int, ...], text: str, prefix: str = "", json: bool = False) -> float:
+    """2 x batch x lhs free x rhs free x contracted, for dot dimension numbers in ``text``."""
+    keys = ("lhs_contracting_dimensions", "rhs_contracting_dimensions", "lhs_batch_dimensions", "rhs_batch_dimensions") if json else (
+        "lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims", "rhs_batch_dims")  # fmt: skip
+    lc, rc, lb, rb = (_int_list(text, prefix + k) for k in keys)
+    contract = math.prod(lhs[d] for d in lc)
+    lhs_rest = math.prod(n for d, n in enumerate(lhs) if d not in lc)  # batch and free
+    rhs_free = math.prod(n for d, n in enumerate(rhs) if d not in rc and d not in rb)
+    return 2.0 * lhs_rest * rhs_free * contract
+
+
+def _window(attrs: str, key: str, n: int, default: int) -> list[int]:
+    """A convolution's ``window={size=2x4 stride=1x3 ...}`` entry ``key``, per spatial dimension."""
+    m = re.search(rf"\b{key}=([\dx]+)", attrs)
+    return [int(p) for p in m.group(1).split("x")] if m else [default] * n
+
+
+def _conv_flops(lhs: tuple[int, ...], out: tuple[int, ...], rhs: tuple[int, ...], attrs: str) -> float:
+    """2 x output elements x input features x the window taps that meet the input.
+
+    XLA:TPU writes matmuls as convolutions, batched ones and outer products among them with
+    windows that mostly fall on padding or on the holes of a dilated input (a batch dimension
+    as a window over an input dilated by as much, a length-1 input padded to the output's
+    length): only the taps that meet an input element count, on average over the output
+    positions of each spatial dimension.
+    """
+    m = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", attrs)
+    if not m or "o" not in m.group(2) or "i" not in m.group(2):
+        return 0.0
+    lhs_l, rhs_l, out_l = m.groups()
+    spatial = sorted(c for c in rhs_l if c.isdigit())
+    n = len(spatial)
+    size, stride = _window(attrs, "size", n, 1), _window(attrs, "stride", n, 1)
+    lhs_dil, rhs_dil = _window(attrs, "lhs_dilate", n, 1), _window(attrs, "rhs_dilate", n, 1)
+    pad = re.search(r"\bpad=([\d_x\-]+)", attrs)
+    lows = [int(p.split("_")[0]) for p in pad.group(1).split("x")] if pad else [0] * n
+    taps = 1.0
+    for d, c in enumerate(spatial):
+        if len(lows) != n or len(size) != n:
+            break
+        width, outs = lhs[lhs_l.index(c)], out[out_l.index(c)]
+        real = (width - 1) * lhs_dil[d] + 1  # the input, dilated
+        if outs * size[d] > 1 << 16:  # a real convolution's long window: every tap counts
+            taps *= size[d]
+            continue
+        hits = sum(1 for o in range(outs) for k in range(size[d])
+                   if 0 <= (x := o * stride[d] + k * rhs_dil[d] - lows[d]) < real and x % lhs_dil[d] == 0)  # fmt: skip
+        taps *= hits / max(outs, 1)
+    return 2.0 * math.prod(out) * rhs[rhs_l.index("i")] * taps
+
+
+def _matmul(comp: _Comp, instr: _Instr, devices: int) -> Matmul | None:
+    """``instr`` as a matrix product executed once, if it is one."""
+    op = instr.opcode
+    if op not in ("dot", "convolution", "custom-call") or len(instr.operands) < 2:
+        return None
+    lhs, rhs = _dims_of(comp, instr.operands[0]), _dims_of(comp, instr.operands[1])
+    out = _leaves(instr.type)[0][1] if _leaves(instr.type) else None
+    if lhs is None or rhs is None or out is None:
+        return None
+    kind = op
+    if op == "dot":
+        flops = _dot_flops(lhs, rhs, instr.attrs)
+    elif op == "convolution":
+        flops = _conv_flops(lhs, out, rhs, instr.attrs)
+    else:
+        target = re.search(r'custom_call_target="([^"]*)"', instr.attrs)
+        kind = target.group(1) if target else ""
+        if "fmha" in kind:  # cuDNN attention: scores Q.K^T then P.V, the backward twice that
+            scores = _dot_flops(lhs, rhs, instr.attrs, "bmm1_", json=True) if "bmm1_dot" in instr.attrs else 0.0
+            flops = 2 * scores * (2 if "Backward" in kind else 1)
+        elif '"dot_dimension_numbers"' in instr.attrs:  # cuBLAS GEMM
+            flops = _dot_flops(lhs, rhs, instr.attrs, json=True)
+        else:
+            return None
+    source = _OP_NAME.search(instr.attrs)
+    return Matmul(kind, instr.name, comp.name, flops, 1, source=source.group(1) if source else "")
+
+
+def matmuls(hlo_text: str) -> list[Matmul]:
+    """Every matrix product of a compiled module, with how often one run executes it."""
+    return _per_run(hlo_text, _matmul, lambda m: m.total_flops)
+
+
+def matmul_flops(hlo_text_or_ops) -> float:
+    """FLOPs per device of one run in matrix products, loop bodies counted once per trip:
+    what the analytical ``6N + attention`` per token counts (elementwise work is left out)."""
+    ops = matmuls(hlo_text_or_ops) if isinstance(hlo_text_or_ops, str) else hlo_text_or_ops
+    return float(sum(m.total_flops for m in ops))
 
 
 def collective_bytes(hlo_text_or_ops) -> dict[str, int]:

@@ -39,6 +39,7 @@ from nnxscale.planning.estimate import (
     attention_figures,
     context_figures,
     estimate,
+    formula_flops,
     pipeline_figures,
     slot_factor,
     textbook_collectives,
@@ -126,6 +127,8 @@ class StepPlan:
     target_line: Optional[str] = None  # the target's chips, memory and interconnect, in a line
     flops: Optional[float] = None  # FLOPs per device per step, as the compiled program does them
     flops_expected: Optional[float] = None  # the model's formula (6N + attention per token) per device per step
+    flops_recompute: Optional[float] = None  # the formula plus what remat runs again (estimate.formula_flops); None without
+    flops_uncounted: list = dataclasses.field(default_factory=list)  # custom-call kernels whose FLOPs the count cannot see
     refused: Optional[dict] = None  # the target's compiler refused the program: what it needs (see compiler.refusal)
     #: :func:`layout_figures` of the plan (the abstract model, resolved rules, rows): reused by
     #: callers (``nnxscale plan``'s table and lint) instead of being built again.
@@ -174,7 +177,7 @@ class StepPlan:
             "gradient_bytes_per_device": self.gradient_bytes,
             "activation_bytes_per_device": self.activation_bytes,
             "temp_bytes_per_device": self.temp_bytes,
-            "peak_bytes_per_device": self.peak_bytes,
+            "peak_bytes_per_device": None if self.refused is not None and not self.refused.get("needs") else self.peak_bytes,
             "collective_bytes_per_step": self.collective_total,
             "collective_bytes_by_kind": dict(self.collective_bytes),
             "collectives_over_params": round(self.collective_total / max(self.full_param_bytes, 1), 4),
@@ -191,8 +194,13 @@ class StepPlan:
             "target": self.target,
             "flops_per_device": self.flops,
             "flops_per_device_formula": self.flops_expected,
+            "flops_per_device_formula_with_recompute": self.flops_recompute,
+            "flops_uncounted_kernels": self.flops_uncounted,
             "refused": self.refused,
         }
+
+    def _versus(self, expected: float) -> str:
+        return f" ({self.flops / expected - 1:+.0%} compiled)" if self.flops and expected else ""
 
     def __str__(self) -> str:
         lines = [
@@ -211,27 +219,40 @@ class StepPlan:
             ("activations and other temporaries", self.activation_bytes, self.source),
             ("peak", self.peak_bytes, self.source),
         ]
+        refused = self.refused
+        if refused is not None:  # nothing was measured: what the compiler said it needs, if it said
+            rows = rows[:3] + ([("needs, as the compiler refused it", refused["needs"],
+                                 f"{self.source}: of {format_bytes(refused['available'])} per chip")] if refused.get("needs") else [])  # fmt: skip
         for name, value, source in rows:
             lines.append(f"  {name:<34}{format_bytes(value):>11}  {source}")
         if self.estimated and self.source != "estimate":
             est = self.estimated["peak_bytes_per_device"]
             lines.append(f"  {'peak, analytical estimate':<34}{format_bytes(est):>11}  estimate ({est / max(self.peak_bytes, 1) - 1:+.0%})")
         params = max(self.full_param_bytes, 1)
-        lines += ["", f"collectives per step, per device ({self.source}; x = multiples of the {format_bytes(self.full_param_bytes)} of parameters)"]
-        for kind, value in self.collective_bytes.items():
-            if value:
-                lines.append(f"  {kind:<34}{format_bytes(value):>11}  {value / params:5.2f}x")
-        lines.append(f"  {'total':<34}{format_bytes(self.collective_total):>11}  {self.collective_total / params:5.2f}x")
+        if refused is None:
+            lines += ["", f"collectives per step, per device ({self.source}; x = multiples of the {format_bytes(self.full_param_bytes)} of parameters)"]
+            for kind, value in self.collective_bytes.items():
+                if value:
+                    lines.append(f"  {kind:<34}{format_bytes(value):>11}  {value / params:5.2f}x")
+            lines.append(f"  {'total':<34}{format_bytes(self.collective_total):>11}  {self.collective_total / params:5.2f}x")
+        else:
+            lines += ["", "collectives per step, per device: not counted (the target's compiler refused the program)"]
         if self.textbook:
             parts = "; ".join(f"{what} {x:.2f}x" for what, x in self.textbook)
             lines.append(f"  {'textbook for this layout':<34}{'':>11}  {sum(x for _, x in self.textbook):5.2f}x ({parts})")
         if self.flops is not None:
-            lines += ["", "FLOPs per device per step"]
+            lines += ["", "FLOPs per device per step (matrix products, loop bodies once per trip)"]
             lines.append(f"  {'compiled program':<34}{self.flops:>11.3g}  {self.source}")
             if self.flops_expected is not None:
-                rel = f" ({self.flops / self.flops_expected - 1:+.0%} compiled)" if self.flops and self.flops_expected else ""
-                recompute = "; remat full runs the forward again, ~4/3 of it" if self.remat == "full" else ""
-                lines.append(f"  {'model formula (6N + attention)':<34}{self.flops_expected:>11.3g}  per token x tokens / devices{recompute}{rel}")
+                lines.append(f"  {'model formula (6N + attention)':<34}{self.flops_expected:>11.3g}  per token x tokens / devices"
+                             f"{self._versus(self.flops_expected) if self.flops_recompute is None else ''}")  # fmt: skip
+            if self.flops_recompute is not None:
+                again = ("each layer's forward again, less its last matmul (an output the backward does not need)"
+                         if self.remat == "full" else "attention's products again")  # fmt: skip
+                lines.append(f"  {'formula + remat ' + self.remat + ' recompute':<34}{self.flops_recompute:>11.3g}  "
+                             f"{again}{self._versus(self.flops_recompute)}")  # fmt: skip
+            if self.flops_uncounted:
+                lines.append(f"  not counted: the matmuls inside {', '.join(self.flops_uncounted)} (Pallas kernels: attention)")
         if self.compile_seconds is not None:
             lines.append(f"  compiled in {self.compile_seconds:.1f} s")
         if self.pipeline:
@@ -315,7 +336,7 @@ def plan(
         optimizer_bytes=lay["optimizer_bytes"], gradient_bytes=lay["gradient_bytes"], batch_bytes=lay["batch_bytes"],
         textbook=textbook_collectives(cfg, lay), device_memory=device_memory, layout=lay,
         target=None if target is None else target.name, target_line=None if target is None else target.describe(),
-        flops_expected=lay["setup"].flops_per_token() * cfg.data.batch_size * cfg.data.seq_len / n,
+        **dict(zip(("flops_expected", "flops_recompute"), formula_flops(cfg, lay, n))),
         **attention_figures(cfg, lay["model"], lay["rules"]),
     )  # fmt: skip
     family = lay["model"].family.name
@@ -356,6 +377,7 @@ def plan(
         estimated={k: est[k] for k in ("temp_bytes_per_device", "peak_bytes_per_device", "collective_bytes_per_step")},
         activations=compiled["activations"],
         flops=compiled.get("flops"),
+        flops_uncounted=compiled.get("flops_uncounted", []),
         notes=notes,
         pipeline=pipeline_figures(cfg, lay, compiled["collective_bytes"]),
         context=context_figures(cfg, lay, compiled["collective_bytes"]),
