@@ -7,12 +7,13 @@ docs/targets.md, not here."""
 
 import dataclasses
 import importlib.util
+import math
 import re
 
 import pytest
 
 from nnxscale.cli.commands import main
-from nnxscale.planning import compiler, meshes, report, targets
+from nnxscale.planning import compiler, estimate, meshes, report, targets
 from nnxscale.planning.compiler import compile_step, compiled_flops, measure
 from nnxscale.planning.report import plan
 from nnxscale.training.config import FLAT_NAMES, TrainConfig, with_overrides
@@ -44,6 +45,10 @@ def test_plan_target_h100x8_reports_the_gpu_compilers_own_figures(h100x8_plan):
     assert p.peak_bytes == ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
     assert p.collective_bytes == measure(compiled, "gpu")["collective_bytes"] and p.collective_bytes["reduce-scatter"] > 0
     assert p.flops == compiled_flops(compiled) > 0 and p.flops_expected > 0
+    # the attention is a Pallas kernel (a custom call): named, not counted
+    assert p.flops_uncounted == ["__gpu$xla.gpu.triton"] and "not counted: the matmuls inside __gpu$xla.gpu.triton" in str(p)
+    # the textbook in the dtypes this compiler moves (bfloat16 gathers and gradients) is what it counted
+    assert abs(sum(x for _, x in p.textbook) / (p.collective_total / p.full_param_bytes) - 1) < 0.1
     # bfloat16 compute over float32 master weights: the state is float32, the program computes in bf16.
     assert p.full_param_bytes == 4 * p.num_params and "bf16[" in compiled.as_text()
     assert p.fits is True and "verdict: fits" in str(p)
@@ -148,3 +153,34 @@ def test_a_refused_plan_shows_what_the_compiler_said_and_no_zeros(monkeypatch):
     refused["refused"] = compiler.refusal("RESOURCE_EXHAUSTED: something else")
     text = str(plan(tiny("fsdp=8"), target="v5e-8"))
     assert "verdict: does not fit: RESOURCE_EXHAUSTED: something else" in text and not re.search(r"\b0 B\b", text)
+
+
+def test_the_textbook_counts_the_bytes_each_compiler_moves():
+    """bfloat16 compute over float32 weights: XLA:CPU moves the collectives as float32 (3x the
+    parameters for FSDP, as counted); the accelerators' compilers gather bfloat16 and reduce
+    bfloat16 gradients (the embedding table's in float32)."""
+    p = plan(tiny("fsdp=8"), compile="never")
+    full, rows = p.full_param_bytes, p.layout["rows"]
+    cpu = dict(estimate.textbook_collectives(p.layout["setup"].cfg, p.layout, "cpu"))
+    gpu = dict(estimate.textbook_collectives(p.layout["setup"].cfg, p.layout, "gpu"))
+    table = sum(4 * math.prod(r.shape) for r in rows if r.logical and "vocab" in r.logical)
+    split = cpu["FSDP 2 gathers + reduce-scatter"] * full / 3  # the bytes FSDP splits, all float32 on XLA:CPU
+    assert 0.95 * full < split <= full
+    # gathered twice at half the bytes, reduced at half but for the embedding table
+    assert gpu["FSDP 2 gathers + reduce-scatter"] * full == pytest.approx(split + (split - table) / 2 + table)
+
+
+def test_gradient_accumulation_is_named_in_the_textbook_and_the_notes():
+    """--grad-accum 4: FSDP's gathers and reduce-scatters happen in every micro-batch (the
+    accumulator is sharded); a data axis's all-reduce should happen once per step, and the
+    plan says that the compiled step does it per micro-batch."""
+    one, four = (plan(tiny("fsdp=8", **{"optim.grad_accum": a, "data.batch_size": 32}), compile="never") for a in (1, 4))
+    assert dict(four.textbook)["FSDP 2 gathers + reduce-scatter x 4 micro-batches"] == pytest.approx(
+        4 * dict(one.textbook)["FSDP 2 gathers + reduce-scatter"])
+    (note,) = [n for n in four.notes if n.startswith("--grad-accum 4")]
+    assert "each of the 4 micro-batches" in note and "inherent" in note
+    assert not any(n.startswith("--grad-accum") for n in one.notes)
+    data = plan(tiny("data=8", **{"optim.grad_accum": 4, "data.batch_size": 32}), compile="never")
+    (note,) = [n for n in data.notes if n.startswith("--grad-accum 4")]
+    assert "all-reduced in each micro-batch, 4x the textbook's" in note
+    assert dict(data.textbook)["data-parallel gradient all-reduce"] == pytest.approx(1.0, abs=0.01)

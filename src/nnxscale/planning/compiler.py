@@ -112,10 +112,11 @@ def compiled_flops(compiled) -> float:
 
 
 def uncounted_kernels(hlo_text: str) -> list[str]:
-    """The custom calls of a compiled program that hold matmuls :func:`compiled_flops` cannot
-    count: Pallas kernels (``tpu_custom_call``, ``__gpu$xla.gpu.triton``), by target name."""
-    found = set(re.findall(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)"', hlo_text))
-    return sorted(found)
+    """The custom calls of a compiled program that do matmuls :func:`compiled_flops` cannot
+    count, by target name: Pallas kernels (``tpu_custom_call``, ``__gpu$xla.gpu.triton``:
+    attention), cuDNN's fused attention and cuBLAS GEMMs."""
+    kernels = r"tpu_custom_call|__gpu\$xla\.gpu\.triton|__cudnn\$fmha[\w$]*|__cublas\$[\w$]*"
+    return sorted(set(re.findall(rf'custom_call_target="({kernels})"', hlo_text)))
 
 
 def compiled_figures(cfg: TrainConfig, n: int, s=None) -> dict[str, Any]:

@@ -12,29 +12,44 @@ from nnxscale.sharding.axes import EXPERT, STAGE
 from nnxscale.training.config import TrainConfig
 
 
-def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]:
+def textbook_collectives(cfg: TrainConfig, lay: dict, platform: str = "cpu") -> list[tuple[str, float]]:
     """What a textbook layout moves per step, as multiples of the parameter bytes.
 
     Data parallel: one all-reduce of the gradients of the parameters replicated across the
     batch axes. FSDP: all-gather the parameters in the forward pass and again in the
-    backward pass, reduce-scatter the gradients: 3x what FSDP splits. Tensor parallel
-    (Megatron): two all-reduces of the ``(B, T, C)`` activations per layer forward and two
-    backward (two more with rematerialization); in a pipeline, a stage's layers in every
-    iteration, bubble included. Pipeline: :func:`nnxscale.layers.pipeline.pipeline_cost`'s
-    permutes and stage-boundary all-reduces.
+    backward pass, reduce-scatter the gradients: 3x what FSDP splits in the parameters'
+    dtype. Tensor parallel (Megatron): two all-reduces of the ``(B, T, C)`` activations per
+    layer forward and two backward (two more with rematerialization); in a pipeline, a
+    stage's layers in every iteration, bubble included. Pipeline:
+    :func:`nnxscale.layers.pipeline.pipeline_cost`'s permutes and stage-boundary all-reduces.
+
+    In the dtype each collective moves (:func:`collective_itemsizes`): with bfloat16 compute
+    over float32 weights an FSDP step gathers bfloat16 and reduces bfloat16 gradients (the
+    embedding table's in float32), about 1.6x where float32 would be 3x; ``platform`` is the
+    compiler's (``"cpu"``: XLA:CPU moves bfloat16 collectives as float32). With gradient
+    accumulation FSDP's three move once per micro-batch, the data-parallel all-reduce once
+    per step (what the compiled step does is :func:`accumulation_note`'s).
     """
     rules, dims, full = lay["rules"], lay["model"].dims, max(lay["full_param_bytes"], 1)
     if rules.num_devices == 1:
         return []
-    split = split_params(lay["rows"], rules)
+    gather, reduce = collective_itemsizes(cfg, platform)
+    accum = cfg.optim.grad_accum
+    table = [r for r in lay["rows"] if r.logical and "vocab" in r.logical]  # the embedding: reduced in its own dtype
+    split = split_params([r for r in lay["rows"] if not (r.logical and "vocab" in r.logical)], rules)
+    split_table = split_params(table, rules)
+    itemsize = 4.0  # the parameters' (float32)
+    moved = {k: (split[k] * reduce + split_table[k] * itemsize) / itemsize for k in split}  # gradients as reduced
+    weights = {k: (split[k] + split_table[k]) for k in split}
     out = []
-    if split["replicated"] / full >= 0.005 and rules.batch_shard_count > 1:  # not just LayerNorms kept whole
-        out.append(("data-parallel gradient all-reduce", split["replicated"] / full))
-    if split["fsdp"]:
-        out.append(("FSDP 2 gathers + reduce-scatter", 3 * split["fsdp"] / full))
-    if split["expert"] and rules.batch_shard_count > rules.sizes[EXPERT]:
-        out.append(("experts' gradient all-reduce", split["expert"] / full))
-    if split["experts"]:
+    if weights["replicated"] / full >= 0.005 and rules.batch_shard_count > 1:  # not just LayerNorms kept whole
+        out.append(("data-parallel gradient all-reduce", moved["replicated"] / full))
+    if weights["fsdp"]:  # per micro-batch: the accumulator is sharded like the weights (see accumulation_note)
+        fsdp = (2 * weights["fsdp"] * gather / itemsize + moved["fsdp"]) / full
+        out.append(("FSDP 2 gathers + reduce-scatter" + (f" x {accum} micro-batches" if accum > 1 else ""), accum * fsdp))
+    if weights["expert"] and rules.batch_shard_count > rules.sizes[EXPERT]:
+        out.append(("experts' gradient all-reduce", moved["expert"] / full))
+    if weights["experts"]:
         out.append(("expert all-to-all", expert_all_to_all_bytes(cfg, lay) / full))
     tensor = math.prod(s for a, s in rules.sizes.items() if a not in (*rules.batch_axes, *rules.length_axes, STAGE))
     pipe = lay.get("pipeline")
@@ -53,23 +68,60 @@ def textbook_collectives(cfg: TrainConfig, lay: dict) -> list[tuple[str, float]]
     return out
 
 
-def formula_flops(cfg: TrainConfig, lay: dict, n: int) -> tuple[float, Optional[float]]:
-    """``(formula, with recompute)``: training FLOPs per device per step by the model's
-    formula (``6N + attention`` per token, :meth:`~nnxscale.training.Setup.flops_per_token`),
-    and that plus what rematerialization runs again in the backward pass: with ``remat full``
-    each layer's forward (a third of the formula less the output head's ``6 x vocab x
-    width``), with ``remat dots`` the attention's score and value products (a third of the
-    attention term). ``None`` for your own module (no head or attention known) or no remat."""
+def accumulation_note(cfg: TrainConfig, lay: dict) -> Optional[str]:
+    """What gradient accumulation does to the collectives of the compiled step, for the plan's
+    notes (measured on XLA:CPU, llama-mini, 8 devices, 2026-11-26: data=8 all-reduces 1.03x
+    the parameters with one micro-batch, 4.12x with four; fsdp=8 TODO)."""
+    accum = cfg.optim.grad_accum
+    if accum == 1 or lay["rules"].batch_shard_count == 1:
+        return None
+    split = split_params(lay["rows"], lay["rules"])
+    parts = []
+    if split["fsdp"]:
+        parts.append(f"FSDP gathers the weights and reduce-scatters their gradients in each of the {accum} micro-batches "
+                     "(inherent: the accumulator is sharded like the weights, as in MaxText's gradient accumulation)")
+    if split["replicated"] / max(lay["full_param_bytes"], 1) >= 0.005:
+        parts.append(f"the replicated weights' gradients are all-reduced in each micro-batch, {accum}x the textbook's "
+                     "once per step (waste: accumulating them unreduced and reducing once is not done yet)")
+    return f"--grad-accum {accum}: " + "; ".join(parts) if parts else None
+
+
+def collective_itemsizes(cfg: TrainConfig, platform: str = "cpu") -> tuple[float, float]:
+    """``(gathered weights, reduced gradients)``: bytes per element the collectives of a step
+    move. The model casts the float32 weights to the compute dtype where it uses them and the
+    compiler gathers the cast ones; their gradients come back in the compute dtype and are
+    reduced in it (measured on the H100 compiler, llama-3.2-1b on fsdp=8 with bfloat16: every
+    layer weight gathered and reduce-scattered in bf16, the embedding table's gradient in
+    f32). XLA:CPU moves bfloat16 collectives as float32 (the same step there: 2.00x gathers,
+    1.00x reductions of the float32 parameter bytes)."""
+    import jax.numpy as jnp
+
+    compute = float(jnp.dtype(cfg.model.dtype).itemsize)
+    if platform == "cpu":
+        compute = max(compute, 4.0)
+    return compute, compute
+
+
+def formula_flops(cfg: TrainConfig, lay: dict, n: int) -> dict[str, Optional[float]]:
+    """Training FLOPs per device per step by the model's formula (``6N + attention`` per
+    token, :meth:`~nnxscale.training.Setup.flops_per_token`): ``expected``; ``recompute``: that
+    plus what rematerialization runs again in the backward pass (with ``remat full`` each
+    layer's forward, a third of the formula less the output head's ``6 x vocab x width``;
+    with ``remat dots`` the attention's products, a third of its term); ``attention``: the
+    attention term with its share of the recompute (what a fused kernel does). ``None`` where
+    the model's shape is not known (your own module) or nothing is recomputed."""
     tokens = cfg.data.batch_size * cfg.data.seq_len / n
     per_token = lay["setup"].flops_per_token()
     dims, remat = lay["model"].dims, cfg.model.remat
-    if dims is None or remat == "none":
-        return per_token * tokens, None
-    if remat == "full":
-        again = (per_token - 6 * dims.vocab_size * dims.width) / 3
-    else:  # dots: the weight matmuls' outputs are kept, attention's products are not
-        again = 4 * dims.layers * dims.heads * dims.head_width * cfg.data.seq_len
-    return per_token * tokens, (per_token + again) * tokens
+    if dims is None:
+        return {"expected": per_token * tokens, "recompute": None, "attention": None}
+    attention = 12 * dims.layers * dims.heads * dims.head_width * cfg.data.seq_len
+    again = {"none": None, "full": (per_token - 6 * dims.vocab_size * dims.width) / 3, "dots": attention / 3}[remat]
+    return {
+        "expected": per_token * tokens,
+        "recompute": None if again is None else (per_token + again) * tokens,
+        "attention": attention * (1 if remat == "none" else 4 / 3) * tokens,
+    }
 
 
 def pipeline_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional[dict] = None) -> Optional[dict]:

@@ -435,14 +435,14 @@ def collectives(hlo_text: str) -> list[Collective]:
 
 @dataclasses.dataclass(frozen=True)
 class Matmul:
-    """One matrix product of a compiled program: a ``dot``, a ``convolution`` (XLA:TPU writes
-    matmuls as those), or a library call that is one (cuBLAS GEMMs, cuDNN fused attention).
+    """One matrix product of a compiled program: a ``dot``, or a ``convolution`` (XLA:TPU writes
+    matmuls as those). Library calls and kernels (cuBLAS, cuDNN, Pallas) are not read.
 
     ``flops`` per device and per execution (2 per multiply-add); ``executions`` as for
     :class:`Collective`.
     """
 
-    kind: str  # "dot", "convolution", or the custom call's target
+    kind: str  # "dot" or "convolution"
     name: str
     computation: str
     flops: float
@@ -464,17 +464,15 @@ def _dims_of(comp: _Comp, name: str) -> tuple[int, ...] | None:
     return leaves[0][1] if len(leaves) == 1 else None
 
 
-def _int_list(text: str, key: str) -> list[int]:
-    """``key={1,2}`` (HLO attributes) or ``"key":["1","2"]`` (a backend_config's JSON)."""
-    m = re.search(rf"\b{key}=\{{([\d,]*)\}}", text) or re.search(rf'"{key}"\s*:\s*\[([^\]]*)\]', text)
-    return [int(d) for d in re.findall(r"\d+", m.group(1))] if m else []
+def _int_list(attrs: str, key: str) -> list[int]:
+    """An HLO attribute ``key={1,2}``."""
+    m = re.search(rf"\b{key}=\{{([\d,]*)\}}", attrs)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
 
 
-def _dot_flops(lhs: tuple[int, ...], rhs: tuple[int, ...], text: str, prefix: str = "", json: bool = False) -> float:
-    """2 x batch x lhs free x rhs free x contracted, for dot dimension numbers in ``text``."""
-    keys = ("lhs_contracting_dimensions", "rhs_contracting_dimensions", "lhs_batch_dimensions", "rhs_batch_dimensions") if json else (
-        "lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims", "rhs_batch_dims")  # fmt: skip
-    lc, rc, lb, rb = (_int_list(text, prefix + k) for k in keys)
+def _dot_flops(lhs: tuple[int, ...], rhs: tuple[int, ...], attrs: str) -> float:
+    """2 x batch x lhs free x rhs free x contracted, for a ``dot``'s dimension numbers."""
+    lc, rc, rb = (_int_list(attrs, k) for k in ("lhs_contracting_dims", "rhs_contracting_dims", "rhs_batch_dims"))
     contract = math.prod(lhs[d] for d in lc)
     lhs_rest = math.prod(n for d, n in enumerate(lhs) if d not in lc)  # batch and free
     rhs_free = math.prod(n for d, n in enumerate(rhs) if d not in rc and d not in rb)
@@ -524,29 +522,15 @@ def _conv_flops(lhs: tuple[int, ...], out: tuple[int, ...], rhs: tuple[int, ...]
 def _matmul(comp: _Comp, instr: _Instr, devices: int) -> Matmul | None:
     """``instr`` as a matrix product executed once, if it is one."""
     op = instr.opcode
-    if op not in ("dot", "convolution", "custom-call") or len(instr.operands) < 2:
+    if op not in ("dot", "convolution") or len(instr.operands) < 2:
         return None
     lhs, rhs = _dims_of(comp, instr.operands[0]), _dims_of(comp, instr.operands[1])
     out = _leaves(instr.type)[0][1] if _leaves(instr.type) else None
     if lhs is None or rhs is None or out is None:
         return None
-    kind = op
-    if op == "dot":
-        flops = _dot_flops(lhs, rhs, instr.attrs)
-    elif op == "convolution":
-        flops = _conv_flops(lhs, out, rhs, instr.attrs)
-    else:
-        target = re.search(r'custom_call_target="([^"]*)"', instr.attrs)
-        kind = target.group(1) if target else ""
-        if "fmha" in kind:  # cuDNN attention: scores Q.K^T then P.V, the backward twice that
-            scores = _dot_flops(lhs, rhs, instr.attrs, "bmm1_", json=True) if "bmm1_dot" in instr.attrs else 0.0
-            flops = 2 * scores * (2 if "Backward" in kind else 1)
-        elif '"dot_dimension_numbers"' in instr.attrs:  # cuBLAS GEMM
-            flops = _dot_flops(lhs, rhs, instr.attrs, json=True)
-        else:
-            return None
+    flops = _dot_flops(lhs, rhs, instr.attrs) if op == "dot" else _conv_flops(lhs, out, rhs, instr.attrs)
     source = _OP_NAME.search(instr.attrs)
-    return Matmul(kind, instr.name, comp.name, flops, 1, source=source.group(1) if source else "")
+    return Matmul(op, instr.name, comp.name, flops, 1, source=source.group(1) if source else "")
 
 
 def matmuls(hlo_text: str) -> list[Matmul]:

@@ -36,6 +36,7 @@ from nnxscale.planning import targets
 from nnxscale.planning.compiler import MAX_COMPILE_DEVICES, compile_for_target, compiled_figures, local_device_count, local_mesh
 from nnxscale.planning.estimate import (
     ESTIMATE_FAMILY,
+    accumulation_note,
     attention_figures,
     context_figures,
     estimate,
@@ -128,6 +129,7 @@ class StepPlan:
     flops: Optional[float] = None  # FLOPs per device per step, as the compiled program does them
     flops_expected: Optional[float] = None  # the model's formula (6N + attention per token) per device per step
     flops_recompute: Optional[float] = None  # the formula plus what remat runs again (estimate.formula_flops); None without
+    flops_attention: Optional[float] = None  # the formula's attention term, with its recompute
     flops_uncounted: list = dataclasses.field(default_factory=list)  # custom-call kernels whose FLOPs the count cannot see
     refused: Optional[dict] = None  # the target's compiler refused the program: what it needs (see compiler.refusal)
     #: :func:`layout_figures` of the plan (the abstract model, resolved rules, rows): reused by
@@ -252,7 +254,8 @@ class StepPlan:
                 lines.append(f"  {'formula + remat ' + self.remat + ' recompute':<34}{self.flops_recompute:>11.3g}  "
                              f"{again}{self._versus(self.flops_recompute)}")  # fmt: skip
             if self.flops_uncounted:
-                lines.append(f"  not counted: the matmuls inside {', '.join(self.flops_uncounted)} (Pallas kernels: attention)")
+                attention = f"; the formula's attention with its recompute is {self.flops_attention:.3g}" if self.flops_attention else ""
+                lines.append(f"  not counted: the matmuls inside {', '.join(self.flops_uncounted)} (kernels: attention{attention})")
         if self.compile_seconds is not None:
             lines.append(f"  compiled in {self.compile_seconds:.1f} s")
         if self.pipeline:
@@ -334,9 +337,9 @@ def plan(
         batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.optim.grad_accum,
         num_params=lay["num_params"], full_param_bytes=lay["full_param_bytes"], param_bytes=lay["param_bytes"],
         optimizer_bytes=lay["optimizer_bytes"], gradient_bytes=lay["gradient_bytes"], batch_bytes=lay["batch_bytes"],
-        textbook=textbook_collectives(cfg, lay), device_memory=device_memory, layout=lay,
+        textbook=textbook_collectives(cfg, lay, compiler_platform(target)), device_memory=device_memory, layout=lay,
         target=None if target is None else target.name, target_line=None if target is None else target.describe(),
-        **dict(zip(("flops_expected", "flops_recompute"), formula_flops(cfg, lay, n))),
+        **{f"flops_{k}": v for k, v in formula_flops(cfg, lay, n).items()},
         **attention_figures(cfg, lay["model"], lay["rules"]),
     )  # fmt: skip
     family = lay["model"].family.name
@@ -344,6 +347,7 @@ def plan(
         f"the analytical estimate is fitted to {ESTIMATE_FAMILY}'s step (bench/plan_accuracy.py): for a {family} model "
         "it is a rough guide; the compiled figures hold for any model"
     ]  # fmt: skip
+    calibration += [n for n in (accumulation_note(cfg, lay),) if n]
     pipe = lay["pipeline"]
     if pipe is not None:
         from nnxscale.training.state import pipeline_notes
@@ -382,6 +386,14 @@ def plan(
         pipeline=pipeline_figures(cfg, lay, compiled["collective_bytes"]),
         context=context_figures(cfg, lay, compiled["collective_bytes"]),
     )
+
+
+def compiler_platform(target=None) -> str:
+    """``"cpu"``, ``"gpu"`` or ``"tpu"``: whose compiler builds the planned step (the target's,
+    else this machine's)."""
+    import jax
+
+    return target.family if target is not None else jax.default_backend()
 
 
 def compiled_notes(cfg: TrainConfig, lay: dict, compiled: dict) -> list[str]:
