@@ -197,6 +197,7 @@ class StepPlan:
             "flops_per_device": self.flops,
             "flops_per_device_formula": self.flops_expected,
             "flops_per_device_formula_with_recompute": self.flops_recompute,
+            "flops_per_device_attention": self.flops_attention,
             "flops_uncounted_kernels": self.flops_uncounted,
             "refused": self.refused,
         }
@@ -251,11 +252,14 @@ class StepPlan:
             if self.flops_recompute is not None:
                 again = ("each layer's forward again, less its last matmul (an output the backward does not need)"
                          if self.remat == "full" else "attention's products again")  # fmt: skip
-                lines.append(f"  {'formula + remat ' + self.remat + ' recompute':<34}{self.flops_recompute:>11.3g}  "
-                             f"{again}{self._versus(self.flops_recompute)}")  # fmt: skip
+                versus = "" if self.flops_uncounted and self.flops_attention else self._versus(self.flops_recompute)
+                lines.append(f"  {'formula + remat ' + self.remat + ' recompute':<34}{self.flops_recompute:>11.3g}  {again}{versus}")
             if self.flops_uncounted:
-                attention = f"; the formula's attention with its recompute is {self.flops_attention:.3g}" if self.flops_attention else ""
-                lines.append(f"  not counted: the matmuls inside {', '.join(self.flops_uncounted)} (kernels: attention{attention})")
+                line = f"  not counted: the matmuls inside {', '.join(self.flops_uncounted)} (kernels: attention)"
+                if self.flops_attention:
+                    line += (f"; the formula less its attention ({self.flops_attention:.3g} with its recompute): "
+                             f"{self._versus((self.flops_recompute or self.flops_expected) - self.flops_attention).strip(' ()')}")  # fmt: skip
+                lines.append(line)
         if self.compile_seconds is not None:
             lines.append(f"  compiled in {self.compile_seconds:.1f} s")
         if self.pipeline:
