@@ -8,6 +8,7 @@ docs/targets.md, not here."""
 import dataclasses
 import importlib.util
 import math
+import os
 import re
 
 import pytest
@@ -184,3 +185,35 @@ def test_gradient_accumulation_is_named_in_the_textbook_and_the_notes():
     (note,) = [n for n in data.notes if n.startswith("--grad-accum 4")]
     assert "all-reduced in each micro-batch, 4x the textbook's" in note
     assert dict(data.textbook)["data-parallel gradient all-reduce"] == pytest.approx(1.0, abs=0.01)
+
+
+def test_the_plugins_start_up_chatter_is_kept_from_plan(capfd):
+    """What the CUDA plugin and libtpu write to stderr (from C++) while failing to find their
+    hardware: held back where only the CPU started; passed on with an error."""
+    from nnxscale.cli.commands import _start_jax_quietly
+    from nnxscale.errors import ConfigError
+
+    def chatter():
+        os.write(2, b"I0000 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU will not be used.\n")
+
+    note = _start_jax_quietly(chatter, forced_cpu=False)
+    assert "no GPU or TPU started here" in note and "NNXSCALE_DEBUG=1" in note
+    assert capfd.readouterr().err == ""
+    assert _start_jax_quietly(chatter, forced_cpu=True) is None and capfd.readouterr().err == ""  # --target
+    assert _start_jax_quietly(lambda: None, forced_cpu=False) is None  # nothing said, nothing to note
+
+    def broken():
+        chatter()
+        raise RuntimeError("the backend did not start")
+
+    with pytest.raises(RuntimeError):
+        _start_jax_quietly(broken, forced_cpu=False)
+    assert "Could not find cuda drivers" in capfd.readouterr().err  # a real failure keeps its story
+
+    def bad_input():
+        chatter()
+        raise ConfigError("--cpu-devices must be positive")
+
+    with pytest.raises(ConfigError):
+        _start_jax_quietly(bad_input, forced_cpu=False)
+    assert capfd.readouterr().err == ""  # its one line is printed by main

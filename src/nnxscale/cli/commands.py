@@ -542,6 +542,52 @@ def _join(args):
     return job
 
 
+def _start_jax_quietly(start, forced_cpu: bool) -> Optional[str]:
+    """``start()``, then JAX's backends, with stderr (the descriptor: the plugins write from
+    C++) held back.
+
+    Where an accelerator started, everything they wrote is passed on. Where only the CPU did,
+    it is what the installed accelerator plugins said while failing to find their hardware on
+    this machine (the CUDA plugin's "Could not find cuda drivers" and its traceback, libtpu's
+    warnings about TPU worker hostnames): ``plan`` compiles for a ``--target`` in a child
+    process of its own and needs none of it here, so it is dropped (``forced_cpu``: this
+    process was told to use the CPU), or, without a target, replaced by the line returned, for
+    after the command's output (``NNXSCALE_DEBUG=1`` shows it all)."""
+    import tempfile
+
+    from nnxscale.errors import NnxscaleError
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        backend, failed = None, None
+        try:
+            start()
+            import jax
+
+            backend = jax.default_backend()
+        except NnxscaleError:  # bad input: its one line says it all
+            raise
+        except BaseException as e:
+            failed = e
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            text = held.read().decode(errors="replace")
+            if failed is not None:  # jax did not start: what was said is the error's story
+                sys.stderr.write(text)
+    if backend != "cpu":
+        sys.stderr.write(text)
+    elif text.strip() and not forced_cpu:
+        return ("nnxscale: note: no GPU or TPU started here (the installed accelerator plugins' start-up messages are "
+                "hidden; NNXSCALE_DEBUG=1 shows them): planned with XLA:CPU")  # fmt: skip
+    return None
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -563,15 +609,22 @@ def main(argv=None) -> int:
     # waiting for this process in a collective.
     from nnxscale.jobs.process import owned_by_command
 
+    quiet = args.command == "plan" and "jax" not in sys.modules and not os.environ.get("NNXSCALE_DEBUG")
     if getattr(args, "target", None) and "jax" not in sys.modules:
         # The target's compiler runs in a child process: this one needs no accelerator, and on a
         # machine without one the CUDA plugin and libtpu would only fail loudly while starting.
         os.environ["JAX_PLATFORMS"] = "cpu"
     try:
-        configure_cpu_devices(args.cpu_devices)  # before jax starts; a bad value is one line
-        _join(args)
+        def start():
+            configure_cpu_devices(args.cpu_devices)  # before jax starts; a bad value is one line
+            _join(args)
+
+        note = _start_jax_quietly(start, forced_cpu=bool(getattr(args, "target", None))) if quiet else start()
         with owned_by_command():  # the command owns its process (nnxscale.jobs.process)
-            return handler(args)
+            code = handler(args)
+        if note and code == 0:
+            print(note, file=sys.stderr)
+        return code
     except KeyboardInterrupt:
         print("nnxscale: interrupted", file=sys.stderr)
         return leave(130, "interrupted by SIGINT")
