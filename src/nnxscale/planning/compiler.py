@@ -18,7 +18,7 @@ import re
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 from nnxscale.planning.layout import plan_separator
 from nnxscale.training.config import TrainConfig
