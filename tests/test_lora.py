@@ -96,7 +96,6 @@ def _batches(data, n, batch=8, seq=32):
     return [{"inputs": r[:, :-1], "targets": r[:, 1:]} for r in rows]
 
 
-@pytest.mark.many_steps
 def test_lora_losses_are_the_same_on_data_fsdp_tensor_and_pipeline_meshes(text_data):
     """llama-mini and mixtral-tiny with adapters on every linear layer, 20 steps on data=8,
     fsdp=2,model=4 and stage=2,data=4: the same losses (1e-5 relative); the adapters move,

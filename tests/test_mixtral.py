@@ -149,7 +149,6 @@ def test_logits_match_a_checkpoint_written_by_hugging_face(spec, tmp_path):
             np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
 
 
-@pytest.mark.many_steps
 def test_training_is_the_same_on_expert_meshes_and_resumes_from_one_on_another(tmp_path, text_data):
     """20 steps log data=8's losses and router losses (rel 1e-5) on expert=2,fsdp=2,model=2
     and on data=2,expert=4 -> stage=2,expert=4: the last run stops at step 10 with a
