@@ -5,6 +5,7 @@
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import os
 import typing
@@ -85,6 +86,44 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "needs_cuda_plugin" in item.keywords:
             item.add_marker(skip)
+
+
+# The train step of a test marked ``many_steps`` is compiled at LLVM -O1, every other program
+# at -O0 (NNXSCALE_STEP_XLA_OPTIONS: nnxscale.training.step). At -O0 nothing is vectorized and
+# the step's elementwise work (the optimizer update, the non-finite guard's selects) is
+# slow; -O1 costs more to compile. Measured 2026-11-26 (CPU seconds, data=8, batch 16 x 32,
+# cold cache, a loaded 2-core machine): llama-mini's 20 steps 30 s at -O0 and 7 s at -O1 for
+# about 4 s more compiling; gpt2-tiny's 20 steps 3.6 s and 0.9 s for 3.5 s more compiling:
+# the mark pays where a test runs many steps of few programs, and only there: measured per
+# test (CPU seconds, before -> after), the 20-step 1F1B run 87 -> 64; the 20-step LoRA test
+# over 6 programs 109 -> 117 and the Mixtral one over 4 (experts, a pipeline) 63 -> 74, so
+# those two are not marked: their -O1 compiles cost more than their steps gain. A
+# test's runs are all compiled one way (its comparisons never mix them); the variable
+# travels to the processes it starts. Like the flags above, the options are used only where
+# this jaxlib compiles a program with them (a speed option, never a failing test).
+STEP_XLA_OPTIONS = '{"xla_backend_optimization_level": 1}'
+
+
+@functools.cache
+def _step_options_compile() -> bool:
+    import json
+
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=json.loads(STEP_XLA_OPTIONS)).lower(1.0).compile()
+    except jax.errors.JaxRuntimeError:
+        return False
+    return True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the test's fixtures: the step options of its mark (see STEP_XLA_OPTIONS)."""
+    from nnxscale.training.step import ENV_STEP_XLA_OPTIONS
+
+    if item.get_closest_marker("many_steps") and _step_options_compile():
+        os.environ[ENV_STEP_XLA_OPTIONS] = STEP_XLA_OPTIONS
+    else:
+        os.environ.pop(ENV_STEP_XLA_OPTIONS, None)
 
 
 @pytest.fixture

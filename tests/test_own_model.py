@@ -10,10 +10,12 @@ import os
 from pathlib import Path
 
 import jax
+import pytest
 from jax.sharding import PartitionSpec as P
 from test_cli import assert_one_error_line, run_main
 
 import nnxscale
+from nnxscale.training.step import ENV_STEP_XLA_OPTIONS
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "own-model.md"
 HEADING = "# Train your own model from Python"
@@ -33,12 +35,13 @@ def run_example(code: str, cwd: Path, monkeypatch, capsys) -> str:
     with monkeypatch.context() as m:
         m.chdir(cwd)
         m.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-        for name in [k for k in os.environ if k.startswith("NNXSCALE_")]:
-            m.delenv(name)
+        for name in [k for k in os.environ if k.startswith("NNXSCALE_") and k != ENV_STEP_XLA_OPTIONS]:
+            m.delenv(name)  # as a user runs it; the suite's step options (tests/conftest.py) stay
         exec(compile(code, str(DOC), "exec"), {"__name__": "__main__"})
     return capsys.readouterr().out
 
 
+@pytest.mark.many_steps
 def test_the_doc_example_trains_samples_and_resumes(tmp_path, capsys, monkeypatch):
     code = doc_example()
     printed = run_example(code, tmp_path, monkeypatch, capsys)

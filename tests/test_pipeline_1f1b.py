@@ -111,6 +111,7 @@ def test_1f1b_draws_dropout_per_microbatch_and_shard():
     assert first[0] != without["loss"]
 
 
+@pytest.mark.many_steps
 def test_a_1f1b_run_of_20_steps_logs_data_parallel_losses_and_resumes_with_gpipe(tmp_path, text_data):
     """gpt2-mini, 20 steps on data=8 and with 1F1B on stage=2,data=4 (saved at 10), then the
     1F1B run's step-10 checkpoint resumed by GPipe on stage=2,data=4 and data=8's by 1F1B, for

@@ -173,6 +173,7 @@ def _metrics_so_far(path):
     return out
 
 
+@pytest.mark.many_steps
 def test_resume_after_sigterm_equals_an_uninterrupted_run(tmp_path, text_data):
     steps, signal_after = 60, 3  # ~60 steps cannot run in the moment between poll and signal
 
@@ -536,3 +537,21 @@ def test_wandb_logs_the_metrics_records_and_is_never_required(tmp_path, text_dat
     with pytest.raises(ConfigError, match="--wandb proj: the wandb package is not installed: pip install wandb"):
         quiet_train(tiny_cfg(tmp_path / "other", text_data, steps=2, logging__wandb="proj"))
     assert not (tmp_path / "other").exists()
+
+
+def test_step_xla_options_reach_the_train_steps_compile(tmp_path, text_data, monkeypatch):
+    """NNXSCALE_STEP_XLA_OPTIONS goes to the train step's compile (an option XLA does not
+    know fails there, named); a value that is not a JSON object is one ConfigError, before
+    the run directory is made. (tests/conftest.py sets it for the tests marked many_steps.)"""
+    from nnxscale.errors import ConfigError
+    from nnxscale.training.step import ENV_STEP_XLA_OPTIONS
+
+    s = setup(tiny_cfg("unused", text_data))
+    monkeypatch.setenv(ENV_STEP_XLA_OPTIONS, '{"xla_no_such_option": 1}')
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        make_train_step(s).lower(s.abstract, s.abstract_batch).compile()
+    for bad in ("-O1", "[1]", '{"xla_backend_optimization_level": '):
+        monkeypatch.setenv(ENV_STEP_XLA_OPTIONS, bad)
+        with pytest.raises(ConfigError, match=f"^{ENV_STEP_XLA_OPTIONS}=.* is not a JSON object of XLA options"):
+            quiet_train(tiny_cfg(tmp_path / "run", text_data))
+    assert not (tmp_path / "run").exists()

@@ -52,7 +52,7 @@ from nnxscale.training.rundir import (
 from nnxscale.training.state import (
     Setup, describe_pipeline, init_state, load_init_params, pipeline_notes, run_order, saved_order, setup,
 )  # fmt: skip
-from nnxscale.training.step import make_eval_step, make_train_step
+from nnxscale.training.step import make_eval_step, make_train_step, step_compiler_options
 
 #: Training steps dispatched ahead of the host: enough to overlap host and device; XLA:CPU's
 #: in-process collectives deadlock with ~100 queued steps.
@@ -111,6 +111,7 @@ def train(
         run_dir = Path(cfg.run_dir)
         cfg = with_saved_schedule_length(cfg, run_dir)
         WandbRun.check(cfg.logging.wandb)
+        step_compiler_options()  # a bad NNXSCALE_STEP_XLA_OPTIONS fails here, before anything is built
         tokenizer = run_tokenizer(cfg, run_dir)
         kind = data_kind(cfg, tokenizer)
         s = setup(cfg, mesh, model=model, loss=loss, separator=document_separator(cfg, tokenizer, kind),

@@ -4,12 +4,20 @@ The step is a ``jax.jit`` over the train state with buffer donation, so the host
 graph walk per step. Dropout keys are ``fold_in(key, step)``: a resumed run draws exactly
 the keys an uninterrupted one would. A step whose loss or gradient norm is not finite is
 skipped inside the program (:func:`skip_nonfinite`).
+
+``NNXSCALE_STEP_XLA_OPTIONS`` (a JSON object of XLA options, e.g.
+``{"xla_backend_optimization_level": 1}``) compiles the training step alone with those
+options: it is the one program a run executes every step, where ``XLA_FLAGS`` set every
+program's (the test suite compiles everything at LLVM ``-O0`` and its runs of many steps
+their step at ``-O1``).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+import json
+import os
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +25,7 @@ import optax
 from flax import nnx
 
 from nnxscale.data import text as text
+from nnxscale.errors import ConfigError
 from nnxscale.jobs.distributed import StopVote
 from nnxscale.layers.one_f_one_b import pipeline_value_and_grad
 from nnxscale.layers.pipeline import use_pipeline
@@ -109,7 +118,30 @@ def make_train_step(s: Setup, *, vote: bool = False):
         in_shardings=in_shardings,
         out_shardings=(s.state_shardings, None),
         donate_argnums=0,
+        compiler_options=step_compiler_options(),
     )
+
+
+#: XLA options for the training step's compile alone (see the module's docstring).
+ENV_STEP_XLA_OPTIONS = "NNXSCALE_STEP_XLA_OPTIONS"
+
+
+def step_compiler_options() -> Optional[dict]:
+    """The XLA options ``NNXSCALE_STEP_XLA_OPTIONS`` gives the training step, or ``None``
+    (unset or empty). Raises ConfigError in one line when it is not a JSON object."""
+    text = os.environ.get(ENV_STEP_XLA_OPTIONS, "").strip()
+    if not text:
+        return None
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as e:
+        options = e
+    if not isinstance(options, dict):
+        raise ConfigError(
+            f"{ENV_STEP_XLA_OPTIONS}={text!r} is not a JSON object of XLA options: "
+            'give one like \'{"xla_backend_optimization_level": 1}\', or unset it'
+        )
+    return options
 
 
 def skip_nonfinite(state, update: Callable, metrics):
