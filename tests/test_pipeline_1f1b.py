@@ -24,17 +24,18 @@ from nnxscale.layers.pipeline import Pipeline
 from nnxscale.planning.compiler import measure
 from nnxscale.training.config import TrainConfig
 from nnxscale.training.rundir import read_metrics
-from nnxscale.training.state import init_state, setup
+from nnxscale.training.state import init_state, saved_order, setup
 from nnxscale.training.step import make_train_step
 
 SEPARATOR = 0
 RESUMED = 3  # steps run after a resume in the 20-step test (each step of gpt2-mini costs ~0.7 s of CPU here)
 
 
-def config(model, mesh, microbatches=None, schedule="gpipe", remat="none", documents=False, batch=16, seq=32):
+def config(model, mesh, microbatches=None, schedule="gpipe", remat="none", documents=False, batch=16, seq=32, repeats=1):
     return TrainConfig.from_flags(
         model=model, mesh=mesh, microbatches=microbatches, pipeline_schedule=schedule, remat=remat, batch_size=batch,
         seq_len=seq, min_shard_bytes=0, document_mask=documents, warmup_steps=2, min_lr_ratio=1.0, decay_steps=100,
+        pipeline_repeats=repeats,
     )  # fmt: skip
 
 
@@ -48,10 +49,14 @@ def tokens(batch, seq, documents):
     return np.asarray(x)
 
 
+#: What a step reports besides the loss: a mixture's router losses and expert load.
+ROUTER = ("router_aux_loss", "router_z_loss", "expert_load")
+
+
 @functools.lru_cache(maxsize=None)
-def run_steps(model, mesh, microbatches=None, schedule="gpipe", remat="none", documents=False, steps=3):
+def run_steps(model, mesh, microbatches=None, schedule="gpipe", remat="none", documents=False, steps=3, repeats=1):
     """Metrics of ``steps`` train steps on one fixed batch, and the parameters before and after them."""
-    cfg = config(model, mesh, microbatches, schedule, remat, documents)
+    cfg = config(model, mesh, microbatches, schedule, remat, documents, repeats=repeats)
     s = setup(cfg, separator=SEPARATOR if documents else None)
     x = tokens(cfg.data.batch_size, cfg.data.seq_len, documents)
     batch = {k: jax.device_put(v, s.batch_sharding) for k, v in (("inputs", x[:, :-1]), ("targets", x[:, 1:]))}
@@ -61,29 +66,38 @@ def run_steps(model, mesh, microbatches=None, schedule="gpipe", remat="none", do
     with jax.set_mesh(s.mesh):
         for _ in range(steps):
             state, m = step(state, batch)
-            metrics.append({k: float(m[k]) for k in ("loss", "grad_norm", "skipped")})
-    return metrics, init, jax.tree.map(np.asarray, state["params"])
+            metrics.append({k: np.asarray(m[k], np.float64) for k in ("loss", "grad_norm", "skipped", *ROUTER) if k in m})
+    return metrics, init, jax.tree.map(np.asarray, saved_order(s, state)["params"])  # layer order
 
 
 @pytest.mark.parametrize(
-    "model, mesh, microbatches, remat, documents",
+    "model, mesh, microbatches, remat, documents, repeats",
     [
-        ("gpt2-mini", "stage=2,data=4", 4, "none", False),
-        ("gpt2-mini", "stage=4,data=2", 4, "full", False),  # a ring of 7 slots; each layer's input kept
-        ("gpt2-mini", "stage=2,fsdp=4", 2, "dots", True),
-        ("gpt2-mini", "stage=2,fsdp=2,model=2", 4, "none", False),  # FSDP and tensor parallelism in the stages
-        ("llama-mini", "stage=2,context=2,data=2", 2, "full", True),  # ring attention inside the stages
+        ("gpt2-mini", "stage=2,data=4", 4, "none", False, 1),
+        ("gpt2-mini", "stage=4,data=2", 4, "full", False, 1),  # a ring of 7 slots; each layer's input kept
+        ("gpt2-mini", "stage=2,fsdp=4", 2, "dots", True, 1),
+        ("gpt2-mini", "stage=2,fsdp=2,model=2", 4, "none", False, 1),  # FSDP and tensor parallelism in the stages
+        ("llama-mini", "stage=2,context=2,data=2", 2, "full", True, 1),  # ring attention inside the stages
+        # interleaved: 2 groups of 1 layer per stage, every microbatch round the ring twice
+        ("gpt2-mini", "stage=2,data=4", 4, "none", False, 2),
+        ("llama-mini", "stage=2,data=4", 2, "full", True, 2),
+        # a mixture of experts, its experts split over an expert axis inside the stages: the
+        # router's losses and each expert's load are the whole batch's
+        ("mixtral-tiny", "stage=2,expert=4", 2, "none", False, 1),
+        ("mixtral-mini", "stage=2,expert=2,data=2", 2, "full", True, 2),
     ],
 )  # fmt: skip
-def test_1f1b_step_equals_the_data_parallel_step(model, mesh, microbatches, remat, documents):
+def test_1f1b_step_equals_the_data_parallel_step(model, mesh, microbatches, remat, documents, repeats):
     want, init, want_params = run_steps(model, "data=8", remat=remat, documents=documents)
-    got, _, got_params = run_steps(model, mesh, microbatches, "1f1b", remat, documents)
-    what = f"{model} {mesh} M={microbatches} remat={remat} documents={documents}"
-    assert len({m["loss"] for m in want}) > 1  # the steps differ (warmup starts at 0): updates are checked too
+    got, _, got_params = run_steps(model, mesh, microbatches, "1f1b", remat, documents, repeats=repeats)
+    what = f"{model} {mesh} M={microbatches} R={repeats} remat={remat} documents={documents}"
+    assert len({float(m["loss"]) for m in want}) > 1  # the steps differ (warmup starts at 0): updates are checked too
     for a, b in zip(got, want):
         assert a["skipped"] == b["skipped"] == 0
-        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5, err_msg=what)
-        np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-5, err_msg=what)
+        assert a.keys() == b.keys()
+        for k in ("loss", "grad_norm", *ROUTER):
+            if k in b:
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-5, err_msg=f"{what}: {k}")
     # The parameters' change over the steps: Adam divides by the root of the second moment, so
     # last-bit differences of gradients near zero reach single parameters amplified (3e-5 of a
     # 3e-3 step seen); over all of them the updates agree to 1e-3 (a wrong gradient: order 1).

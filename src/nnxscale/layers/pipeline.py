@@ -156,10 +156,11 @@ class Pipeline:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"pipeline {name} must be a positive integer, got {value!r}")
-        if self.one_f_one_b and self.repeats > 1:
+        if self.one_f_one_b and self.repeats > 1 and self.microbatches % self.stages:
             raise ConfigError(
-                f"--pipeline-schedule 1f1b with --pipeline-repeats {self.repeats} (interleaved 1F1B) is not implemented "
-                "yet: use --pipeline-repeats 1 with 1f1b, or --pipeline-schedule gpipe for the circular schedule"
+                f"interleaved 1F1B (--pipeline-schedule 1f1b --pipeline-repeats {self.repeats}) runs the microbatches "
+                f"in blocks of one per stage, and {self.microbatches} microbatches are not a multiple of the "
+                f"{self.stages} stages: use --microbatches {self.stages * -(-self.microbatches // self.stages)}"
             )
         if not isinstance(self.axis, str) or not self.axis:
             raise ConfigError(f"pipeline axis must be a mesh axis name, got {self.axis!r}")
@@ -710,15 +711,17 @@ def pipeline_cost(
         microbatch_rows=rows,
         permute_bytes=passes * pipeline.iterations * microbatch_bytes,
         boundary_bytes=0 if pipeline.one_f_one_b else passes * pipeline.microbatches * microbatch_bytes,
-        in_flight=2 * pipeline.stages - 1 if pipeline.one_f_one_b else pipeline.repeats * pipeline.microbatches,
+        in_flight=2 * pipeline.stages * pipeline.repeats - 1 if pipeline.one_f_one_b else pipeline.repeats * pipeline.microbatches,
         held_bytes=_ring_bytes(pipeline, n_layers, microbatch_bytes, remat),
     )
 
 
 def _ring_bytes(pipeline: Pipeline, n_layers: int, microbatch_bytes: int, remat: str) -> int:
-    """What 1F1B's ring holds per device: ``2S-1`` stage inputs, or under a remat policy what
-    it keeps of each layer (under ``full`` its input; ``dots`` keeps more, counted as ``full``)."""
+    """What 1F1B's ring holds per device: ``2SR-1`` work items' stage inputs, or under a remat
+    policy what it keeps of each of the item's ``L/(S*R)`` layers (under ``full`` its input;
+    ``dots`` keeps more, counted as ``full``)."""
     if not pipeline.one_f_one_b:
         return 0
-    per_slot = microbatch_bytes if remat == "none" else (n_layers // pipeline.stages) * microbatch_bytes
-    return (2 * pipeline.stages - 1) * per_slot
+    S, R = pipeline.stages, pipeline.repeats
+    per_slot = microbatch_bytes if remat == "none" else (n_layers // (S * R)) * microbatch_bytes
+    return (2 * S * R - 1) * per_slot

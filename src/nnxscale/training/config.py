@@ -339,11 +339,6 @@ class TrainConfig:
                 f"--pipeline-schedule {par.pipeline_schedule} is a pipeline schedule, which needs --microbatches "
                 "(and a stage mesh axis, e.g. --mesh stage=2,data=4 --microbatches 8)"
             )
-        if par.pipeline_schedule == "1f1b" and par.pipeline_repeats > 1:
-            raise ConfigError(
-                f"--pipeline-schedule 1f1b with --pipeline-repeats {par.pipeline_repeats} (interleaved 1F1B) is not "
-                "implemented yet: use --pipeline-repeats 1 with 1f1b, or --pipeline-schedule gpipe for the circular schedule"
-            )
         if par.microbatches is not None and self.optim.grad_accum > 1:
             raise ConfigError(
                 f"--grad-accum {self.optim.grad_accum} and --microbatches {par.microbatches} both split the batch: "
