@@ -34,9 +34,41 @@ bubble ``(S-1)/(M+S-1)``, plus, without remat, one extra forward per microbatch 
 recomputation. Every collective of a tick depends on the one before it through data
 (:func:`_tie`), so that every device runs them in one order.
 
-**Memory.** A stage keeps a ring of ``2S-1`` slots (stage inputs, or the remat policy's
-residuals; SPMD gives every stage the ring stage 0 needs), one microbatch's backward pass
-at a time, and its gradients: nothing grows with ``M`` but the step's token arrays.
+**Interleaved** (``repeats=R > 1``): the circular schedule's layout (stage order,
+:meth:`~nnxscale.layers.pipeline.Pipeline.layer_order`: stage ``s`` holds groups
+``s, s+S, ...`` of ``L/(S*R)`` layers), so checkpoints and the state's order are the
+circular schedule's. A work item is one microbatch through one group. Stage ``s`` runs the
+forward of item ``k = t - s`` at tick ``t``, the items in blocks of ``S*R``: microbatches
+``qS .. qS+S-1`` through repeat 0, the same ones through repeat 1, and so on (Megatron's
+order; ``M`` must be a multiple of ``S``). What stage ``S-1`` finishes reaches stage 0
+through the ring's wrap-around permute one tick later, exactly when stage 0 runs that
+microbatch's next repeat: no buffer. The backward pass runs the same blocks with the
+repeats reversed, ``S*R - 1`` ticks behind, and the cotangents wrap from stage 0 to
+stage ``S-1``. ``R*M + S*R + S - 2`` ticks in three scans (``S*R - 1`` fill, ``S*R - 1``
+drain), the bubble ``(S-1)/(R*M+S-1)`` as circular's. Only the ticks where stage ``S-1``
+ends a microbatch's last repeat run the head and loss, and only those where stage 0's
+backward item is a first repeat run the embedding's gradient (a ``cond`` on the tick,
+the same on every device).
+
+**Memory.** A stage keeps a ring of ``2SR-1`` slots (:func:`ring_slots`: stage inputs of
+one group, or the remat policy's residuals; SPMD gives every stage the ring stage 0
+needs), one item's backward pass at a time, and its gradients: nothing grows with ``M``
+but the step's token arrays.
+
+**A mixture of experts.** The router's load-balancing loss is ``E sum_e f_e P_e`` per
+layer, ``f`` and ``P`` means over the whole batch, so no microbatch's backward knows its
+gradient before every microbatch has been routed. The step first runs a forward pass of
+every work item (``R*M + S - 1`` ticks, each a group's layers and one permute, no head,
+nothing kept but the statistics) and averages each layer's statistics over the
+microbatches and batch shards: the whole batch's, which the tail then gives the loss (so
+the router losses and expert load reported are the unpipelined step's). The loss's
+gradient with respect to them is taken once; the backward of item ``(m, j)`` adds
+``1/(M*J)`` of it as the cotangent of its group's statistics (they are means over equal
+parts). The cost: one more forward pass of the layers, about a quarter more arithmetic
+than the dense 1F1B step (forward, backward and the recomputation of the forward), and a
+second bubble of ``S-1`` forward ticks. An ``expert`` axis beside ``stage`` is manual here
+as in GPipe; the experts' gradients are not summed over it (each device has all of its
+experts' tokens).
 
 **Exactness.** The loss is the weighted sum over (microbatch, batch shard) of each one's
 mean loss, each weighted by its share of the tokens the loss counts (all of them, or with
@@ -45,10 +77,9 @@ accumulation splits it. Dropout keys: the model draws from ``fold_in(key, m*J + 
 microbatch ``m`` in batch shard ``j`` of ``J``, so masks differ from an unpipelined step's
 (their distribution does not).
 
-Not (yet) supported, each refused with a :class:`~nnxscale.errors.ConfigError`: layers that
-return router statistics (a mixture of experts, whose load-balancing loss is a product of
-whole-batch means), the interleaved schedule (``repeats > 1``), and more than one stack of
-layers run by :func:`~nnxscale.scan_layers` in the loss.
+Not supported, refused with a :class:`~nnxscale.errors.ConfigError`: more than one stack of
+layers run by :func:`~nnxscale.scan_layers` in the loss; interleaved with ``M`` not a
+multiple of ``S``.
 """
 
 from __future__ import annotations
@@ -164,7 +195,8 @@ def pipeline_value_and_grad(
       inputs, targets: ``(B, T)``; ``B`` splits into the batch shards and each shard's
         rows into ``pipeline.microbatches`` (microbatch ``m``: rows ``m, m+M, ...``).
       key: the step's dropout key, or ``None``.
-      pipeline: a :class:`~nnxscale.layers.pipeline.Pipeline` with ``repeats=1``.
+      pipeline: a :class:`~nnxscale.layers.pipeline.Pipeline`; with ``repeats > 1`` the
+        stacked layers are in its stage order (:func:`~nnxscale.layers.pipeline.to_stage_order`).
       mesh: the mesh (default: as :func:`~nnxscale.layers.pipeline.use_pipeline` finds it).
       separator: the loss counts only tokens whose input is not ``separator``
         (``--document-mask``); ``None``: every token.

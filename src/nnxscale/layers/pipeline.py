@@ -657,9 +657,10 @@ class PipelineCost:
     (forward) and sums the input's gradient (backward), each the device's whole batch of
     activations: the price of running the embedding and the head outside the pipeline
     (none for 1F1B, which runs them inside the schedule and instead sums their gradients
-    over the stage axis once per step). ``in_flight``: the most microbatches whose
-    activations (or, recomputed, inputs) a stage holds at once: ``R*M`` for GPipe and
-    circular, ``2S-1`` for 1F1B; ``held_bytes``: what 1F1B's ring of them holds per device
+    over the stage axis once per step). ``in_flight``: the most work items (a microbatch
+    through one group of layers) whose activations (or, recomputed, inputs) a stage holds at
+    once: ``R*M`` for GPipe and circular, ``2SR-1`` for 1F1B (``2S-1`` without repeats);
+    ``held_bytes``: what 1F1B's ring of them holds per device
     (stage inputs; under a remat policy each layer's input), 0 for the others, whose held
     activations grow with ``M`` (the planner's activation estimate).
     """
@@ -680,25 +681,26 @@ class PipelineCost:
 
 def pipeline_cost(
     pipeline: Pipeline, n_layers: int, activation_shape, dtype="float32", *, batch_shards: int = 1, backward: bool = True,
-    remat: str = "none",
+    remat: str = "none", routed: bool = False,
 ) -> PipelineCost:  # fmt: skip
     """:class:`PipelineCost` of running ``n_layers`` stacked layers through ``pipeline``.
 
     ``activation_shape``: the global shape of the layers' input, ``(B, T, C)`` for the
     residual stream; its batch splits ``batch_shards`` ways (the data and FSDP axes) and
     no other dimension is split. ``backward=False`` counts the forward pass alone.
-    ``remat``: the policy, which decides what 1F1B's ring holds. Validated like
-    :meth:`Pipeline.check`.
+    ``remat``: the policy, which decides what 1F1B's ring holds. ``routed``: a mixture of
+    experts, for which 1F1B runs a forward pass for the router statistics first (one more
+    pass of forward permutes). Validated like :meth:`Pipeline.check`.
 
-    1F1B sends what GPipe sends: ``M + S - 1`` forward permutes (fill and steady ticks) and
-    as many backward ones (steady and drain); the compiled step has exactly these on 4
+    1F1B sends what GPipe sends: ``R*M + S - 1`` forward permutes (fill and steady ticks)
+    and as many backward ones (steady and drain); the compiled step has exactly these on 4
     stages, and one fewer on 2, where the one-tick drain is inlined and XLA drops its
     permute, whose result no stage uses.
     """
     batch, rest = int(activation_shape[0]), math.prod(int(d) for d in activation_shape[1:])
     pipeline.check(n_layers, batch, batch_shards)
     rows = batch // (batch_shards * pipeline.microbatches)
-    passes = 2 if backward else 1
+    passes = (2 if backward else 1) + (1 if backward and routed and pipeline.one_f_one_b else 0)
     microbatch_bytes = rows * rest * itemsize(dtype)
     return PipelineCost(
         schedule=pipeline.schedule,
