@@ -32,11 +32,12 @@ SEPARATOR = 0
 RESUMED = 3  # steps run after a resume in the 20-step test (each step of gpt2-mini costs ~0.7 s of CPU here)
 
 
-def config(model, mesh, microbatches=None, schedule="gpipe", remat="none", documents=False, batch=16, seq=32, repeats=1):
+def config(model, mesh, microbatches=None, schedule="gpipe", remat="none", documents=False, batch=16, seq=32, repeats=1,
+           accum=1):  # fmt: skip
     return TrainConfig.from_flags(
         model=model, mesh=mesh, microbatches=microbatches, pipeline_schedule=schedule, remat=remat, batch_size=batch,
         seq_len=seq, min_shard_bytes=0, document_mask=documents, warmup_steps=2, min_lr_ratio=1.0, decay_steps=100,
-        pipeline_repeats=repeats,
+        pipeline_repeats=repeats, grad_accum=accum,
     )  # fmt: skip
 
 
@@ -55,9 +56,9 @@ ROUTER = ("router_aux_loss", "router_z_loss", "expert_load")
 
 
 @functools.lru_cache(maxsize=None)
-def run_steps(model, mesh, microbatches=None, schedule="gpipe", remat="none", documents=False, steps=3, repeats=1):
+def run_steps(model, mesh, microbatches=None, schedule="gpipe", remat="none", documents=False, steps=3, repeats=1, accum=1):
     """Metrics of ``steps`` train steps on one fixed batch, and the parameters before and after them."""
-    cfg = config(model, mesh, microbatches, schedule, remat, documents, repeats=repeats)
+    cfg = config(model, mesh, microbatches, schedule, remat, documents, repeats=repeats, accum=accum)
     s = setup(cfg, separator=SEPARATOR if documents else None)
     x = tokens(cfg.data.batch_size, cfg.data.seq_len, documents)
     batch = {k: jax.device_put(v, s.batch_sharding) for k, v in (("inputs", x[:, :-1]), ("targets", x[:, 1:]))}
@@ -72,25 +73,26 @@ def run_steps(model, mesh, microbatches=None, schedule="gpipe", remat="none", do
 
 
 @pytest.mark.parametrize(
-    "model, mesh, microbatches, remat, documents, repeats",
+    "model, mesh, microbatches, remat, documents, repeats, accum",
     [
-        ("gpt2-mini", "stage=2,data=4", 4, "none", False, 1),
-        ("gpt2-mini", "stage=4,data=2", 4, "full", False, 1),  # a ring of 7 slots; each layer's input kept
-        ("gpt2-mini", "stage=2,fsdp=4", 2, "dots", True, 1),
-        ("gpt2-mini", "stage=2,fsdp=2,model=2", 4, "none", False, 1),  # FSDP and tensor parallelism in the stages
-        ("llama-mini", "stage=2,context=2,data=2", 2, "full", True, 1),  # ring attention inside the stages
+        ("gpt2-mini", "stage=2,data=4", 4, "none", False, 1, 1),
+        ("gpt2-mini", "stage=4,data=2", 4, "full", False, 1, 1),  # a ring of 7 slots; each layer's input kept
+        ("gpt2-mini", "stage=2,fsdp=4", 2, "dots", True, 1, 1),
+        ("gpt2-mini", "stage=2,fsdp=2,model=2", 4, "none", False, 1, 1),  # FSDP and tensor parallelism in the stages
+        ("llama-mini", "stage=2,context=2,data=2", 2, "full", True, 1, 1),  # ring attention inside the stages
         # interleaved: 2 groups of 1 layer per stage, every microbatch round the ring twice
-        ("gpt2-mini", "stage=2,data=4", 4, "none", False, 2),
+        ("gpt2-mini", "stage=2,data=4", 4, "none", False, 2, 1),
         # a mixture of experts, its experts split over an expert axis inside the stages: the
-        # router's losses and each expert's load are the whole batch's
-        ("mixtral-tiny", "stage=2,expert=4", 2, "none", False, 1),
-        ("mixtral-mini", "stage=2,expert=2,data=2", 2, "full", True, 2),  # interleaved too, each layer's input kept
+        # router's losses and each expert's load are the whole batch's (here: each accumulation
+        # step's, against data=8 with --grad-accum 2)
+        ("mixtral-tiny", "stage=2,expert=4", 2, "none", False, 1, 2),
+        ("mixtral-mini", "stage=2,expert=2,data=2", 2, "full", True, 2, 1),  # interleaved too, each layer's input kept
     ],
 )  # fmt: skip
-def test_1f1b_step_equals_the_data_parallel_step(model, mesh, microbatches, remat, documents, repeats):
-    want, init, want_params = run_steps(model, "data=8", remat=remat, documents=documents)
-    got, _, got_params = run_steps(model, mesh, microbatches, "1f1b", remat, documents, repeats=repeats)
-    what = f"{model} {mesh} M={microbatches} R={repeats} remat={remat} documents={documents}"
+def test_1f1b_step_equals_the_data_parallel_step(model, mesh, microbatches, remat, documents, repeats, accum):
+    want, init, want_params = run_steps(model, "data=8", remat=remat, documents=documents, accum=accum)
+    got, _, got_params = run_steps(model, mesh, microbatches, "1f1b", remat, documents, repeats=repeats, accum=accum)
+    what = f"{model} {mesh} M={microbatches} R={repeats} remat={remat} documents={documents} grad_accum={accum}"
     assert len({float(m["loss"]) for m in want}) > 1  # the steps differ (warmup starts at 0): updates are checked too
     for a, b in zip(got, want):
         assert a["skipped"] == b["skipped"] == 0

@@ -339,12 +339,13 @@ class TrainConfig:
                 f"--pipeline-schedule {par.pipeline_schedule} is a pipeline schedule, which needs --microbatches "
                 "(and a stage mesh axis, e.g. --mesh stage=2,data=4 --microbatches 8)"
             )
-        if par.microbatches is not None and self.optim.grad_accum > 1:
+        if par.microbatches is not None and self.optim.grad_accum > 1 and par.pipeline_schedule == "gpipe":
             raise ConfigError(
                 f"--grad-accum {self.optim.grad_accum} and --microbatches {par.microbatches} both split the batch: "
                 "a pipeline already accumulates its microbatches' gradients, and each accumulation step would fill and "
                 "drain the pipeline again (a bubble each time): use --microbatches alone "
-                f"(e.g. --microbatches {par.microbatches * self.optim.grad_accum} for the same micro-batch size)"
+                f"(e.g. --microbatches {par.microbatches * self.optim.grad_accum} for the same micro-batch size), "
+                "or --pipeline-schedule 1f1b, which runs beside --grad-accum"
             )
 
     @classmethod

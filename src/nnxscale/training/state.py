@@ -204,8 +204,8 @@ def check_pipeline(pipe: Pipeline, cfg: TrainConfig, rules: MeshRules, name: str
             "a pipeline runs layers created with nnxscale.stack_layers and run with nnxscale.scan_layers "
             f"(the rules put their '{LAYERS}' axis on '{STAGE}'); train this model on a mesh without a stage axis"
         )
-    for n in depths:
-        pipe.check(n, cfg.data.batch_size, rules.batch_shard_count)
+    for n in depths:  # each accumulation step's batch goes through the pipeline
+        pipe.check(n, cfg.data.batch_size // cfg.optim.grad_accum, rules.batch_shard_count)
     return depths[-1]
 
 
