@@ -102,7 +102,8 @@ class ParallelConfig:
     pipeline_schedule: str = setting("gpipe", "--pipeline-schedule", "gpipe: a forward scan differentiated by JAX "
                                      "(memory grows with the microbatches); 1f1b: each stage runs a microbatch's backward "
                                      "as soon as it can, holding at most 2S-1 microbatches' stage inputs whatever the "
-                                     "microbatches", choices=("gpipe", "1f1b"))  # fmt: skip
+                                     "microbatches (with --pipeline-repeats R, interleaved: 2SR-1 groups' inputs, M a "
+                                     "multiple of S)", choices=("gpipe", "1f1b"))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
