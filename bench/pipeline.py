@@ -22,6 +22,11 @@ Three parts, one run (``python bench/pipeline.py``, about 10 minutes on 2 cores;
    ``stage=2,data=4`` at M=8, global batch 32 x 128, both schedules with remat none and
    full, timed in turns.
 
+4. **Interleaved and experts** (``--interleaved``, not part of the full run): the same
+   memory table for R=2 on ``stage=2,data=4`` (circular against interleaved 1F1B), and step
+   times of gpt2-mini (M=8, R=2) and of mixtral-mini on ``stage=2,expert=4`` (M=4), whose
+   1F1B step runs a forward pass for the router statistics first, timed in turns.
+
 Last line, JSON: ``{"gpipe_bubble", "circular_bubble", "pp_over_dp_step_time", ...}``: the
 bubbles of gpt2 on ``stage=2,data=4`` at M=8 (GPipe, and circular with R=2), the
 measured GPipe step time over the ``data=8`` one, and part 3's ratios: temporaries at M=32
@@ -88,6 +93,16 @@ WARMUP, STEPS = 3, 15
 # GPipe for gpt2-mini on stage=2,data=4 at M=8 (global batch 32 x 128), with and without remat.
 SCHEDULE_MESH, SCHEDULE_MS, SCHEDULE_ROWS, SCHEDULE_SEQ = "stage=4,data=2", (8, 16, 32), 2, 256
 SCHEDULE_TIMED = [("none", "gpipe"), ("none", "1f1b"), ("full", "gpipe"), ("full", "1f1b")]
+# Part 4 (--interleaved): the same for R=2 (circular against interleaved 1F1B) on stage=2,data=4
+# (gpt2's 12 layers in 4 groups of 3), and step times: gpt2-mini at M=8 with R=2, and a mixture
+# of experts (mixtral-mini on stage=2,expert=4, M=4), whose 1F1B step runs a forward pass first.
+INTERLEAVED_MESH, INTERLEAVED_MS = "stage=2,data=4", (8, 16, 32)
+MORE_TIMED = [  # (model, mesh, microbatches, repeats, schedule)
+    ("gpt2-mini", "stage=2,data=4", 8, 2, "gpipe"),
+    ("gpt2-mini", "stage=2,data=4", 8, 2, "1f1b"),
+    ("mixtral-mini", "stage=2,expert=4", 4, 1, "gpipe"),
+    ("mixtral-mini", "stage=2,expert=4", 4, 1, "1f1b"),
+]
 
 
 def config(model: str, mesh: str, microbatches, repeats: int, batch: int, seq: int, schedule: str = "gpipe",
@@ -102,20 +117,20 @@ def name(mesh: str, microbatches, repeats: int) -> str:
     return f"{mesh} {'GPipe' if repeats == 1 else f'circ R={repeats}'} M={microbatches}"
 
 
-def schedule_memory() -> dict:
-    """Compiled temporaries per device of gpt2's step on SCHEDULE_MESH at each M, both schedules."""
-    stages = int(SCHEDULE_MESH.split("stage=")[1].split(",")[0])
+def schedule_memory(mesh: str = SCHEDULE_MESH, ms: tuple = SCHEDULE_MS, repeats: int = 1) -> dict:
+    """Compiled temporaries per device of gpt2's step on ``mesh`` at each M, both schedules."""
+    stages = int(mesh.split("stage=")[1].split(",")[0])
     shards = 8 // stages
-    print(f"gpt2 (124M) train step on {SCHEDULE_MESH}, {SCHEDULE_ROWS} rows x {SCHEDULE_SEQ} tokens per microbatch and "
-          f"data shard, float32, no remat (compiled, not run)")  # fmt: skip
+    print(f"gpt2 (124M) train step on {mesh}, R={repeats}, {SCHEDULE_ROWS} rows x {SCHEDULE_SEQ} tokens per microbatch "
+          f"and data shard, float32, no remat (compiled, not run)")  # fmt: skip
     header = f"{'schedule':<10}{'M':>4}{'batch':>7}{'temp/dev':>11}{'peak/dev':>11}{'permute/dev':>13}{'all-reduce/dev':>16}"
     print(header)
     print("-" * len(header))
     rows = {}
     for schedule in ("gpipe", "1f1b"):
-        for m in SCHEDULE_MS:
+        for m in ms:
             batch = SCHEDULE_ROWS * m * shards
-            s = setup(config("gpt2", SCHEDULE_MESH, m, 1, batch, SCHEDULE_SEQ, schedule))
+            s = setup(config("gpt2", mesh, m, repeats, batch, SCHEDULE_SEQ, schedule))
             with jax.set_mesh(s.mesh):
                 fig = measure(make_train_step(s).lower(s.abstract, s.abstract_batch).compile())
             coll = fig["collective_bytes"]
@@ -123,7 +138,7 @@ def schedule_memory() -> dict:
             print(f"{schedule:<10}{m:>4}{batch:>7}{format_bytes(fig['temp_bytes']):>11}{format_bytes(fig['peak_bytes']):>11}"
                   f"{format_bytes(coll.get('collective-permute', 0)):>13}{format_bytes(coll.get('all-reduce', 0)):>16}",
                   flush=True)  # fmt: skip
-    lo, mid, hi = SCHEDULE_MS
+    lo, mid, hi = ms
     print(f"temp at M={hi} over M={lo}: GPipe {rows[('gpipe', hi)] / rows[('gpipe', lo)]:.2f}x, "
           f"1F1B {rows[('1f1b', hi)] / rows[('1f1b', lo)]:.2f}x; at M={mid} 1F1B over GPipe "
           f"{rows[('1f1b', mid)] / rows[('gpipe', mid)]:.2f}x")  # fmt: skip
@@ -135,6 +150,37 @@ def schedule_times() -> dict:
     runs = {c: prepared_step(config("gpt2-mini", "stage=2,data=4", 8, 1, TIMED_BATCH, TIMED_SEQ, c[1], c[0]))
             for c in SCHEDULE_TIMED}  # fmt: skip
     return timed_in_turns(runs)
+
+
+def more_times() -> dict:
+    """Median seconds per step of each MORE_TIMED config (global batch 32 x 128), timed in turns."""
+    runs = {c: prepared_step(TrainConfig.from_flags(model=c[0], mesh=c[1], microbatches=c[2], pipeline_repeats=c[3],
+                                                    pipeline_schedule=c[4], batch_size=TIMED_BATCH, seq_len=TIMED_SEQ))
+            for c in MORE_TIMED}  # fmt: skip
+    return timed_in_turns(runs)
+
+
+def interleaved() -> dict:
+    """Part 4: memory against M for R=2 (circular and interleaved 1F1B), and MORE_TIMED's step times."""
+    memory = schedule_memory(INTERLEAVED_MESH, INTERLEAVED_MS, repeats=2)
+    print()
+    print(f"train step, global batch {TIMED_BATCH} x {TIMED_SEQ}, measured (median of {STEPS} steps, timed in turns)")
+    times = more_times()
+    for (model, mesh, m, r, schedule), seconds in times.items():
+        base = times[(model, mesh, m, r, "gpipe")]
+        label = f"{model} {mesh} M={m} R={r} {schedule}"
+        print(f"  {label:<45}{seconds * 1e3:>9.1f} ms  {seconds / base:5.2f}x {'circular' if r > 1 else 'GPipe'}")
+    lo, mid, hi = INTERLEAVED_MS
+    gpt2, moe = MORE_TIMED[0][:4], MORE_TIMED[2][:4]
+    result = {
+        "circular_temp_growth": round(memory[("gpipe", hi)] / memory[("gpipe", lo)], 3),
+        "interleaved_1f1b_temp_growth": round(memory[("1f1b", hi)] / memory[("1f1b", lo)], 3),
+        "interleaved_1f1b_over_circular_temp": round(memory[("1f1b", mid)] / memory[("gpipe", mid)], 3),
+        "interleaved_1f1b_over_circular_step_time": round(times[(*gpt2, "1f1b")] / times[(*gpt2, "gpipe")], 3),
+        "moe_1f1b_over_gpipe_step_time": round(times[(*moe, "1f1b")] / times[(*moe, "gpipe")], 3),
+    }
+    print(json.dumps(result))
+    return result
 
 
 def compiled_rows() -> dict:
@@ -189,6 +235,9 @@ def timed_in_turns(runs: dict) -> dict:
 
 
 def main() -> None:
+    if "--interleaved" in os.sys.argv:  # part 4 alone
+        interleaved()
+        return
     if "--schedules" in os.sys.argv:  # part 3 alone (about 5 minutes)
         schedule_memory()
         print()

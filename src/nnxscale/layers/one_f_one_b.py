@@ -34,9 +34,41 @@ bubble ``(S-1)/(M+S-1)``, plus, without remat, one extra forward per microbatch 
 recomputation. Every collective of a tick depends on the one before it through data
 (:func:`_tie`), so that every device runs them in one order.
 
-**Memory.** A stage keeps a ring of ``2S-1`` slots (stage inputs, or the remat policy's
-residuals; SPMD gives every stage the ring stage 0 needs), one microbatch's backward pass
-at a time, and its gradients: nothing grows with ``M`` but the step's token arrays.
+**Interleaved** (``repeats=R > 1``): the circular schedule's layout (stage order,
+:meth:`~nnxscale.layers.pipeline.Pipeline.layer_order`: stage ``s`` holds groups
+``s, s+S, ...`` of ``L/(S*R)`` layers), so checkpoints and the state's order are the
+circular schedule's. A work item is one microbatch through one group. Stage ``s`` runs the
+forward of item ``k = t - s`` at tick ``t``, the items in blocks of ``S*R``: microbatches
+``qS .. qS+S-1`` through repeat 0, the same ones through repeat 1, and so on (Megatron's
+order; ``M`` must be a multiple of ``S``). What stage ``S-1`` finishes reaches stage 0
+through the ring's wrap-around permute one tick later, exactly when stage 0 runs that
+microbatch's next repeat: no buffer. The backward pass runs the same blocks with the
+repeats reversed, ``S*R - 1`` ticks behind, and the cotangents wrap from stage 0 to
+stage ``S-1``. ``R*M + S*R + S - 2`` ticks in three scans (``S*R - 1`` fill, ``S*R - 1``
+drain), the bubble ``(S-1)/(R*M+S-1)`` as circular's. Only the ticks where stage ``S-1``
+ends a microbatch's last repeat run the head and loss, and only those where stage 0's
+backward item is a first repeat run the embedding's gradient (a ``cond`` on the tick,
+the same on every device).
+
+**Memory.** A stage keeps a ring of ``2SR-1`` slots (:func:`ring_slots`: stage inputs of
+one group, or the remat policy's residuals; SPMD gives every stage the ring stage 0
+needs), one item's backward pass at a time, and its gradients: nothing grows with ``M``
+but the step's token arrays.
+
+**A mixture of experts.** The router's load-balancing loss is ``E sum_e f_e P_e`` per
+layer, ``f`` and ``P`` means over the whole batch, so no microbatch's backward knows its
+gradient before every microbatch has been routed. The step first runs a forward pass of
+every work item (``R*M + S - 1`` ticks, each a group's layers and one permute, no head,
+nothing kept but the statistics) and averages each layer's statistics over the
+microbatches and batch shards: the whole batch's, which the tail then gives the loss (so
+the router losses and expert load reported are the unpipelined step's). The loss's
+gradient with respect to them is taken once; the backward of item ``(m, j)`` adds
+``1/(M*J)`` of it as the cotangent of its group's statistics (they are means over equal
+parts). The cost: one more forward pass of the layers and a second bubble of ``S-1``
+forward ticks (mixtral-mini on ``stage=2,expert=4``, M=4: a step 1.14x GPipe's,
+``bench/pipeline.py --interleaved``). An ``expert`` axis beside ``stage`` is manual here
+as in GPipe; the experts' gradients are not summed over it (each device has all of its
+experts' tokens).
 
 **Exactness.** The loss is the weighted sum over (microbatch, batch shard) of each one's
 mean loss, each weighted by its share of the tokens the loss counts (all of them, or with
@@ -45,10 +77,9 @@ accumulation splits it. Dropout keys: the model draws from ``fold_in(key, m*J + 
 microbatch ``m`` in batch shard ``j`` of ``J``, so masks differ from an unpipelined step's
 (their distribution does not).
 
-Not (yet) supported, each refused with a :class:`~nnxscale.errors.ConfigError`: layers that
-return router statistics (a mixture of experts, whose load-balancing loss is a product of
-whole-batch means), the interleaved schedule (``repeats > 1``), and more than one stack of
-layers run by :func:`~nnxscale.scan_layers` in the loss.
+Not supported, refused with a :class:`~nnxscale.errors.ConfigError`: more than one stack of
+layers run by :func:`~nnxscale.scan_layers` in the loss; interleaved with ``M`` not a
+multiple of ``S``.
 """
 
 from __future__ import annotations
@@ -68,29 +99,18 @@ from nnxscale.layers.pipeline import _ACTIVE, _manual_axes, _mesh_for
 from nnxscale.layers.stack import Rows, layers_run_by, remat_policy, scan_state
 from nnxscale.models.common.documents import trained_weights
 from nnxscale.sharding.activations import current_rules
-from nnxscale.sharding.axes import EXPERT
-from nnxscale.sharding.mesh import context_mesh, vary
+from nnxscale.sharding.axes import entry_axes
+from nnxscale.sharding.mesh import _varying, context_mesh, sum_to_type, vary, varying_like
 
-__all__ = ["check_supported", "pipeline_value_and_grad", "ring_slots"]
-
-
-def ring_slots(stages: int) -> int:
-    """Stage inputs a stage keeps in 1F1B: ``2S - 1`` (stage ``s`` needs ``2(S-1-s)+1``; SPMD
-    gives every stage stage 0's)."""
-    return 2 * stages - 1
+__all__ = ["pipeline_value_and_grad", "ring_slots"]
 
 
-_MIXTURE = (
-    "--pipeline-schedule 1f1b does not run a mixture of experts yet: its router's load-balancing loss is a product of "
-    "whole-batch means, which no microbatch's backward pass knows; use --pipeline-schedule gpipe"
-)
-
-
-def check_supported(pipeline, rules, *, routed: bool = False) -> None:
-    """Raise :class:`~nnxscale.errors.ConfigError` where 1F1B does not run yet: a mixture of
-    experts (``routed``). ``pipeline`` and ``rules``: the run's, for what may follow."""
-    if routed:
-        raise ConfigError(_MIXTURE)
+def ring_slots(stages: int, repeats: int = 1) -> int:
+    """Work items (stage inputs, or a remat policy's residuals) a stage keeps in 1F1B:
+    ``2SR - 1``. An item waits ``2S(R-1-r) + 2(S-1-s)`` ticks on stage ``s`` in repeat ``r``
+    between its forward and its backward tick, one item per tick; SPMD gives every stage
+    the ring stage 0 needs. ``R = 1``: ``2S - 1``."""
+    return 2 * stages * repeats - 1
 
 
 @dataclasses.dataclass
@@ -100,6 +120,7 @@ class _Found:
     path: Optional[tuple] = None  # where the stacked layers sit in the model
     graphdef: Any = None  # their graphdef
     remat: Any = "none"  # the policy the model asks for
+    stats: Any = None  # a mixture's router statistics, ShapeDtypeStructs stacked over the layers (aux=True)
     calls: int = 0
 
 
@@ -124,16 +145,20 @@ def _discover(objective, graphdef, params, inputs, targets, key) -> _Found:
 
     def record(model, layers, x, *args, keys=None, remat="none", aux=False):
         found.calls += 1
-        if aux:
-            raise ConfigError(_MIXTURE)
         if found.calls > 1:
             raise ConfigError(
                 "--pipeline-schedule 1f1b runs one stack of layers per loss, and this model's loss runs "
                 "nnxscale.scan_layers more than once; use --pipeline-schedule gpipe"
             )
         found.path = next((tuple(p) for p, node in nnx.iter_graph(model) if node is layers), None)
-        found.graphdef, found.remat = nnx.split(layers)[0], remat
-        return jnp.zeros_like(x)
+        found.graphdef, state = nnx.split(layers)
+        found.remat = remat
+        if not aux:
+            return jnp.zeros_like(x)
+        _, stats = scan_state(found.graphdef, state, x, *(a.value if isinstance(a, Rows) else a for a in args), keys=keys,
+                              remat=remat, aux=True)  # fmt: skip
+        found.stats = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stats)
+        return jnp.zeros_like(x), stats
 
     jax.eval_shape(lambda p, x, y, k: _call(objective, graphdef, p, x, y, k, record)[0], params, inputs, targets, key)
     if found.calls == 0:
@@ -170,7 +195,8 @@ def pipeline_value_and_grad(
       inputs, targets: ``(B, T)``; ``B`` splits into the batch shards and each shard's
         rows into ``pipeline.microbatches`` (microbatch ``m``: rows ``m, m+M, ...``).
       key: the step's dropout key, or ``None``.
-      pipeline: a :class:`~nnxscale.layers.pipeline.Pipeline` with ``repeats=1``.
+      pipeline: a :class:`~nnxscale.layers.pipeline.Pipeline`; with ``repeats > 1`` the
+        stacked layers are in its stage order (:func:`~nnxscale.layers.pipeline.to_stage_order`).
       mesh: the mesh (default: as :func:`~nnxscale.layers.pipeline.use_pipeline` finds it).
       separator: the loss counts only tokens whose input is not ``separator``
         (``--document-mask``); ``None``: every token.
@@ -178,14 +204,8 @@ def pipeline_value_and_grad(
 
     Must be traced under the run's rules (:func:`nnxscale.use_rules`).
     """
-    if pipeline.repeats != 1:
-        raise ConfigError(
-            f"--pipeline-schedule 1f1b with --pipeline-repeats {pipeline.repeats} (interleaved 1F1B) is not implemented "
-            "yet: use --pipeline-repeats 1, or --pipeline-schedule gpipe for the circular schedule"
-        )
     mesh = _mesh_for(pipeline, mesh)
     rules = current_rules()
-    check_supported(pipeline, rules)
     found = _discover(objective, graphdef, params, inputs, targets, key)
 
     # The parameters: the stacked layers (split over the stages) and the rest (replicated over them).
@@ -198,8 +218,6 @@ def pipeline_value_and_grad(
     n_layers = int(stack[0].shape[0])
     pipeline.check(n_layers, inputs.shape[0], rules.batch_shard_count if rules is not None else 1)
     data, stack_specs = _manual_axes(_sub_tree(params, found.path), rules, pipeline.axis)
-    if EXPERT in data:
-        raise ConfigError(_MIXTURE)
     stack_specs = [P(pipeline.axis)] * len(stack) if isinstance(stack_specs, P) else jax.tree.leaves(
         stack_specs, is_leaf=lambda x: isinstance(x, P))  # fmt: skip
 
@@ -211,7 +229,8 @@ def pipeline_value_and_grad(
         """The stacked layers as the State scan_state takes (their paths inside the stack)."""
         return _sub_tree(rebuild(stack_leaves, [None] * len(rest)), found.path)
 
-    program = _Program(objective, graphdef, found, pipeline, data, (separator, ignored_targets), rebuild, layers_state)
+    program = _Program(objective, graphdef, found, pipeline, data, (separator, ignored_targets), rebuild, layers_state,
+                       stack_specs)  # fmt: skip
     rows = P(data) if data else P()
     run = jax.shard_map(
         program,
@@ -239,17 +258,18 @@ def _sub_tree(params, path: tuple):
 class _Program:
     """One device's part of the 1F1B step (inside ``shard_map``)."""
 
-    def __init__(self, objective, graphdef, found, pipeline, data, masks, rebuild, layers_state):
+    def __init__(self, objective, graphdef, found, pipeline, data, masks, rebuild, layers_state, stack_specs):
         self.objective, self.graphdef, self.found, self.pipe = objective, graphdef, found, pipeline
         self.data, self.masks, self.rebuild, self.layers_state = data, masks, rebuild, layers_state
+        self.stack_specs = stack_specs
         # Without remat the backward tick recomputes the stage from its input (one
         # microbatch's activations at a time); with a remat policy the forward tick's
         # pullback keeps what the policy saves (under "full" each layer's input) in the ring.
         self.keep_residuals = remat_policy(found.remat) != "none"
 
     def __call__(self, stack, rest, inputs, targets, key):
-        S, M, axis, data = self.pipe.stages, self.pipe.microbatches, self.pipe.axis, self.data
-        found = self.found
+        S, M, R, axis, data = self.pipe.stages, self.pipe.microbatches, self.pipe.repeats, self.pipe.axis, self.data
+        V, found, aux = S * R, self.found, self.found.stats is not None
         s = jax.lax.axis_index(axis)
         shard = jax.lax.axis_index(data) if data else 0
         shards = math.prod(jax.lax.axis_size(a) for a in data)
@@ -258,7 +278,18 @@ class _Program:
         stack = vary(stack, data)
         rest = vary(rest, manual)
         layers = self.layers_state(stack)
-        n_local = int(jax.tree.leaves(layers)[0].shape[0])  # L/S layers on this stage
+        n_local = int(jax.tree.leaves(layers)[0].shape[0])  # R*L/(S*R) layers on this stage
+        n_item = n_local // R  # the layers of one group: one work item's
+        # Stage order (Pipeline.layer_order) puts layer j of repeat r at j*R + r: a free
+        # reshape to (L/(S*R), R, ...) from which each work item picks its repeat's group.
+        by_repeat = lambda a: a.reshape((n_item, R) + a.shape[1:])  # noqa: E731
+        grouped = layers if R == 1 else jax.tree.map(by_repeat, layers)
+
+        def group(r):
+            if R == 1:
+                return layers
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, axis=1, keepdims=False), grouped)
+
         split = lambda a: a.reshape((a.shape[0] // M, M) + a.shape[1:]).swapaxes(0, 1)  # noqa: E731  (M, b, T)
         inputs, targets = split(inputs), split(targets)
 
@@ -277,6 +308,8 @@ class _Program:
         def micro_key(m):
             return None if key is None else jax.random.fold_in(key, jnp.clip(m, 0, M - 1) * shards + shard)
 
+        whole = {}  # a mixture's router statistics of the whole batch, once the first pass has them
+
         def prefix(rest_leaves, m):
             """``(x, (args, keys))``: the stacked layers' input for microbatch ``m`` and their arguments."""
             got = {}
@@ -285,37 +318,65 @@ class _Program:
                 got["args"] = tuple(a.value if isinstance(a, Rows) else a for a in args)
                 got["keys"] = keys
                 got["x"] = x
-                return jnp.zeros_like(x)
+                return (jnp.zeros_like(x), _zeros(found.stats)) if aux else jnp.zeros_like(x)
 
             params = self.rebuild(stack, rest_leaves)
             _call(self.objective, self.graphdef, params, pick(inputs, m), pick(targets, m), micro_key(m), record)
             return got["x"], (got["args"], got["keys"])
 
-        def tail(rest_leaves, y, m):
+        def tail(rest_leaves, y, m, stats=None):
             def given(model, lay, x, *args, keys=None, remat="none", aux=False):
                 if x.shape != y.shape:
                     raise ConfigError(f"1f1b: the stacked layers' input {x.shape} is not their output {y.shape}")
-                return y
+                return (y, whole["stats"] if stats is None else stats) if aux else y
 
             params = self.rebuild(stack, rest_leaves)
             return _call(self.objective, self.graphdef, params, pick(inputs, m), pick(targets, m), micro_key(m), given)
 
-        def stage_keys(keys):
+        def stage_keys(keys, r):
             if keys is None:
                 return None
-            return jax.lax.dynamic_slice_in_dim(keys, s * n_local, n_local)
+            return jax.lax.dynamic_slice_in_dim(keys, (r * S + s) * n_item, n_item)
 
-        def run_stage(layer_state, h, args, keys):
-            return scan_state(found.graphdef, layer_state, h, *args, keys=stage_keys(keys), remat=found.remat)
+        def run_stage(layer_state, h, args, keys, r):
+            """The group's layers on ``h``: their output (and with ``aux`` their statistics)."""
+            return scan_state(found.graphdef, layer_state, h, *args, keys=stage_keys(keys, r), remat=found.remat, aux=aux)
 
-        K = ring_slots(S)
-        x0, _ = jax.eval_shape(lambda r: prefix(r, 0), rest)
+        def forward_item(t):
+            """``(item, repeat, microbatch, real)`` of this stage's forward at tick ``t``: item
+            ``k = t - s``, in blocks of ``S*R``: microbatches ``qS .. qS+S-1`` through repeat 0,
+            then the same ones through repeat 1, ... (so what stage S-1 finishes reaches
+            stage 0 on the next tick, just in time for its next repeat)."""
+            k = t - s
+            q, w = k // V, k % V
+            return k, w // S, q * S + w % S, (k >= 0) & (k < R * M)
 
-        def stage_vjp(h, args, keys, layers=layers):
-            """The stage's ``jax.vjp`` as its output, its pullback's leaves and structure, and
+        def backward_item(t, stage=None):
+            """``(forward item, repeat, microbatch, real)`` of stage ``stage``'s backward at tick
+            ``t``: the same blocks, repeats in reverse, ``V - 1 + S - 1 - s`` ticks behind."""
+            j = t - (V - 1) - (S - 1 - (s if stage is None else stage))
+            q, w = j // V, j % V
+            r = R - 1 - w // S
+            return q * V + r * S + w % S, r, q * S + w % S, (j >= 0) & (j < R * M)
+
+        def when(pred, fn):
+            """``fn()`` where ``pred`` (the same on every device: it depends on the tick alone)
+            holds, else zeros shaped like it; ``pred`` None: always. For R > 1 only some ticks
+            need the head or the embedding's gradient: a ``cond`` skips the others' work."""
+            if pred is None:
+                return fn()
+            run = lambda: vary(fn(), manual)  # noqa: E731
+            return jax.lax.cond(pred, run, lambda: vary(_zeros(jax.eval_shape(fn)), manual))
+
+        K = ring_slots(S, R)
+        x0, (args0, keys0) = jax.eval_shape(lambda r: prefix(r, 0), rest)
+
+        def stage_vjp(h, args, keys, r):
+            """The group's ``jax.vjp`` as its output, its pullback's leaves and structure, and
             which leaves are residuals: those that are not the stage's weights."""
-            weight_ids = {id(a) for a in jax.tree.leaves(layers)}
-            out, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys), layers, h)
+            weights = group(r)
+            weight_ids = {id(a) for a in jax.tree.leaves(weights)}
+            out, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys, r), weights, h)
             leaves, structure = jax.tree.flatten(pullback)
             return out, leaves, structure, tuple(i for i, a in enumerate(leaves) if id(a) not in weight_ids)
 
@@ -325,7 +386,7 @@ class _Program:
             found_kept = {}
 
             def residual_shapes(h, args, keys):
-                _, leaves, _, kept = stage_vjp(h, args, keys)
+                _, leaves, _, kept = stage_vjp(h, args, keys, jnp.int32(0))
                 found_kept["kept"] = kept
                 return [leaves[i] for i in kept]
 
@@ -335,6 +396,24 @@ class _Program:
         else:
             shapes = [x0]  # the stage input, from which the backward tick recomputes the stage
         act = vary(jnp.zeros(x0.shape, x0.dtype), manual)
+        down = [(i, (i + 1) % S) for i in range(S)]
+        up = [((i + 1) % S, i) for i in range(S)]
+        last = s == S - 1
+
+        dstats = None
+        if aux:
+            # A mixture of experts: its load-balancing loss is a product of whole-batch means,
+            # so every microbatch's backward needs every microbatch's routing. A forward pass of
+            # all work items first (no head, nothing kept but the statistics) gives them; the
+            # loss's gradient with respect to them is the same for every microbatch, and the
+            # backward of item (m, shard) takes 1/(M*shards) of it: the statistics are means.
+            whole["stats"] = self._router_stats(rest, prefix, run_stage, group, forward_item, act, manual, n_item)
+            zero_y = vary(jnp.zeros(x0.shape, x0.dtype), manual)
+            loss0, stats_vjp = jax.vjp(lambda st: tail(rest, zero_y, 0, stats=st)[0], vary(whole["stats"], manual))
+            (dstats,) = stats_vjp(jnp.ones_like(loss0))
+            dstats = jax.tree.map(lambda g: g / (M * shards), dstats)
+            act = _tie(act, dstats)  # the schedule's collectives after the first pass's
+
         ring = [vary(jnp.zeros((K,) + a.shape, a.dtype), manual) for a in shapes]
         zeros = lambda t: vary(jax.tree.map(jnp.zeros_like, t), manual)  # noqa: E731
         extras_shape = jax.eval_shape(lambda r: tail(r, jnp.zeros(x0.shape, x0.dtype), 0)[1], rest)
@@ -342,75 +421,92 @@ class _Program:
             "act": act,  # received from upstream: the stage input of this tick's forward
             "cot": act,  # received from downstream: the cotangent of this tick's backward
             "ring": ring,
-            "g_stack": zeros(stack),
+            "g_stack": zeros(jax.tree.leaves(grouped)),  # (L/(S*R), R, ...) per leaf for R > 1
             "g_rest": zeros(rest),
             "loss": vary(jnp.float32(0), manual),
             "extras": vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), extras_shape), manual),
         }
         put = lambda ring, values, slot: [jax.lax.dynamic_update_index_in_dim(r, v, slot, 0) for r, v in zip(ring, values)]  # noqa: E731
         get = lambda ring, slot: [jax.lax.dynamic_index_in_dim(r, slot, keepdims=False) for r in ring]  # noqa: E731
-        down = [(i, (i + 1) % S) for i in range(S)]
-        up = [((i + 1) % S, i) for i in range(S)]
-        last = s == S - 1
+
+        def add_group(acc, g, r):
+            if R == 1:
+                return acc + g
+            return jax.lax.dynamic_update_index_in_dim(acc, jax.lax.dynamic_index_in_dim(acc, r, 1, False) + g, r, 1)
 
         def tick(carry, t, forward: bool, backward: bool):
             carry = dict(carry)
             dy = None
             if forward:
-                f = t - s  # this stage's forward microbatch
-                x, (args, keys) = prefix(rest, f)
-                h = jnp.where(s == 0, x, carry["act"])
+                f, r_f, m_f, real_f = forward_item(t)
+                x, (args, keys) = prefix(rest, m_f)
+                h = jnp.where((s == 0) & (r_f == 0), x, carry["act"])
                 if self.keep_residuals:
-                    out, leaves, _, kept = stage_vjp(h, args, keys)
+                    out, leaves, _, kept = stage_vjp(h, args, keys, r_f)
+                    out = out[0] if aux else out
                     _check_kept(kept, kept_static)
                     carry["ring"] = put(carry["ring"], [leaves[i] for i in kept], f % K)
                 else:
                     carry["ring"] = put(carry["ring"], [h], f % K)
-                    out = run_stage(layers, h, args, keys)
-                if backward:  # the last stage's output is microbatch t - (S-1), always real here
-                    loss, tail_vjp, extras = jax.vjp(lambda r, y: tail(r, y, f), rest, out, has_aux=True)
-                    w = jnp.where(last, pick(weights, f), 0.0)
-                    g_rest, dy = tail_vjp(w.astype(loss.dtype))
+                    out = run_stage(group(r_f), h, args, keys, r_f)
+                    out = out[0] if aux else out
+                if backward:  # the last stage's output is a microbatch's last repeat here (R = 1: always)
+                    tail_on = last & (r_f == R - 1) & real_f
+
+                    def run_tail():
+                        loss, tail_vjp, extras = jax.vjp(lambda r, y: tail(r, y, m_f), rest, out, has_aux=True)
+                        w = jnp.where(tail_on, pick(weights, m_f), 0.0)
+                        g_rest, dy = tail_vjp(w.astype(loss.dtype))
+                        return loss.astype(jnp.float32) * w, g_rest, dy, extras
+
+                    _, top_last, _, top_real = _top_item(t, S, V, R, M)
+                    loss, g_rest, dy, extras = when(None if R == 1 else top_last & top_real, run_tail)
                     tail_done = (dy, loss, jax.tree.leaves(g_rest)[:1])
                     carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], g_rest)
-                    carry["loss"] = carry["loss"] + w * loss.astype(jnp.float32)
+                    carry["loss"] = carry["loss"] + loss
                     carry["extras"] = jax.tree.map(
-                        lambda acc, e: acc + jnp.where(last, e.astype(jnp.float32) / M, 0.0), carry["extras"], extras)
+                        lambda acc, e: acc + jnp.where(tail_on, e.astype(jnp.float32) / M, 0.0), carry["extras"], extras)
                 # Collectives in one order on every device (see _tie): the permute after the tail,
                 # the backward after the permute.
                 carry["act"] = jax.lax.ppermute(_tie(out, tail_done) if backward else out, axis, down)
             if backward:
-                b = t - 2 * (S - 1) + s  # this stage's backward microbatch
+                b, r_b, m_b, real = backward_item(t)
                 if forward:
                     b = _tie(b, carry["act"])
-                real = (b >= 0) & (b < M)
-                cot = carry["cot"] if dy is None else jnp.where(last, dy, carry["cot"])
+                cot = carry["cot"] if dy is None else jnp.where(last & (r_b == R - 1), dy, carry["cot"])
                 cot = jnp.where(real, cot, jnp.zeros_like(cot))
                 stored = get(carry["ring"], b % K)
-                x, prefix_vjp, (args, keys) = jax.vjp(lambda r: prefix(r, b), rest, has_aux=True)
+                x, prefix_vjp, (args, keys) = jax.vjp(lambda r: prefix(r, m_b), rest, has_aux=True)
                 cot = _tie(cot, x)  # the stage's backward after the prefix's forward
                 if self.keep_residuals:
                     # The pullback's structure, traced again here; its forward pass is dead code
                     # (every residual comes from the ring), which XLA removes.
-                    _, leaves, structure, kept = stage_vjp(vary(jnp.zeros_like(x), manual), args, keys)
+                    out_b, leaves, structure, kept = stage_vjp(vary(jnp.zeros_like(x), manual), args, keys, r_b)
                     _check_kept(kept, kept_static)
                     for i, value in zip(kept, stored):
                         leaves[i] = value
                     pullback = jax.tree.unflatten(structure, leaves)
                 else:
-                    _, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys), layers, stored[0])
+                    out_b, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys, r_b), group(r_b), stored[0])
+                if aux:  # this group's share of the statistics' cotangent
+                    rows = lambda g: jax.lax.dynamic_slice_in_dim(g, (r_b * S + s) * n_item, n_item)  # noqa: E731
+                    share = jax.tree.map(lambda g: jnp.where(real, rows(g), jnp.zeros_like(rows(g))), dstats)
+                    cot = (cot, jax.tree.map(functools.partial(_typed_like, axis=axis), share, out_b[1]))
                 g_layers, dh = pullback(cot)
                 g_stack = jax.tree.leaves(g_layers)
-                carry["g_stack"] = jax.tree.map(jnp.add, carry["g_stack"], g_stack)
-                (g_rest,) = prefix_vjp(jnp.where((s == 0) & real, dh, jnp.zeros_like(dh)))
+                carry["g_stack"] = [add_group(a, g, r_b) for a, g in zip(carry["g_stack"], g_stack)]
+                _, r_low, _, real_low = backward_item(t, stage=0)
+                into_prefix = (s == 0) & (r_b == 0) & real
+                (g_rest,) = when(None if R == 1 else (r_low == 0) & real_low,
+                                 lambda: prefix_vjp(jnp.where(into_prefix, dh, jnp.zeros_like(dh))))
                 carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], g_rest)
                 carry["cot"] = jax.lax.ppermute(_tie(dh, g_rest, g_stack), axis, up)
             return carry, None
 
         phases = (
-            (0, S - 1, True, False),  # fill: forwards only
-            (S - 1, M + S - 1, True, True),  # steady: one forward and one backward per tick
-            (M + S - 1, M + 2 * S - 2, False, True),  # drain: backwards only
+            (0, V - 1, True, False),  # fill: forwards only
+            (V - 1, R * M + S - 1, True, True),  # steady: one forward and one backward per tick
+            (R * M + S - 1, R * M + V + S - 2, False, True),  # drain: backwards only
         )
         for start, stop, fwd, bwd in phases:
             if stop > start:
@@ -419,10 +515,83 @@ class _Program:
         # The sums over the manual axes, one after another and after the last permutes (see tick).
         loss = jax.lax.psum(_tie(carry["loss"], carry["act"], carry["cot"]), manual)
         extras = jax.tree.map(lambda e: jax.lax.psum(e, manual) / shards, _tie(carry["extras"], loss))
-        g_stack = _tie(carry["g_stack"], extras, loss)
-        g_stack = jax.lax.psum(g_stack, data) if data else g_stack
+        g_stack = [a.reshape((n_local,) + a.shape[2:]) if R > 1 else a for a in _tie(carry["g_stack"], extras, loss)]
+        g_stack = self._sum_over_batch(g_stack)
         g_rest = jax.lax.psum(_tie(carry["g_rest"], g_stack), manual)
         return loss, extras, g_stack, g_rest
+
+    def _sum_over_batch(self, g_stack):
+        """Each stacked gradient summed over the batch axes its weight is not split over
+        (a mixture's experts are split over ``expert``: each device has all their tokens'
+        gradient already), one ``psum`` per set of axes, one after another."""
+        by_axes = {}
+        for i, spec in enumerate(self.stack_specs):
+            split = {a for e in spec for a in entry_axes(e)}
+            by_axes.setdefault(tuple(a for a in self.data if a not in split), []).append(i)
+        out, before = list(g_stack), ()
+        for axes, idx in by_axes.items():
+            if axes:
+                summed = jax.lax.psum(_tie([out[i] for i in idx], *before), axes)
+                for i, v in zip(idx, summed):
+                    out[i] = v
+                before = (summed,)
+        return out
+
+    def _router_stats(self, rest, prefix, run_stage, group, forward_item, act, manual, n_item):
+        """The router statistics of the whole batch, per layer in layer order: a forward pass
+        of every work item (``R*M + S - 1`` ticks, each one group's layers and one permute),
+        averaged over the microbatches and the batch shards."""
+        S, M, R, axis, data = self.pipe.stages, self.pipe.microbatches, self.pipe.repeats, self.pipe.axis, self.data
+        s = jax.lax.axis_index(axis)
+        down = [(i, (i + 1) % S) for i in range(S)]
+        per_group = lambda a: vary(jnp.zeros((n_item, R) + a.shape[1:], jnp.float32), manual)  # noqa: E731
+        acc = jax.tree.map(per_group, self.found.stats)
+
+        def body(carry, t):
+            act, acc = carry
+            _, r, m, real = forward_item(t)
+            x, (args, keys) = prefix(rest, m)
+            h = jnp.where((s == 0) & (r == 0), x, act)
+            out, stats = run_stage(group(r), h, args, keys, r)
+
+            def add(a, v):
+                v = jnp.where(real, v.astype(jnp.float32) / M, 0.0)
+                return jax.lax.dynamic_update_index_in_dim(a, jax.lax.dynamic_index_in_dim(a, r, 1, False) + v, r, 1)
+
+            return (jax.lax.ppermute(out, axis, down), jax.tree.map(add, acc, stats)), None
+
+        (act, acc), _ = jax.lax.scan(body, (act, acc), jnp.arange(R * M + S - 1))
+
+        def layer_order(a, like):  # (L/(S*R), R, ...) on stage s -> (L, ...): layer (r*S + s)*L/(S*R) + j
+            full = jnp.zeros((R, S) + a.shape[:1] + a.shape[2:], a.dtype)
+            full = jax.lax.dynamic_update_index_in_dim(full, a.swapaxes(0, 1), s, 1)
+            return full.reshape(like.shape)
+
+        acc = jax.lax.psum(_tie(jax.tree.map(layer_order, acc, self.found.stats), act), axis)
+        acc = jax.lax.pmean(acc, data) if data else acc
+        return jax.tree.map(lambda a, like: a.astype(like.dtype), acc, self.found.stats)
+
+
+def _top_item(t, S: int, V: int, R: int, M: int):
+    """``(item, is its last repeat, microbatch, real)`` of stage ``S-1``'s forward at tick ``t``:
+    the same on every device, so a ``cond`` on it runs one branch everywhere."""
+    k = t - (S - 1)
+    q, w = k // V, k % V
+    return k, w // S == R - 1, q * S + w % S, (k >= 0) & (k < R * M)
+
+
+def _typed_like(cot, out, *, axis: str):
+    """``cot`` as the cotangent of the stage's output ``out``: zeros where ``out`` does not
+    vary over the stage axis (a constant of the layer, such as a dropless router's dropped
+    share: everything computed from the stage's weights or input varies over it), else
+    summed over the manual axes over which ``out`` is the same on every device."""
+    if axis not in _varying(out):
+        return varying_like(jnp.zeros(out.shape, out.dtype), out)
+    return sum_to_type(cot, out)
+
+
+def _zeros(shapes):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
 def _check_kept(kept: tuple, expected: tuple) -> None:

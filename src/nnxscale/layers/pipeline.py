@@ -156,10 +156,11 @@ class Pipeline:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"pipeline {name} must be a positive integer, got {value!r}")
-        if self.one_f_one_b and self.repeats > 1:
+        if self.one_f_one_b and self.repeats > 1 and self.microbatches % self.stages:
             raise ConfigError(
-                f"--pipeline-schedule 1f1b with --pipeline-repeats {self.repeats} (interleaved 1F1B) is not implemented "
-                "yet: use --pipeline-repeats 1 with 1f1b, or --pipeline-schedule gpipe for the circular schedule"
+                f"interleaved 1F1B (--pipeline-schedule 1f1b --pipeline-repeats {self.repeats}) runs the microbatches "
+                f"in blocks of one per stage, and {self.microbatches} microbatches are not a multiple of the "
+                f"{self.stages} stages: use --microbatches {self.stages * -(-self.microbatches // self.stages)}"
             )
         if not isinstance(self.axis, str) or not self.axis:
             raise ConfigError(f"pipeline axis must be a mesh axis name, got {self.axis!r}")
@@ -656,9 +657,10 @@ class PipelineCost:
     (forward) and sums the input's gradient (backward), each the device's whole batch of
     activations: the price of running the embedding and the head outside the pipeline
     (none for 1F1B, which runs them inside the schedule and instead sums their gradients
-    over the stage axis once per step). ``in_flight``: the most microbatches whose
-    activations (or, recomputed, inputs) a stage holds at once: ``R*M`` for GPipe and
-    circular, ``2S-1`` for 1F1B; ``held_bytes``: what 1F1B's ring of them holds per device
+    over the stage axis once per step). ``in_flight``: the most work items (a microbatch
+    through one group of layers) whose activations (or, recomputed, inputs) a stage holds at
+    once: ``R*M`` for GPipe and circular, ``2SR-1`` for 1F1B (``2S-1`` without repeats);
+    ``held_bytes``: what 1F1B's ring of them holds per device
     (stage inputs; under a remat policy each layer's input), 0 for the others, whose held
     activations grow with ``M`` (the planner's activation estimate).
     """
@@ -679,25 +681,26 @@ class PipelineCost:
 
 def pipeline_cost(
     pipeline: Pipeline, n_layers: int, activation_shape, dtype="float32", *, batch_shards: int = 1, backward: bool = True,
-    remat: str = "none",
+    remat: str = "none", routed: bool = False,
 ) -> PipelineCost:  # fmt: skip
     """:class:`PipelineCost` of running ``n_layers`` stacked layers through ``pipeline``.
 
     ``activation_shape``: the global shape of the layers' input, ``(B, T, C)`` for the
     residual stream; its batch splits ``batch_shards`` ways (the data and FSDP axes) and
     no other dimension is split. ``backward=False`` counts the forward pass alone.
-    ``remat``: the policy, which decides what 1F1B's ring holds. Validated like
-    :meth:`Pipeline.check`.
+    ``remat``: the policy, which decides what 1F1B's ring holds. ``routed``: a mixture of
+    experts, for which 1F1B runs a forward pass for the router statistics first (one more
+    pass of forward permutes). Validated like :meth:`Pipeline.check`.
 
-    1F1B sends what GPipe sends: ``M + S - 1`` forward permutes (fill and steady ticks) and
-    as many backward ones (steady and drain); the compiled step has exactly these on 4
+    1F1B sends what GPipe sends: ``R*M + S - 1`` forward permutes (fill and steady ticks)
+    and as many backward ones (steady and drain); the compiled step has exactly these on 4
     stages, and one fewer on 2, where the one-tick drain is inlined and XLA drops its
     permute, whose result no stage uses.
     """
     batch, rest = int(activation_shape[0]), math.prod(int(d) for d in activation_shape[1:])
     pipeline.check(n_layers, batch, batch_shards)
     rows = batch // (batch_shards * pipeline.microbatches)
-    passes = 2 if backward else 1
+    passes = (2 if backward else 1) + (1 if backward and routed and pipeline.one_f_one_b else 0)
     microbatch_bytes = rows * rest * itemsize(dtype)
     return PipelineCost(
         schedule=pipeline.schedule,
@@ -710,15 +713,17 @@ def pipeline_cost(
         microbatch_rows=rows,
         permute_bytes=passes * pipeline.iterations * microbatch_bytes,
         boundary_bytes=0 if pipeline.one_f_one_b else passes * pipeline.microbatches * microbatch_bytes,
-        in_flight=2 * pipeline.stages - 1 if pipeline.one_f_one_b else pipeline.repeats * pipeline.microbatches,
+        in_flight=2 * pipeline.stages * pipeline.repeats - 1 if pipeline.one_f_one_b else pipeline.repeats * pipeline.microbatches,
         held_bytes=_ring_bytes(pipeline, n_layers, microbatch_bytes, remat),
     )
 
 
 def _ring_bytes(pipeline: Pipeline, n_layers: int, microbatch_bytes: int, remat: str) -> int:
-    """What 1F1B's ring holds per device: ``2S-1`` stage inputs, or under a remat policy what
-    it keeps of each layer (under ``full`` its input; ``dots`` keeps more, counted as ``full``)."""
+    """What 1F1B's ring holds per device: ``2SR-1`` work items' stage inputs, or under a remat
+    policy what it keeps of each of the item's ``L/(S*R)`` layers (under ``full`` its input;
+    ``dots`` keeps more, counted as ``full``)."""
     if not pipeline.one_f_one_b:
         return 0
-    per_slot = microbatch_bytes if remat == "none" else (n_layers // pipeline.stages) * microbatch_bytes
-    return (2 * pipeline.stages - 1) * per_slot
+    S, R = pipeline.stages, pipeline.repeats
+    per_slot = microbatch_bytes if remat == "none" else (n_layers // (S * R)) * microbatch_bytes
+    return (2 * S * R - 1) * per_slot

@@ -141,7 +141,8 @@ def pipeline_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional
     d, dims, rules = cfg.data, lay["model"].dims, lay["rules"]
     # Beside a context axis, each device holds and passes on its T / context tokens.
     activation = (d.batch_size, d.seq_len // rules.length_shard_count, dims.width)
-    cost = pipeline_cost(pipe, n, activation, cfg.model.dtype, batch_shards=rules.batch_shard_count, remat=cfg.model.remat)
+    cost = pipeline_cost(pipe, n, activation, cfg.model.dtype, batch_shards=rules.batch_shard_count, remat=cfg.model.remat,
+                         routed=lay["model"].routed)  # fmt: skip
     return {
         "schedule": cost.schedule,
         "stages": cost.stages,

@@ -449,7 +449,7 @@ def pipeline_lines(p: dict, source: str = "compiler") -> list[str]:
         )
     if p["schedule"] == "1f1b":
         lines += [
-            f"  in flight: at most {p['in_flight']} microbatches per stage (2S-1, whatever M): a ring of "
+            f"  in flight: at most {p['in_flight']} work items per stage (2SR-1, whatever M): a ring of "
             f"{format_bytes(p['held_bytes'])} per device",
             "  boundary: none (embedding and head run inside the schedule; their gradients are summed over stage once "
             "per step)",

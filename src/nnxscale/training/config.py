@@ -102,7 +102,8 @@ class ParallelConfig:
     pipeline_schedule: str = setting("gpipe", "--pipeline-schedule", "gpipe: a forward scan differentiated by JAX "
                                      "(memory grows with the microbatches); 1f1b: each stage runs a microbatch's backward "
                                      "as soon as it can, holding at most 2S-1 microbatches' stage inputs whatever the "
-                                     "microbatches", choices=("gpipe", "1f1b"))  # fmt: skip
+                                     "microbatches (with --pipeline-repeats R, interleaved: 2SR-1 groups' inputs, M a "
+                                     "multiple of S)", choices=("gpipe", "1f1b"))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,17 +340,13 @@ class TrainConfig:
                 f"--pipeline-schedule {par.pipeline_schedule} is a pipeline schedule, which needs --microbatches "
                 "(and a stage mesh axis, e.g. --mesh stage=2,data=4 --microbatches 8)"
             )
-        if par.pipeline_schedule == "1f1b" and par.pipeline_repeats > 1:
-            raise ConfigError(
-                f"--pipeline-schedule 1f1b with --pipeline-repeats {par.pipeline_repeats} (interleaved 1F1B) is not "
-                "implemented yet: use --pipeline-repeats 1 with 1f1b, or --pipeline-schedule gpipe for the circular schedule"
-            )
-        if par.microbatches is not None and self.optim.grad_accum > 1:
+        if par.microbatches is not None and self.optim.grad_accum > 1 and par.pipeline_schedule == "gpipe":
             raise ConfigError(
                 f"--grad-accum {self.optim.grad_accum} and --microbatches {par.microbatches} both split the batch: "
                 "a pipeline already accumulates its microbatches' gradients, and each accumulation step would fill and "
                 "drain the pipeline again (a bubble each time): use --microbatches alone "
-                f"(e.g. --microbatches {par.microbatches * self.optim.grad_accum} for the same micro-batch size)"
+                f"(e.g. --microbatches {par.microbatches * self.optim.grad_accum} for the same micro-batch size), "
+                "or --pipeline-schedule 1f1b, which runs beside --grad-accum"
             )
 
     @classmethod

@@ -30,7 +30,6 @@ from jax.sharding import PartitionSpec as P
 from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
 from nnxscale.data import text as text
 from nnxscale.layers import attention
-from nnxscale.layers.one_f_one_b import check_supported as check_1f1b
 from nnxscale.layers.pipeline import Pipeline, manual_axes, to_layer_order, to_stage_order
 from nnxscale.layers.stack import LAYERS
 from nnxscale.models import (
@@ -205,8 +204,8 @@ def check_pipeline(pipe: Pipeline, cfg: TrainConfig, rules: MeshRules, name: str
             "a pipeline runs layers created with nnxscale.stack_layers and run with nnxscale.scan_layers "
             f"(the rules put their '{LAYERS}' axis on '{STAGE}'); train this model on a mesh without a stage axis"
         )
-    for n in depths:
-        pipe.check(n, cfg.data.batch_size, rules.batch_shard_count)
+    for n in depths:  # each accumulation step's batch goes through the pipeline
+        pipe.check(n, cfg.data.batch_size // cfg.optim.grad_accum, rules.batch_shard_count)
     return depths[-1]
 
 
@@ -273,7 +272,6 @@ def setup(
                           attention.platform_of(mesh))
     pipe = run_pipeline(cfg, rules)
     if pipe is not None and pipe.one_f_one_b:
-        check_1f1b(pipe, rules, routed=m.routed)
         if m.lora is not None:
             raise ConfigError("--lora-rank with --pipeline-schedule 1f1b is not supported yet: the 1F1B schedule computes "
                               "every weight's gradient; use --pipeline-schedule gpipe (the default) with LoRA")  # fmt: skip
