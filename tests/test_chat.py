@@ -373,3 +373,6 @@ def test_dpo_needs_pairs_and_pairs_need_dpo(tmp_path, capsys, text_data):
     assert_one_error_line(code, err, "--loss-on completion", "is text")
     code, _, err = run_main(capsys, train_args(tmp_path / "d", pairs, "--objective", "dpo", "--grad-accum", "2"))
     assert_one_error_line(code, err, "--objective dpo with --grad-accum 2", "not implemented")
+    for flags in (["--loss-on", "completion"], ["--objective", "dpo"]):  # a missing file is missing, not "text"
+        code, _, err = run_main(capsys, train_args(tmp_path / "e", tmp_path / "missing.jsonl", *flags))
+        assert_one_error_line(code, err, "missing.jsonl", "does not exist")
