@@ -7,6 +7,7 @@ and Jinja2's semantics (``trim_blocks``, ``lstrip_blocks``, ``-`` whitespace con
 copied from nnxscale's output.
 """
 
+import dataclasses
 import datetime
 import json
 import shutil
@@ -24,9 +25,11 @@ from test_train import quiet_train, tiny_cfg
 import nnxscale
 from nnxscale.data import chat
 from nnxscale.data import tokens as datalib
+from nnxscale.layers import lora as lora_layers
 from nnxscale.errors import DataError
 from nnxscale.models import chunked_next_token_loss, gpt2, llama
 from nnxscale.models.common.documents import IGNORED
+from nnxscale.planning.layout import layout_figures
 from nnxscale.training.rundir import read_metrics
 
 TEMPLATES = Path(__file__).parent / "data" / "chat"
@@ -327,19 +330,29 @@ def dpo_by_hand(model, reference, beta: float):
     return float(np.mean(np.log1p(np.exp(-margins)))), float(margins.mean()), float(np.mean(margins > 0))
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("mesh", ["data=1", "fsdp=2,model=4"])
-def test_dpo_loss_matches_a_computation_by_hand(tmp_path, mesh):
+def test_dpo_loss_matches_a_computation_by_hand(tmp_path, mesh, lora):
+    """Under LoRA the reference is the base with the adapters off: the state holds no copy
+    of the weights, and the by-hand reference is the base model alone (no adapters)."""
     data = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS])
     # every step sees every pair (a batch of all 8 rows), so step 2's loss is over PAIRS
     devices = nnxscale.make_mesh(mesh, devices=jax.devices()[:1]) if mesh == "data=1" else None
     settings = {"data.batch_size": 8, "data.seq_len": 24, "data.val_fraction": 0.0, "optim.lr": 1e-2}
-    for steps in (1, 2):  # the second run resumes: the reference comes back from the checkpoint
+    if lora:  # a large step: the adapters must move the policy away from its reference
+        settings |= {"lora.rank": 4, "optim.lr": 5e-2}
+    for steps in (1, 2):  # the second run resumes: the reference comes back from the checkpoint (LoRA: with the base)
         cfg = tiny_cfg(tmp_path / "run", data, mesh=mesh, steps=steps, objective="dpo", dpo_beta=0.5, **settings)
         nnxscale.train(cfg, mesh=devices, progress=False, log=lambda _: None)
         if steps == 1:
             after_one = nnxscale.load_model(cfg.run_dir, warn=lambda line: None)
     first, second = read_metrics(cfg.run_dir)
-    reference = gpt2.GPT2(gpt2.preset("gpt2-tiny"), rngs=nnx.Rngs(0))  # seed 0: the run's starting point
+    reference = gpt2.GPT2(gpt2.preset("gpt2-tiny"), rngs=nnx.Rngs(0))  # seed 0: the run's starting point (LoRA: its base)
+    if lora:  # no second copy of the weights, and the planner counts none: the same as a LoRA run of the lm objective
+        dpo, lm = (layout_figures(dataclasses.replace(cfg, objective=o), {"fsdp": 2, "model": 4}) for o in ("dpo", "lm"))
+        assert "reference" not in dpo["setup"].abstract and "base" in dpo["setup"].abstract
+        assert dpo["param_bytes"] == lm["param_bytes"] and dpo["optimizer_bytes"] == lm["optimizer_bytes"]
+        assert len(lora_layers.adapted(after_one)) > 0
     assert first["loss"] == pytest.approx(np.log(2), rel=1e-6) and first["reward_margin"] == 0  # the model is its reference
     loss, margin, accuracy = dpo_by_hand(after_one, reference, 0.5)
     assert second["loss"] == pytest.approx(loss, rel=1e-5)
@@ -360,3 +373,6 @@ def test_dpo_needs_pairs_and_pairs_need_dpo(tmp_path, capsys, text_data):
     assert_one_error_line(code, err, "--loss-on completion", "is text")
     code, _, err = run_main(capsys, train_args(tmp_path / "d", pairs, "--objective", "dpo", "--grad-accum", "2"))
     assert_one_error_line(code, err, "--objective dpo with --grad-accum 2", "not implemented")
+    for flags in (["--loss-on", "completion"], ["--objective", "dpo"]):  # a missing file is missing, not "text"
+        code, _, err = run_main(capsys, train_args(tmp_path / "e", tmp_path / "missing.jsonl", *flags))
+        assert_one_error_line(code, err, "missing.jsonl", "does not exist")

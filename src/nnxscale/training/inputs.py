@@ -53,6 +53,8 @@ def data_kind(cfg: TrainConfig, tokenizer: Optional[text.TextTokenizer]) -> Data
     Parquet file). Raises ConfigError, one line each, for ``--objective dpo`` without
     preference pairs (or pairs without it) and ``--loss-on completion`` on text."""
     source = cfg.data.data
+    if source is not None and source != text.STDLIB and text.is_text_source(source):
+        text.read_corpus(source)  # a path that is not there says so (nothing is read), not "is text" below
     files = text.record_files(source) if text.is_text_source(source) else []
     fmt = chat.record_format(source, text.record_files) if files else chat.TEXT
     if cfg.objective == "dpo" and fmt != chat.PREFERENCE:

@@ -47,6 +47,7 @@ class RunModel:
     separator: Optional[int] = None  # --document-mask: the token that ends a document
     ignored_targets: bool = False  # --loss-on completion: targets IGNORED (a prompt's) are not trained
     reference: bool = False  # --objective dpo: ``loss`` also takes ``reference=``, the reference's log-probabilities
+    # (under LoRA the reference is the base with its adapters off: no copy of the weights)
     lora: Optional[lora_layers.LoraSpec] = None  # --lora-rank: adapters beside the targets, the rest frozen
 
     @property
@@ -188,9 +189,6 @@ def run_model(
             raise ConfigError(f"--loss-on completion: the {family.name} family's loss cannot skip a prompt's targets")
         objective = functools.partial(objective, ignored_targets=True)
     if cfg.objective == "dpo":
-        if spec is not None:
-            raise ConfigError("--objective dpo with --lora-rank is not implemented yet (its reference would be the base "
-                              "with the adapters off): train DPO without --lora-rank")  # fmt: skip
         from nnxscale.training.preference import dpo_loss
 
         objective = functools.partial(dpo_loss, beta=cfg.dpo_beta, separator=separator)

@@ -13,8 +13,11 @@ rejected answers, the mean margin between them (``reward_margin``) and the share
 whose chosen answer has the larger reward (``reward_accuracy``).
 
 The reference's log-probabilities come from :func:`reference_log_probs`, the one place
-that says what the reference is: today the parameters the run started from, held frozen
-in the train state (``state["reference"]``, saved with it so a resumed run has the same).
+that says what the reference is: the parameters the run started from, held frozen in the
+train state (``state["reference"]``, saved with it so a resumed run has the same); under
+LoRA (``--lora-rank``) the frozen base itself with every adapter off
+(:func:`nnxscale.layers.lora.disabled`), so the reference costs no second copy of the
+weights, and a resumed run loads it with its base.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from nnxscale.layers import lora
 from nnxscale.layers.loss import CHUNK_BYTES, fewest_chunks, token_shards
 from nnxscale.models import hidden_and_weights
+from nnxscale.training.adapters import BASE, merge_params
 
 #: The train state's entry holding the reference parameters.
 REFERENCE = "reference"
@@ -90,8 +95,12 @@ def dpo_loss(model, inputs, targets, *, rngs=None, reference, beta: float, separ
 def reference_log_probs(graphdef, state, inputs, targets, *, separator: Optional[int] = None):
     """The frozen reference's ``(B,)`` log-probabilities of a batch (no gradient flows).
 
-    The reference is ``state["reference"]``: the parameters the run started from. (With
-    adapters, it would be the base model with its adapters off: only this function changes.)
+    The reference is ``state["reference"]``, the parameters the run started from; in a LoRA
+    run (no such entry) it is ``state["base"]`` with the adapters off.
     """
-    model = nnx.merge(graphdef, jax.lax.stop_gradient(state[REFERENCE]))
-    return sequence_log_probs(model, inputs, targets, separator=separator)[0]
+    if REFERENCE in state:
+        model = nnx.merge(graphdef, jax.lax.stop_gradient(state[REFERENCE]))
+        return sequence_log_probs(model, inputs, targets, separator=separator)[0]
+    with lora.disabled():  # the adapters stay in the graph (its structure) but add nothing
+        model = nnx.merge(graphdef, jax.lax.stop_gradient(merge_params(state[BASE], state["params"])))
+        return sequence_log_probs(model, inputs, targets, separator=separator)[0]

@@ -5,7 +5,8 @@ pytree of plain dicts, every leaf a sharded ``jax.Array``::
 
     {"params": {...}, "opt_state": optax state, "step": int32[], "key": uint32[2]}
 
-and, under ``--objective dpo``, ``"reference"``: the frozen parameters the run started from.
+and, under ``--objective dpo`` without LoRA, ``"reference"``: the frozen parameters the run
+started from (a LoRA run's reference is its base with the adapters off: no second copy).
 
 Parameters take the layout of the rules; the optimizer state takes the layout of the
 parameter it belongs to (``optax.tree_map_params``); step and key are replicated. A LoRA
@@ -293,7 +294,7 @@ def setup(
         param_sh, base_sh = lora_state.split_params(param_sh)
     tx, schedule = make_optimizer(cfg, mask)
     abstract, state_sh, init_fn = _train_state(cfg, tx, pure_dict(abs_model_state), param_sh, mesh, base_sh,
-                                               reference=m.reference)  # fmt: skip
+                                               reference=m.reference and m.lora is None)  # fmt: skip
 
     batch_sharding = rules.sharding(rules.batch_spec())
     batch = jax.ShapeDtypeStruct((d.batch_size, d.seq_len), jnp.int32, sharding=batch_sharding)
@@ -323,8 +324,8 @@ def _train_state(cfg: TrainConfig, tx, abs_params, param_sh, mesh, base_sh=None,
     (ShapeDtypeStructs, so the model is not traced again): the optimizer state sharded like
     the parameters it belongs to, the step and the PRNG key replicated. ``base_sh``: a LoRA
     run's frozen base (its shardings): ``init_fn`` takes the model's parameters and keeps
-    the base beside the adapters, outside the optimizer. ``reference`` (``--objective dpo``):
-    a frozen copy of the starting parameters, laid out like them
+    the base beside the adapters, outside the optimizer. ``reference`` (``--objective dpo``
+    without LoRA): a frozen copy of the starting parameters, laid out like them
     (:mod:`nnxscale.training.preference`)."""
     replicated = NamedSharding(mesh, P())
 
