@@ -87,6 +87,33 @@ def test_adapters_are_laid_out_like_their_layers_and_only_they_train(model, mesh
     assert lay["param_bytes"] == lay["gradient_bytes"] + per_device(lay["setup"].abstract[BASE])
 
 
+
+def test_a_bfloat16_base_is_not_copied_to_float32_whole_on_cpu(monkeypatch):
+    """XLA:CPU computes bfloat16 products in float32 and, left to itself, converts the whole
+    stacked base shard before the layer loop; the step converts a layer at a time
+    (nnxscale.training.step.CPU_BFLOAT16_OPTIONS): its temporaries are smaller by at least one
+    float32 copy of the stacked base."""
+    from nnxscale.training import step as train_step
+
+    cfg = _cfg("llama-tiny", "fsdp=8", dtype="bfloat16", min_shard_bytes=0)
+    s = setup(cfg)
+    stacked = [a for a in jax.tree.leaves(s.abstract[BASE]) if a.ndim == 3]
+    assert stacked, "the base has stacked (layers, in, out) weights"
+    f32_copy = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * 4 for a in stacked)
+
+    def temp():
+        with jax.set_mesh(s.mesh):
+            return make_train_step(s).lower(s.abstract, s.abstract_batch).compile().memory_analysis().temp_size_in_bytes
+
+    ours = temp()
+    # The plan compiles this same step; its FLOPs formula counts the frozen base at 4N (no
+    # weight gradients) and the adapters at 6N, as the compiled program runs them.
+    p = nnxscale.plan(cfg)
+    assert p.flops_frozen and "4N frozen" in str(p)
+    assert abs(p.flops / p.flops_expected - 1) < 0.03, (p.flops, p.flops_expected)
+    monkeypatch.setattr(train_step, "CPU_BFLOAT16_OPTIONS", {})
+    assert ours + f32_copy <= temp(), (ours, f32_copy)
+
 STEPS = 20
 
 

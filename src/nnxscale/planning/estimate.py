@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+import jax
+
 from nnxscale.planning.layout import layout_figures, mesh_sizes, split_params
 from nnxscale.sharding.axes import EXPERT, STAGE
 from nnxscale.training.config import TrainConfig
@@ -113,18 +115,24 @@ def formula_flops(cfg: TrainConfig, lay: dict, n: int) -> dict[str, Optional[flo
     layer's forward, a third of the formula less the output head's ``6 x vocab x width``;
     with ``remat dots`` the attention's products, a third of its term); ``attention``: the
     attention term with its share of the recompute (what a fused kernel does). ``None`` where
-    the model's shape is not known (your own module) or nothing is recomputed."""
+    the model's shape is not known (your own module) or nothing is recomputed. Under LoRA
+    (``frozen``) the base's weights take ``4N`` (no weight gradients) and the adapters ``6N``."""
     tokens = cfg.data.batch_size * cfg.data.seq_len / n
     per_token = lay["setup"].flops_per_token()
     dims, remat = lay["model"].dims, cfg.model.remat
     if dims is None:
-        return {"expected": per_token * tokens, "recompute": None, "attention": None}
+        return {"expected": per_token * tokens, "recompute": None, "attention": None, "frozen": False}
     attention = 12 * dims.layers * dims.heads * dims.head_width * cfg.data.seq_len
     again = {"none": None, "full": (per_token - 6 * dims.vocab_size * dims.width) / 3, "dots": attention / 3}[remat]
+    frozen = lay["model"].lora is not None
+    if frozen:  # a frozen weight has no gradient: its products run forward and for the input's gradient, 4N not 6N
+        adapters = sum(a.size for a in jax.tree.leaves(lay["setup"].abstract["params"]))  # the trainable ones: 6N
+        per_token = (per_token - attention) * 2 / 3 + attention + 6 * adapters
     return {
         "expected": per_token * tokens,
         "recompute": None if again is None else (per_token + again) * tokens,
         "attention": attention * (1 if remat == "none" else 4 / 3) * tokens,
+        "frozen": frozen,
     }
 
 

@@ -130,6 +130,7 @@ class StepPlan:
     flops_expected: Optional[float] = None  # the model's formula (6N + attention per token) per device per step
     flops_recompute: Optional[float] = None  # the formula plus what remat runs again (estimate.formula_flops); None without
     flops_attention: Optional[float] = None  # the formula's attention term, with its recompute
+    flops_frozen: bool = False  # the formula counts frozen weights (LoRA's base) at 4N: no weight gradients
     flops_uncounted: list = dataclasses.field(default_factory=list)  # custom-call kernels whose FLOPs the count cannot see
     refused: Optional[dict] = None  # the target's compiler refused the program: what it needs (see compiler.refusal)
     #: :func:`layout_figures` of the plan (the abstract model, resolved rules, rows): reused by
@@ -198,6 +199,7 @@ class StepPlan:
             "flops_per_device_formula": self.flops_expected,
             "flops_per_device_formula_with_recompute": self.flops_recompute,
             "flops_per_device_attention": self.flops_attention,
+            "flops_formula_frozen_base": self.flops_frozen,
             "flops_uncounted_kernels": self.flops_uncounted,
             "refused": self.refused,
         }
@@ -247,7 +249,8 @@ class StepPlan:
             lines += ["", "FLOPs per device per step (matrix products, loop bodies once per trip)"]
             lines.append(f"  {'compiled program':<34}{self.flops:>11.3g}  {self.source}")
             if self.flops_expected is not None:
-                lines.append(f"  {'model formula (6N + attention)':<34}{self.flops_expected:>11.3g}  per token x tokens / devices"
+                label = "model formula (4N frozen + attn)" if self.flops_frozen else "model formula (6N + attention)"
+                lines.append(f"  {label:<34}{self.flops_expected:>11.3g}  per token x tokens / devices"
                              f"{self._versus(self.flops_expected) if self.flops_recompute is None else ''}")  # fmt: skip
             if self.flops_recompute is not None:
                 again = ("each layer's forward again, less its last matmul (an output the backward does not need)"
