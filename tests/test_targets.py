@@ -45,6 +45,10 @@ def test_plan_target_h100x8_reports_the_gpu_compilers_own_figures(h100x8_plan):
     assert p.flops == compiled_flops(compiled, "gpu") > 0 and p.flops_expected > 0
     # bfloat16 compute over float32 master weights: the state is float32, the program computes in bf16.
     assert p.full_param_bytes == 4 * p.num_params and "bf16[" in compiled.as_text()
+    # The attention the plan names is the one the target's program runs (not this CPU's choice).
+    assert p.attention in ("cudnn", "pallas-gpu") and p.attention in p.attention_line
+    kernel = "__gpu$xla.gpu.triton" if p.attention == "pallas-gpu" else "__cudnn$fmha"
+    assert kernel in compiled.as_text()
     assert p.fits is True and "verdict: fits" in str(p)
     # XLA:GPU compiles a program larger than the GPU without a word: the plan checks.
     small = dataclasses.replace(p, device_memory=p.peak_bytes - 1)
