@@ -18,6 +18,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process compiles nothing for an accelerator
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 
 from nnxscale.errors import NnxscaleError  # noqa: E402
@@ -31,6 +32,12 @@ GiB = 1 << 30
 def config(model: str, mesh: str, batch: int, seq_len: int, remat: str) -> TrainConfig:
     fields = {"model": model, "mesh": mesh, "data.batch_size": batch, "data.seq_len": seq_len, "remat": remat, "dtype": "bfloat16"}
     return with_overrides(TrainConfig(), {FLAT_NAMES.get(k, k): v for k, v in fields.items()})
+
+
+@functools.cache
+def cpu_plan(model: str, mesh: str, batch: int, seq_len: int, remat: str):
+    """XLA:CPU's plan of the same step: compiled once per mesh (h100x64 and v5p-128 share fsdp=64)."""
+    return plan(config(model, mesh, batch, seq_len, remat), compile="always")
 
 
 def row(model: str, target: targets.Target, args) -> dict:
@@ -50,11 +57,12 @@ def row(model: str, target: targets.Target, args) -> dict:
         collectives_gib={k: round(v / GiB, 3) for k, v in p.collective_bytes.items() if v},
         flops_per_device=p.flops,
         flops_formula_per_device=p.flops_expected,
+        attention=p.attention,
         compile_seconds=round(p.compile_seconds or 0, 1),
         notes=[n for n in p.notes if n.startswith("mesh")],
     )
     if args.cpu:
-        cpu = plan(cfg, compile="always")
+        cpu = cpu_plan(model, mesh, batch, args.seq_len, args.remat)
         out.update(
             cpu_peak_gib=round(cpu.peak_bytes / GiB, 3),
             cpu_collectives_gib=round(cpu.collective_total / GiB, 3),

@@ -52,6 +52,10 @@ def test_plan_target_h100x8_reports_the_gpu_compilers_own_figures(h100x8_plan):
     assert abs(sum(x for _, x in p.textbook) / (p.collective_total / p.full_param_bytes) - 1) < 0.1
     # bfloat16 compute over float32 master weights: the state is float32, the program computes in bf16.
     assert p.full_param_bytes == 4 * p.num_params and "bf16[" in compiled.as_text()
+    # The attention the plan names is the one the target's program runs (not this CPU's choice).
+    assert p.attention in ("cudnn", "pallas-gpu") and p.attention in p.attention_line
+    kernel = "__gpu$xla.gpu.triton" if p.attention == "pallas-gpu" else "__cudnn$fmha"
+    assert kernel in compiled.as_text()
     assert p.fits is True and "verdict: fits" in str(p)
     # XLA:GPU compiles a program larger than the GPU without a word: the plan checks.
     small = dataclasses.replace(p, device_memory=p.peak_bytes - 1)
@@ -217,3 +221,37 @@ def test_the_plugins_start_up_chatter_is_kept_from_plan(capfd):
     with pytest.raises(ConfigError):
         _start_jax_quietly(bad_input, forced_cpu=False)
     assert capfd.readouterr().err == ""  # its one line is printed by main
+
+
+@pytest.mark.needs_cuda_plugin
+def test_in_bfloat16_the_losss_head_gradient_is_reduced_in_bfloat16_on_h100s():
+    """The loss in 4 vocabulary slices, bfloat16 compute over a float32 head split by FSDP,
+    compiled by the H100 compiler: the head's gradient crosses the GPUs in bfloat16, as the
+    other weights' do (a float32 product cast afterwards was reduced in float32, twice the
+    bytes: llama-3.2-1b's tied head, issue 31). XLA:CPU promotes bfloat16 reductions to
+    float32, so only a target's compiler shows it."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import nnxscale
+    from nnxscale.layers import loss as losslib
+    from nnxscale.planning import hlo
+
+    target = targets.get("h100x8")
+    mesh = targets.device_mesh({"fsdp": 8}, target, target.devices())
+    rules = nnxscale.resolve("auto", mesh, min_shard_bytes=0)
+    B, T, C, V = 8, 32, 64, 1024
+    hidden = jax.ShapeDtypeStruct((B, T, C), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+    head = jax.ShapeDtypeStruct((C, V), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    targets_ = jnp.zeros((B, T), jnp.int32)
+
+    def loss(h, w):
+        with nnxscale.use_rules(rules):
+            return losslib.chunked_cross_entropy(h, targets_, w, chunks=4)
+
+    grad = jax.jit(jax.grad(loss, argnums=1), out_shardings=NamedSharding(mesh, P("fsdp")))
+    text = grad.lower(hidden, head).compile().as_text()
+    reduced = sum(c.total_bytes for c in hlo.collectives(text) if c.kind in ("all-reduce", "reduce-scatter"))
+    assert 0 < reduced <= 1.02 * C * V * 2, reduced / (C * V * 4)

@@ -431,14 +431,16 @@ def estimate(cfg: TrainConfig, lay: Optional[dict] = None) -> dict[str, Any]:
     }
 
 
-def attention_figures(cfg: TrainConfig, model, rules) -> dict[str, Optional[str]]:
-    """The attention implementation a family's model uses at ``cfg``'s length, and its line."""
+def attention_figures(cfg: TrainConfig, model, rules, platform: Optional[str] = None) -> dict[str, Optional[str]]:
+    """The attention implementation a family's model uses at ``cfg``'s length, and its line.
+    ``platform``: whose devices run it (:func:`nnxscale.layers.attention.platform_of`);
+    default: the devices of ``rules``' mesh (this process's for an abstract mesh)."""
     if not getattr(model.config, "attention", None):  # your own module picks its own
         return {"attention": None, "attention_line": None}
     from nnxscale.layers import attention
 
     c, head, context = model.config, model.dims.head_width, rules.length_shard_count
-    platform = attention.platform_of(rules.mesh)  # the target's, for a mesh of its devices
+    platform = platform or attention.platform_of(rules.mesh)  # the target's, for a mesh of its devices
     return {
         "attention": "ring" if context > 1 else attention.resolve(c.attention, cfg.data.seq_len, c.dtype, head, cfg.data.document_mask, platform),
         "attention_line": attention.describe(c.attention, cfg.data.seq_len, c.dtype, head, context, cfg.data.document_mask, platform),

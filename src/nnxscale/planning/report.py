@@ -347,7 +347,8 @@ def plan(
         textbook=textbook_collectives(cfg, lay, compiler_platform(target)), device_memory=device_memory, layout=lay,
         target=None if target is None else target.name, target_line=None if target is None else target.describe(),
         **{f"flops_{k}": v for k, v in formula_flops(cfg, lay, n).items()},
-        **attention_figures(cfg, lay["model"], lay["rules"]),
+        # A target's layout is on an abstract mesh: the attention is the one its devices run.
+        **attention_figures(cfg, lay["model"], lay["rules"], None if target is None else {"gpu": "nvidia", "tpu": "tpu"}[target.family]),
     )  # fmt: skip
     family = lay["model"].family.name
     calibration = [] if family == ESTIMATE_FAMILY else [
