@@ -90,9 +90,9 @@ def test_adapters_are_laid_out_like_their_layers_and_only_they_train(model, mesh
 
 def test_a_bfloat16_base_is_not_copied_to_float32_whole_on_cpu(monkeypatch):
     """XLA:CPU computes bfloat16 products in float32 and, left to itself, converts the whole
-    stacked base shard before the layer loop; the step converts a layer at a time
+    stacked base shard before the layer loop (jaxlib 0.10); the step converts a layer at a time
     (nnxscale.training.step.CPU_BFLOAT16_OPTIONS): its temporaries are smaller by at least one
-    float32 copy of the stacked base."""
+    float32 copy of the stacked base, or the same where XLA:CPU does not hoist (jaxlib 0.12)."""
     from nnxscale.training import step as train_step
 
     cfg = _cfg("llama-tiny", "fsdp=8", dtype="bfloat16", min_shard_bytes=0)
@@ -112,7 +112,11 @@ def test_a_bfloat16_base_is_not_copied_to_float32_whole_on_cpu(monkeypatch):
     assert p.flops_frozen and "4N frozen" in str(p)
     assert abs(p.flops / p.flops_expected - 1) < 0.03, (p.flops, p.flops_expected)
     monkeypatch.setattr(train_step, "CPU_BFLOAT16_OPTIONS", {})
-    assert ours + f32_copy <= temp(), (ours, f32_copy)
+    theirs = temp()
+    if jax.__version_info__ < (0, 12):  # its XLA:CPU hoists the conversion: the option saves at least that copy
+        assert ours + f32_copy <= theirs, (ours, theirs, f32_copy)
+    else:  # 0.12's converts a layer at a time by itself (measured 2026-11-26): the same either way
+        assert ours <= 1.01 * theirs, (ours, theirs, f32_copy)
 
 STEPS = 20
 
