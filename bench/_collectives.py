@@ -27,3 +27,8 @@ def ops(hlo: str) -> list[tuple[str, int, int]]:
     """``(kind, bytes per device per execution, executions)`` of every collective of a
     compiled module's text."""
     return [(c.kind, c.bytes, c.executions) for c in _counter().collectives(hlo)]
+
+
+def matmul_flops(hlo: str) -> float:
+    """FLOPs per device of one run in matrix products, each loop body once per trip."""
+    return _counter().matmul_flops(hlo)

@@ -19,8 +19,10 @@ MaxText 0.2.5 imports ``jax.experimental.xla_metadata.must_fuse_call`` (its flas
 jax 0.10.2 lacks it): a stub stands in, and MaxText runs ``attention=dot_product`` here, the
 same XLA attention nnxscale is told to compile (``--attention xla``; its default on a TPU is
 the splash kernel). Memory is the TPU compiler's
-``peak_memory_in_bytes``; FLOPs its ``cost_analysis()``; collectives counted op by op from
-the compiled program (``bench/_collectives.py``).
+``peak_memory_in_bytes``; FLOPs its ``cost_analysis()`` (which counts a loop body once) and
+the matrix products of the compiled program, each loop body once per trip
+(``matmul_flops``); collectives counted op by op from the compiled program
+(``bench/_collectives.py``).
 """
 
 from __future__ import annotations
@@ -131,6 +133,8 @@ def ratios(ours: str, theirs: str) -> None:
         out = {"case": name, "memory": x["memory_MB"] / y["memory_MB"]}
         if x.get("flops") and y.get("flops"):
             out["flops"] = x["flops"] / y["flops"]
+        if x.get("matmul_flops") and y.get("matmul_flops"):
+            out["matmul_flops"] = x["matmul_flops"] / y["matmul_flops"]
         cx, cy = sum(x["collectives_MB"].values()), sum(y["collectives_MB"].values())
         out["collectives"] = cx / cy if cy else None
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}))

@@ -60,9 +60,10 @@ def figures(compiled, params: int) -> dict:
     """Memory (the compiler's peak where it reports one), collectives op by op, FLOPs, for a
     model of ``params`` parameters."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _collectives import ops
+    from _collectives import matmul_flops, ops
 
-    found = ops(compiled.as_text())
+    text = compiled.as_text()
+    found = ops(text)
     kinds: dict[str, float] = {}
     for kind, nbytes, n in found:
         kinds[kind] = kinds.get(kind, 0) + nbytes * n
@@ -79,7 +80,8 @@ def figures(compiled, params: int) -> dict:
         "collectives_MB": {k: round(v / 1e6, 1) for k, v in sorted(kinds.items())},
         "largest_reductions": [f"{kind} {nbytes / 1e6:.1f} MB x {n}" for _, kind, nbytes, n in reductions[:3]],
         "params": params, "reduced_over_f32_gradient": round(reduced / (4 * params), 3),
-        "flops": (cost or {}).get("flops"),
+        "flops": (cost or {}).get("flops"),  # the compiler's cost_analysis (a loop body once)
+        "matmul_flops": matmul_flops(text),  # matrix products, each loop body once per trip
     }  # fmt: skip
 
 
