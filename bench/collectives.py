@@ -1,6 +1,6 @@
 """Collectives of nnxscale's training step as a real accelerator's compiler builds them.
 
-Compiles the step of one configuration (``planning.planner.compile_step``) deviceless for
+Compiles the step of one configuration (``planning.compiler.compile_step``) deviceless for
 XLA:CPU (8 simulated devices), one node of 8 NVIDIA H100s or a TPU v5e-8, with the
 targets of ``tests/data/hlo/make_fixtures.py``, and prints per device per step:
 
@@ -61,7 +61,7 @@ def main() -> None:
     jax.config.update("jax_platforms", "cpu")
     import nnxscale
     from nnxscale.planning import hlo
-    from nnxscale.planning.planner import compile_step
+    from nnxscale.planning.compiler import compile_step
 
     fx = _fixtures()
     flags = dict(model=args.model, mesh=args.mesh, batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,

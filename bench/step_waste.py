@@ -44,15 +44,12 @@ def compile_step(cfg, target: str):
     import jax
 
     import nnxscale
-    from nnxscale.training.state import setup
-    from nnxscale.training.step import make_train_step
+    from nnxscale.planning.compiler import compile_step as compile_for_plan
 
     jax.config.update("jax_platforms", "cpu")
     mesh = nnxscale.make_mesh(cfg.parallel.mesh, devices=target_devices(target))
     t0 = time.perf_counter()
-    s = setup(cfg, mesh)
-    with jax.set_mesh(s.mesh):
-        compiled = make_train_step(s).lower(s.abstract, s.abstract_batch).compile()
+    s, compiled = compile_for_plan(cfg, mesh)
     return s, compiled, time.perf_counter() - t0
 
 

@@ -61,7 +61,7 @@ STEPS = {
     "expert_a2a": dict(mesh={"expert": 8}, tokens=1024, width=256, hidden=512, dtype="float32"),
 }
 
-#: nnxscale's own training step, compiled with ``planning.planner.compile_step``.
+#: nnxscale's own training step, compiled with ``planning.compiler.compile_step``.
 NNXSCALE_STEPS = {
     "llama_fsdp": dict(model="llama-tiny", mesh="fsdp=8", batch_size=16, seq_len=128, dtype="bfloat16", remat="full",
                        grad_accum=2, min_shard_bytes=0),
@@ -346,7 +346,7 @@ def _nnxscale_step(devs, c):
     import jax
 
     import nnxscale
-    from nnxscale.planning.planner import compile_step
+    from nnxscale.planning.compiler import compile_step
 
     cfg = nnxscale.TrainConfig.from_flags(**c)
     mesh = nnxscale.make_mesh(c["mesh"], devices=list(devs)[:8])
