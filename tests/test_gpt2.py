@@ -2,6 +2,7 @@
 same logits on every mesh."""
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -307,7 +308,8 @@ def test_bfloat16_compute_is_close_to_float32(checkpoint, tokens):
     assert 0 < err < 0.03 * np.abs(logits).max(), err  # differs (bf16 really used), but only a little
 
 
-def _loss_and_grads(cfg, tokens):
+def _traced_loss_and_grads(cfg, tokens):
+    """The traced ``value_and_grad`` of the mean next-token loss, and the state to call it on."""
     graphdef, state = nnx.split(GPT2(cfg, rngs=nnx.Rngs(0)))
 
     def loss_fn(state):
@@ -315,28 +317,26 @@ def _loss_and_grads(cfg, tokens):
         logp = jax.nn.log_softmax(logits)
         return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
 
-    traced = jax.jit(jax.value_and_grad(loss_fn)).trace(state)
+    return jax.jit(jax.value_and_grad(loss_fn)).trace(state), state
+
+
+@functools.cache
+def _long_loss_and_grads(cfg):
+    """On full-context sequences (long enough that saved activations dominate temporary
+    memory): the loss, its gradients and the compiled program's temporary bytes. Keyed by the
+    config: a config that normalizes to another's is that one's program, compiled once."""
+    long_tokens = np.asarray(jax.random.randint(jax.random.key(2), (8, 128), 0, TINY.vocab_size), np.int32)
+    traced, state = _traced_loss_and_grads(cfg, long_tokens)
     compiled = traced.lower().compile()
-    return compiled(state), str(traced.jaxpr), compiled.memory_analysis().temp_size_in_bytes
-
-
-@pytest.fixture(scope="module")
-def long_tokens():
-    """Full-context sequences: long enough that saved activations dominate temporary memory."""
-    return np.asarray(jax.random.randint(jax.random.key(2), (8, 128), 0, TINY.vocab_size), np.int32)
-
-
-@pytest.fixture(scope="module")
-def no_remat(long_tokens):
-    return _loss_and_grads(dataclasses.replace(TINY, n_layer=4), long_tokens)
+    return compiled(state), compiled.memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize("policy, at_most", [("full", 0.5), ("dots", 0.8), (True, 0.5)])
-def test_remat_same_loss_and_gradients_less_memory(long_tokens, no_remat, policy, at_most):
-    (loss, grads), _, temp = no_remat
+def test_remat_same_loss_and_gradients_less_memory(policy, at_most):
+    (loss, grads), temp = _long_loss_and_grads(dataclasses.replace(TINY, n_layer=4))
     cfg = dataclasses.replace(TINY, n_layer=4, remat=policy)
     assert cfg.remat == ("full" if policy is True else policy)
-    (loss_r, grads_r), _, temp_r = _loss_and_grads(cfg, long_tokens)
+    (loss_r, grads_r), temp_r = _long_loss_and_grads(cfg)
     np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
     for g, g_r in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_r)):
         np.testing.assert_allclose(g_r, g, rtol=1e-5, atol=1e-7)
@@ -345,9 +345,9 @@ def test_remat_same_loss_and_gradients_less_memory(long_tokens, no_remat, policy
 
 
 def test_the_blocks_run_as_one_scan():
-    _, jaxpr, _ = _loss_and_grads(TINY, np.zeros((2, 9), np.int32))
+    jaxpr = str(_traced_loss_and_grads(TINY, np.zeros((2, 9), np.int32))[0].jaxpr)  # traced only: nothing compiled
     assert jaxpr.count("scan[") == 2  # one forward scan, one backward scan: not a Python loop of blocks
-    _, deeper, _ = _loss_and_grads(dataclasses.replace(TINY, n_layer=6), np.zeros((2, 9), np.int32))
+    deeper = str(_traced_loss_and_grads(dataclasses.replace(TINY, n_layer=6), np.zeros((2, 9), np.int32))[0].jaxpr)
     assert abs(len(deeper) - len(jaxpr)) < 200  # the traced program does not grow with depth
 
 
