@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import nnxscale
-from model_testing import randomize, rules_for, sharded_logits
+from model_testing import jit_logits, randomize, rules_for, sharded_logits
 from nnxscale.errors import ModelError
 from nnxscale.layers import moe
 from nnxscale.layers.moe import grouped_swiglu, route, route_stats
@@ -50,6 +50,18 @@ def test_impossible_routing_is_one_clear_error(overrides, words):
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
+def value_and_grads(f, *args):
+    """``f(*args)`` and the gradients of ``sum(f(*args) ** 2)`` for every argument, as one
+    compiled program (run eagerly, every operation would compile on its own)."""
+
+    def loss(*a):
+        y = f(*a)
+        return jnp.sum(y**2), y
+
+    (_, value), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
+    return value, grads
+
+
 def test_grouped_experts_equal_every_expert_run_densely():
     """Dropless: each token's output is the router-weighted sum of its k experts, exactly as
     running every expert on every token and keeping the chosen ones; gradients too."""
@@ -72,9 +84,9 @@ def test_grouped_experts_equal_every_expert_run_densely():
         return jnp.einsum("nkc,nk->nc", chosen, weights)
 
     grouped = lambda *a: grouped_swiglu(a[0], experts, weights, *a[1:])  # noqa: E731
-    np.testing.assert_allclose(grouped(x, w1, w3, w2), dense(x, w1, w3, w2), rtol=1e-5, atol=1e-5)
-    g_grouped = jax.grad(lambda *a: jnp.sum(grouped(*a) ** 2), argnums=(0, 1, 2, 3))(x, w1, w3, w2)
-    g_dense = jax.grad(lambda *a: jnp.sum(dense(*a) ** 2), argnums=(0, 1, 2, 3))(x, w1, w3, w2)
+    got, g_grouped = value_and_grads(grouped, x, w1, w3, w2)
+    want, g_dense = value_and_grads(dense, x, w1, w3, w2)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(g_grouped, g_dense):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
@@ -82,12 +94,11 @@ def test_grouped_experts_equal_every_expert_run_densely():
     # rows past the groups (the expert exchange's empty slots) left as zeros.
     sizes = jnp.asarray([7, 0, 12, 1, 9, 0, 3, 5], jnp.int32)  # 37 of 45 rows
     rows = jnp.asarray(rng.normal(size=(45, C)), jnp.float32)
-    by_tiles = lambda *a: moe._run_groups(rows, sizes, *a)  # noqa: E731
+    by_groups = lambda *a: moe._run_groups(rows, sizes, *a)  # noqa: E731
     with pytest.MonkeyPatch.context() as m:
         m.setattr(moe, "_native_grouped_matmul", lambda: True)
-        by_ragged = lambda *a: moe._run_groups(rows, sizes, *a)  # noqa: E731
-        want, want_grads = by_ragged(w1, w3, w2), jax.grad(lambda *a: jnp.sum(by_ragged(*a) ** 2), argnums=(0, 1, 2))(w1, w3, w2)
-    got, got_grads = by_tiles(w1, w3, w2), jax.grad(lambda *a: jnp.sum(by_tiles(*a) ** 2), argnums=(0, 1, 2))(w1, w3, w2)
+        want, want_grads = value_and_grads(by_groups, w1, w3, w2)  # traced here: by ragged_dot
+    got, got_grads = value_and_grads(by_groups, w1, w3, w2)  # by the tiles
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert not np.asarray(got[37:]).any() and np.asarray(got[:37]).all()
     for a, b in zip(got_grads, want_grads):
@@ -117,7 +128,7 @@ def test_hugging_face_weights_in_and_out_on_an_expert_mesh(tmp_path):
     w1 = back.layers.block_sparse_moe.w1[...]
     assert w1.shape == (2, 8, 64, 128) and w1.sharding.shard_shape(w1.shape) == (2, 2, 64, 64)
     tokens = jnp.asarray(np.arange(64).reshape(2, 32) % 256)
-    np.testing.assert_allclose(np.asarray(back(tokens)), np.asarray(model(tokens)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jit_logits(back, tokens), jit_logits(model, tokens), rtol=1e-5, atol=1e-5)
 
 
 HF_FIXTURE = Path(__file__).parent / "data" / "hf_mixtral"
@@ -132,7 +143,7 @@ def test_logits_match_a_checkpoint_written_by_hugging_face(spec, tmp_path):
     tokens = np.load(HF_FIXTURE / "tokens.npy")
     want = np.load(HF_FIXTURE / "model" / "hf_logits.npy")
     if spec is None:
-        got = np.asarray(mixtral.from_pretrained(HF_FIXTURE / "model")(jnp.asarray(tokens)))
+        got = jit_logits(mixtral.from_pretrained(HF_FIXTURE / "model"), jnp.asarray(tokens))
     else:
         mesh = nnxscale.make_mesh(spec)
         model = mixtral.from_pretrained(HF_FIXTURE / "model", mesh=mesh, rules=rules_for(mesh))
@@ -218,9 +229,9 @@ def test_a_capacity_keeps_each_experts_first_assignments_of_a_sequence():
         return jnp.einsum("nkc,nk->nc", jnp.take_along_axis(every, experts[:, :, None], axis=1), w_kept)
 
     grouped = lambda *a: grouped_swiglu(a[0], experts, w_kept, *a[1:], kept=jnp.asarray(kept))  # noqa: E731
-    np.testing.assert_allclose(grouped(x, w1, w3, w2), dense(x, w1, w3, w2), rtol=1e-5, atol=1e-5)
-    grads = [jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2, 3))(x, w1, w3, w2) for f in (grouped, dense)]
-    for a, b in zip(*grads):
+    (got, got_grads), (want, want_grads) = (value_and_grads(f, x, w1, w3, w2) for f in (grouped, dense))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_grads, want_grads):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
