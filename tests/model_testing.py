@@ -69,12 +69,22 @@ def greedy_by_hand(model, ids: list[int], n: int, window: int) -> list[int]:
     """``n`` greedy tokens after ``ids``, the slow obvious way: the sequence so far through
     the whole model in one window of ``window`` tokens (causal, so the padding after it does
     not matter; one shape, so one compiled forward), argmax at its last position."""
-    ids = list(ids)
+    return greedy_rows_by_hand(model, [ids], n, window)[0]
+
+
+def greedy_rows_by_hand(model, prompts: list[list[int]], n: int, window: int, rows: int = 1) -> list[list[int]]:
+    """:func:`greedy_by_hand` of several prompts at once: they share each forward pass, in a
+    batch of at least ``rows`` rows (callers that pass the same ``rows`` share one compiled
+    forward; a row never sees another)."""
+    seqs = [list(p) for p in prompts]
     for _ in range(n):
-        padded = np.zeros((1, window), np.int32)
-        padded[0, : len(ids)] = ids
-        ids.append(int(np.argmax(jit_logits(model, jnp.asarray(padded))[0, len(ids) - 1])))
-    return ids[-n:]
+        padded = np.zeros((max(len(seqs), rows), window), np.int32)
+        for i, ids in enumerate(seqs):
+            padded[i, : len(ids)] = ids
+        logits = jit_logits(model, jnp.asarray(padded))
+        for i, ids in enumerate(seqs):
+            ids.append(int(np.argmax(logits[i, len(ids) - 1])))
+    return [ids[-n:] for ids in seqs]
 
 
 def rules_for(mesh):

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import nnxscale
-from model_testing import greedy_by_hand, jit_logits, randomize, rules_for
+from model_testing import greedy_rows_by_hand, jit_logits, randomize, rules_for
 from nnxscale.errors import ConfigError
 from nnxscale.models import gpt2, llama
 from nnxscale.models.common.generate import ROUND_TO, Generator, Sampling, _round_program, _round_up, generate
@@ -25,12 +25,17 @@ def _factory(name):
     return lambda: randomize(cls(presets[name], rngs=nnx.Rngs(0)))
 
 
+def by_hand(model, prompts, n):
+    """Greedy decoding by hand (model_testing), every call in a batch of len(PROMPTS) rows: one
+    compiled forward per model."""
+    return greedy_rows_by_hand(model, prompts, n, CONTEXT, rows=len(PROMPTS))
+
+
 @pytest.fixture(scope="module", params=sorted(BUILD))
 def tiny(request):
     """``(name, model on one device, greedy references of PROMPTS by hand, 24 tokens each)``."""
     model = _factory(request.param)()
-    refs = [greedy_by_hand(model, p, 24, CONTEXT) for p in PROMPTS]
-    return request.param, model, refs
+    return request.param, model, by_hand(model, PROMPTS, 24)
 
 
 def test_greedy_with_the_cache_is_greedy_decoding_by_hand(tiny):
@@ -67,12 +72,10 @@ def test_recomputation_gives_the_same_tokens_past_the_context_and_when_sampling(
         cached = generate(model, long_prompt, max_new_tokens=n, context=CONTEXT, sampling=sampling)
         again = generate(model, long_prompt, max_new_tokens=n, context=CONTEXT, sampling=sampling, cache=False)
         assert cached == again and [len(r) for r in cached] == [n, n]
+        if sampling is GREEDY:
+            greedy = cached
     # within the context, the greedy text is the one by hand: 100 + 28 tokens fill it, and the 29th comes from its end
-    assert cached_greedy_head(model, long_prompt[0]) == greedy_by_hand(model, long_prompt[0], 29, CONTEXT)
-
-
-def cached_greedy_head(model, prompt):
-    return generate(model, [prompt], max_new_tokens=60, context=CONTEXT, sampling=GREEDY)[0][:29]
+    assert greedy[0][:29] == by_hand(model, long_prompt[:1], 29)[0]
 
 
 def test_each_row_stops_at_the_end_of_text_token(tiny):
@@ -107,7 +110,7 @@ def test_sampling_controls(tiny):
     drawn = draw(temperature=2.0, top_k=k, seed=5)[1]
     seq = list(PROMPTS[1])
     for token in drawn:
-        padded = np.zeros((1, CONTEXT), np.int32)
+        padded = np.zeros((len(PROMPTS), CONTEXT), np.int32)  # by_hand's batch: its compiled forward
         padded[0, : len(seq)] = seq
         logits = np.asarray(jit_logits(model, padded))[0, len(seq) - 1]
         assert token in np.argsort(logits)[-k:]
