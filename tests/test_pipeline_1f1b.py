@@ -2,12 +2,17 @@
 memory that does not grow with the microbatches.
 
 Exactness: the real train step, pipelined with 1F1B on several meshes and remat policies
-(with a document mask and a context axis, interleaved, and a mixture of experts beside an
-``expert`` axis), against the same step on ``data=8`` from the same parameters: losses,
-gradient norms, router losses and expert load, and updated parameters to float tolerance; and a
-training run of 20 steps that moves its checkpoint to ``data=8`` and GPipe. Memory: the
-compiled step's temporaries per device at 4x the microbatches (same microbatch size) do not
-grow with 1F1B and do with GPipe. Then bad input, one line each.
+(with a document mask, gradient accumulation and a context axis, interleaved, and a mixture
+of experts beside an ``expert`` axis), against the same step on ``data=8`` from the same
+parameters: losses, gradient norms, router losses and expert load, and updated parameters
+to float tolerance; and a training run of 20 steps that moves its checkpoint to ``data=8``
+and GPipe. Memory: the compiled step's temporaries per device at 4x the microbatches (same
+microbatch size) do not grow with 1F1B and do with GPipe. Then bad input, one line each,
+the plan, and the pipelines ``plan --sweep`` proposes.
+
+CPU: every program here compiles once (``compiled_step``), and is both run and measured
+where a test needs both; one step from the same parameters shows what several would (the
+20-step test shows the steps that follow).
 """
 
 import functools
@@ -92,7 +97,7 @@ def run_step(*args, **kwargs):
     cfg = s.cfg
     x = tokens(cfg.data.batch_size, cfg.data.seq_len, cfg.data.document_mask)
     batch = {k: jax.device_put(v, s.batch_sharding) for k, v in (("inputs", x[:, :-1]), ("targets", x[:, 1:]))}
-    state = init_state(s, jax.tree.map(jnp.asarray, initial_params(cfg.model.name)))
+    state = init_state(s, jax.device_put(initial_params(cfg.model.name), s.state_shardings["params"]))
     with jax.set_mesh(s.mesh):
         state, m = step(state, batch)
     metrics = {k: np.asarray(m[k], np.float64) for k in ("loss", "grad_norm", "skipped", *ROUTER) if k in m}
@@ -284,8 +289,10 @@ def test_the_sweep_tries_each_schedule_and_microbatch_count():
                 want = [m for m in (stages, 2 * stages, 4 * stages, 8 * stages) if rows % m == 0]
                 assert [m for g, s, m in got if (g, s) == (mesh, schedule)] == want, (mesh, got)
     assert not any(g.startswith("stage=8") for g, _, _ in got)  # 8 stages do not divide 4 layers
-    assert meshes.pipeline_candidates(8, 4, 16, grad_accum=4) == [  # 4 rows a step: 1 per shard on 4 shards
-        (g, s, m) for g, s, m in got if g.startswith("stage=4") and m == 4]  # fmt: skip
+    # --grad-accum 2: 8 rows a step, 2 per shard on 4 shards, 4 on 2: one microbatch per stage
+    assert meshes.pipeline_candidates(8, 4, 16, grad_accum=2) == [
+        (g, s, m) for g, s, m in got if m == (2 if g.startswith("stage=2") else 4)]  # fmt: skip
+    assert meshes.pipeline_candidates(8, 4, 16, grad_accum=4) == []  # 1 row per shard: fewer than the stages
 
     def proxy(flops, schedule, m, remat="full", stages=4, repeats=1):
         return meshes.pipeline_proxy_seconds(flops, {"schedule": schedule, "stages": stages, "repeats": repeats,
