@@ -174,7 +174,7 @@ def test_a_1f1b_run_of_20_steps_logs_data_parallel_losses_and_resumes_with_gpipe
     Batch 8 x 32 in 2 microbatches of one row per data shard (the exactness tests above
     cover more microbatches): the steps' CPU time is most of this test's."""
     ref, run = tmp_path / "ref", tmp_path / "run"
-    # lr 1e-3: at the suite's 3e-3 the run's loss spikes (gradient norm 92 at step 15 with a
+    # lr 1e-3: at the suite's 3e-3 the run's loss spikes (gradient norm 92 at step 16 with a
     # batch of 16), which amplifies last-bit differences of the steps before it: from the
     # spike on, fsdp=8 (no pipeline) differs from data=8 by 5.6e-5 in the loss, GPipe by
     # 1.3e-5 and 1F1B by 7.8e-6 (python bench/pipeline_spike.py, docs/pipelines.md): the run's
