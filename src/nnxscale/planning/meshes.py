@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -63,10 +64,11 @@ def sweep(
     from nnxscale.training.model import run_model
 
     if cfg.parallel.microbatches is not None:
-        raise ConfigError("--sweep plans meshes without a stage axis: plan a pipeline without --sweep (drop --microbatches)")
+        raise ConfigError("--sweep chooses the microbatches of the pipelines it plans: drop --microbatches")
     model = run_model(cfg, separator=plan_separator(cfg))
     dims, experts = model.dims, getattr(model.config, "num_local_experts", 0) if model.routed else 0
-    plans, skipped = [], {}
+    plans, skipped = pipeline_plans(cfg, devices, dims.layers, remats=remats, device_memory=device_memory,
+                                    compile=compile, max_compile_devices=max_compile_devices, target=target)  # fmt: skip
     candidates = candidate_meshes(devices, math.gcd(dims.heads, dims.kv_heads), cfg.data.seq_len, experts)
     if target is not None:
         candidates = for_target(candidates, target)
@@ -118,5 +120,169 @@ def sweep_table(plans: list[StepPlan], skipped: Optional[dict[str, str]] = None)
         )
     for mesh, reason in (skipped or {}).items():
         lines.append(f"not planned: {mesh}: {reason}")
+    lines += pipeline_lines(plans)
     return "\n".join(lines)
+
+
+# --- Pipelines in the sweep: stage meshes x schedule (gpipe, 1f1b) x microbatch count ---
+
+#: Pipeline stage counts a sweep tries (each must divide the devices and the layers).
+SWEEP_STAGES = (2, 4, 8)
+#: Microbatch counts a sweep tries per stage count ``S``: ``S``, ``2S``, ``4S``, ``8S`` (those
+#: that divide each batch shard's rows). Fewer than ``S`` is mostly bubble.
+SWEEP_MICROBATCHES_PER_STAGE = (1, 2, 4, 8)
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def pipeline_candidates(n: int, layers: int, batch_size: int, grad_accum: int = 1) -> list[tuple[str, str, int]]:
+    """``(mesh, schedule, microbatches)`` worth comparing on ``n`` devices: a ``stage`` axis of
+    :data:`SWEEP_STAGES` that divides ``n`` and ``layers`` (below ``n``: the rest of the devices
+    split the batch, as ``data`` or ``fsdp``), each schedule, and the microbatch counts of
+    :data:`SWEEP_MICROBATCHES_PER_STAGE` that divide a batch shard's rows (of one
+    accumulation step)."""
+    out = []
+    for stages in SWEEP_STAGES:
+        if n % stages or layers % stages or stages > n:
+            continue
+        rest = n // stages
+        meshes = [f"stage={stages}"] if rest == 1 else [f"stage={stages},data={rest}", f"stage={stages},fsdp={rest}"]
+        rows = batch_size // grad_accum // rest if batch_size % (grad_accum * rest) == 0 else 0
+        counts = [stages * k for k in SWEEP_MICROBATCHES_PER_STAGE if rows and rows % (stages * k) == 0]
+        out += [(mesh, schedule, m) for mesh in meshes for schedule in SCHEDULES for m in counts]
+    return out
+
+
+#: The proxy's figures (:func:`pipeline_proxy_seconds`): a device's sustained FLOP/s, and the
+#: fixed cost of one pipeline iteration (the stage's kernels launched, the permute's latency).
+PROXY_FLOPS_PER_SECOND = 1e14
+PROXY_SECONDS_PER_ITERATION = 50e-6
+
+
+def pipeline_proxy_seconds(flops: float, pipeline: dict, remat: str) -> float:
+    """A transparent stand-in for a pipelined step's time, until a step-time model ranks the
+    sweep: the step's compute (``flops`` per device at :data:`PROXY_FLOPS_PER_SECOND`) times
+    ``(R M + S - 1) / (R M)`` (the bubble), 1F1B without remat one forward more per
+    microbatch (its backward recomputes the stage from its input: 4/3 of the compute), plus
+    :data:`PROXY_SECONDS_PER_ITERATION` per iteration (``R M + S - 1`` of them): more
+    microbatches shrink the bubble and add iterations. ``pipeline``: a plan's figures
+    (:func:`nnxscale.planning.estimate.pipeline_figures`)."""
+    work = pipeline["repeats"] * pipeline["microbatches"]
+    iterations = work + pipeline["stages"] - 1
+    compute = flops / PROXY_FLOPS_PER_SECOND
+    if pipeline["schedule"] == "1f1b" and remat == "none":
+        compute *= 4 / 3
+    return compute * iterations / work + iterations * PROXY_SECONDS_PER_ITERATION
+
+
+def _step_flops(p: StepPlan) -> float:
+    """FLOPs per device of a plan's step: compiled where it was, else the formula's."""
+    return next((f for f in (p.flops, p.flops_recompute, p.flops_expected) if f), 0.0)
+
+
+def pipeline_plans(
+    cfg: TrainConfig,
+    devices: int,
+    layers: int,
+    *,
+    remats,
+    device_memory=None,
+    compile="never",
+    max_compile_devices=MAX_COMPILE_DEVICES,
+    target=None,
+) -> tuple[list[StepPlan], dict[str, str]]:
+    """The sweep's pipelines: for each candidate stage mesh, schedule and remat policy, the
+    plan at the microbatch count (:func:`pipeline_candidates`) with the least
+    :func:`pipeline_proxy_seconds` among those that fit ``device_memory`` (all of them when
+    it is not known or none fits); its figures gain ``proxy_seconds``. Also the candidates
+    that cannot run: ``{mesh: the reason}``."""
+    best: dict[tuple, StepPlan] = {}
+    skipped: dict[str, str] = {}
+    candidates = pipeline_candidates(devices, layers, cfg.data.batch_size, cfg.optim.grad_accum)
+    for mesh, schedule, m in candidates:
+        if target is not None:  # laid out for the target's nodes or slices, or dropped
+            laid = for_target([mesh], target)
+            if not laid:
+                continue
+            mesh = laid[0]
+        for remat in remats:
+            c = with_overrides(cfg, {"parallel.mesh": mesh, "model.remat": remat, "parallel.microbatches": m,
+                                     "parallel.pipeline_schedule": schedule})  # fmt: skip
+            try:
+                p = plan(c, device_memory=device_memory, compile=compile, max_compile_devices=max_compile_devices,
+                         target=target)  # fmt: skip
+            except ConfigError as e:
+                skipped.setdefault(f"{mesh} ({schedule})", str(e))
+                break
+            if p.source == "estimate":
+                p = scheduled_estimate(c, p)
+            p.pipeline["proxy_seconds"] = pipeline_proxy_seconds(_step_flops(p), p.pipeline, remat)
+            key = (mesh, schedule, remat)
+            if key not in best or _better(p, best[key]):
+                best[key] = p
+    return list(best.values()), skipped
+
+
+def scheduled_estimate(cfg: TrainConfig, p: StepPlan) -> StepPlan:
+    """An estimated pipelined plan with the activations its schedule keeps in place of the
+    unpipelined estimate's (which every layer of the device's whole batch keeps: the
+    estimate is fitted without pipelines). ``K`` the bytes the estimate keeps for the
+    backward pass under the remat policy: GPipe keeps its stage's ``L/S`` layers of every
+    microbatch and bubble iteration, ``K (R M + S - 1) / (S R M)``; 1F1B a ring of ``2SR-1``
+    work items, each one group's ``L/(S R)`` layers of one microbatch (``K (2SR-1) / (S R
+    M)``) or, without remat, each one stage input (``held_bytes``) and one item's layers
+    while it is differentiated (``K / (S R M)``). Not calibrated against compiled pipelines:
+    ``--compile auto`` gives the compiler's figures."""
+    from nnxscale.planning.estimate import COEFFICIENTS, SAVED_FEATURES, features
+
+    f = features(cfg, p.layout)
+    kept = sum(COEFFICIENTS.get(cfg.model.remat, {}).get(k, 0.0) * f[k] for k in SAVED_FEATURES)
+    pipe = p.pipeline
+    S, R, M = pipe["stages"], pipe["repeats"], pipe["microbatches"]
+    if pipe["schedule"] != "1f1b":
+        scheduled = kept * (R * M + S - 1) / (S * R * M)
+    elif cfg.model.remat == "none":
+        scheduled = kept / (S * R * M) + pipe["held_bytes"]
+    else:
+        scheduled = kept * pipe["in_flight"] / (S * R * M)
+    change = int(scheduled - kept)
+    note = (f"pipeline: the estimate keeps the {pipe['schedule']} schedule's activations "
+            f"({format_bytes(int(scheduled))} per device instead of the unpipelined {format_bytes(int(kept))})")  # fmt: skip
+    return dataclasses.replace(p, temp_bytes=max(p.temp_bytes + change, 0), peak_bytes=max(p.peak_bytes + change, 0),
+                               notes=[*p.notes, note], pipeline=dict(pipe))  # fmt: skip
+
+
+def _better(a: StepPlan, b: StepPlan) -> bool:
+    """Whether plan ``a`` beats ``b`` (same mesh, schedule and remat): one that fits before one
+    that does not, then the lesser proxy time, then the lesser peak."""
+    rank = lambda p: (p.fits is False, p.pipeline["proxy_seconds"], p.peak_bytes)  # noqa: E731
+    return rank(a) < rank(b)
+
+
+def proposed_pipeline(plans: list[StepPlan]) -> Optional[StepPlan]:
+    """Of a sweep's pipelined plans, the one to propose: the least proxy time among those
+    that fit (any, when memory is not known; the lesser peak between equal times); ``None``
+    without a fitting pipeline."""
+    fitting = [p for p in plans if p.pipeline is not None and "proxy_seconds" in p.pipeline and p.fits is not False]
+    return min(fitting, key=lambda p: (p.pipeline["proxy_seconds"], p.peak_bytes), default=None)
+
+
+def pipeline_lines(plans: list[StepPlan]) -> list[str]:
+    """The sweep table's pipelines: per plan its schedule, microbatches, bubble, work items
+    held per stage, peak, whether it fits and proxy time, least first; the proposed one marked."""
+    piped = sorted((p for p in plans if p.pipeline is not None and "proxy_seconds" in p.pipeline),
+                   key=lambda p: p.pipeline["proxy_seconds"])  # fmt: skip
+    if not piped:
+        return []
+    chosen = proposed_pipeline(plans)
+    lines = ["", "pipelines (microbatches chosen by a proxy time: compute x (R*M+S-1)/(R*M) + a cost per iteration):"]
+    for p in piped:
+        f = p.pipeline
+        held = f"{f['in_flight']} items held" if f["schedule"] == "1f1b" else "every microbatch held"
+        lines.append(
+            f"  {format_mesh(p.mesh):<22}{p.remat:<7}{f['schedule']:<6} M={f['microbatches']:<4} bubble {f['bubble']:6.1%}"
+            f"  {held:<22} peak {format_bytes(p.peak_bytes):>10} fits {'-' if p.fits is None else 'yes' if p.fits else 'no':<3}"
+            f"  proxy {f['proxy_seconds'] * 1e3:9.3f} ms"
+            + ("  <- proposed" if p is chosen else "")
+        )
+    return lines
 
