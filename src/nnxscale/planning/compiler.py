@@ -152,6 +152,7 @@ def _compile_recorded(cfg: TrainConfig, mesh, s=None) -> dict[str, Any]:
         _, compiled = compile_step(cfg, mesh, s)
     out = measure(compiled, mesh_platform(mesh))
     out["platform"] = mesh_platform(mesh)
+    out["hlo_text"] = compiled.as_text()  # the scheduled program, for the step-time prediction (steptime.predict)
     out["compile_seconds"] = time.perf_counter() - t
     out["activations"] = [
         {"names": [str(n) for n in r.names], "shape": list(r.shape), "spec": str(r.layout.spec), "dropped": [str(d) for d in r.layout.dropped],

@@ -1,0 +1,133 @@
+"""One chip's figures for the step-time prediction (:mod:`nnxscale.planning.steptime`), for
+every chip a target names (:mod:`nnxscale.planning.targets`): peak FLOP/s per compute dtype,
+HBM bandwidth, the links a collective can cross, and the few efficiency constants, each with
+the public source it comes from. HBM bandwidths and memory are the targets' own data
+(:data:`~nnxscale.planning.targets.GPU_CHIPS`); nothing here is fitted to a training run.
+
+Efficiency constants (the only fitted numbers, each to a published microbenchmark):
+
+- ``matmul_efficiency``: a large bfloat16 GEMM's achieved FLOP/s over the dense peak;
+- ``memory_efficiency``: a streaming kernel's achieved bandwidth over the HBM's;
+- link ``efficiency``: a large collective's bus bandwidth (nccl-tests ``busbw``) over the
+  link's published bandwidth; link ``latency``: a small collective's time;
+- ``op_overhead``: seconds each launched op costs beyond its work (a GPU kernel launch).
+"""
+
+from __future__ import annotations
+
+from nnxscale.planning.steptime import Hardware, Link
+from nnxscale.planning.targets import GPU_CHIPS
+from nnxscale.sharding.devices import PEAK_FLOPS
+
+# ---------------------------------------------------------------------------------------
+# NVIDIA (SXM boards in HGX/DGX nodes of 8, NVSwitch inside a node, one NIC per GPU across)
+# ---------------------------------------------------------------------------------------
+
+#: H100 SXM5 bf16 GEMM: 8192^3 and larger reach about 750 TFLOP/s of 989 dense in cuBLAS.
+GPU_MATMUL_EFFICIENCY = 0.75
+#: H100 SXM5 HBM3: a streaming copy reaches about 90% of the published bandwidth.
+GPU_MEMORY_EFFICIENCY = 0.90
+#: A kernel launched by XLA:GPU (inside a CUDA graph, its default for fusions and GEMMs).
+GPU_OP_OVERHEAD = 2e-6
+
+_GPU_SOURCES = {
+    "matmul_efficiency": "H100 SXM5 cuBLAS bf16 GEMM at large sizes, ~750 TFLOP/s of 989 dense (NVIDIA cuBLAS 12 blog, "
+                         "'New cuBLAS 12.0 Features and Matrix Multiplication Performance on NVIDIA Hopper GPUs')",
+    "memory_efficiency": "streaming bandwidth measured on H100 SXM5, ~3.0 of 3.35 TB/s",
+    "op_overhead": "XLA:GPU runs fusions and GEMMs as CUDA graph nodes; a launch costs ~2 us",
+}
+
+#: NVLink inside a node: nccl-tests all_gather/reduce_scatter bus bandwidth on 8 x H100 SXM5
+#: (NVSwitch) ~360 GB/s of the 450 GB/s each GPU sends (900 GB/s bidirectional).
+NVLINK_EFFICIENCY = 0.80
+NVLINK_LATENCY = 10e-6
+#: InfiniBand across nodes, one NIC per GPU: nccl-tests bus bandwidth ~90% of the line rate.
+NETWORK_EFFICIENCY = 0.90
+NETWORK_LATENCY = 20e-6
+
+
+def _nvidia(key: str, peaks: dict, nvlink: float, nic: float, sources: dict) -> Hardware:
+    chip = GPU_CHIPS[key]
+    return Hardware(
+        name=chip["name"],
+        peak_flops=peaks,
+        hbm_bandwidth=chip["memory_bandwidth"],
+        links={
+            "nvlink": Link("nvlink", nvlink, NVLINK_LATENCY, NVLINK_EFFICIENCY,
+                           {"bandwidth": sources["nvlink"], "efficiency": "nccl-tests on DGX H100"}),
+            "network": Link("network", nic, NETWORK_LATENCY, NETWORK_EFFICIENCY,
+                            {"bandwidth": sources["network"], "efficiency": "nccl-tests across DGX nodes"}),
+        },
+        matmul_efficiency=GPU_MATMUL_EFFICIENCY,
+        memory_efficiency=GPU_MEMORY_EFFICIENCY,
+        op_overhead=GPU_OP_OVERHEAD,
+        sources={**_GPU_SOURCES, "hbm_bandwidth": "targets.GPU_CHIPS", **sources},
+    )  # fmt: skip
+
+
+_H100_PEAKS = {"bfloat16": PEAK_FLOPS["H100"], "float16": PEAK_FLOPS["H100"], "float32": 494.7e12, "float8_e4m3fn": 1978.9e12, "int8": 1978.9e12}
+_HOPPER = {
+    "peak_flops": "NVIDIA H100 Tensor Core GPU datasheet, SXM: BF16/FP16 1,979 TFLOPS and FP8 3,958 with sparsity (dense: "
+                  "half); TF32 989 with sparsity (494.7 dense; XLA runs float32 matmuls as TF32 by default)",
+    "nvlink": "NVLink 4: 900 GB/s per GPU, bidirectional (H100/H200 datasheets): 450 GB/s each way",
+    "network": "DGX H100/H200: 8 x ConnectX-7 400 Gb/s, one per GPU: 50 GB/s each way",
+}
+
+CHIPS: dict[str, Hardware] = {
+    "h100": _nvidia("h100", _H100_PEAKS, 450e9, 50e9, _HOPPER),
+    "h200": _nvidia("h200", _H100_PEAKS, 450e9, 50e9, {**_HOPPER, "peak_flops": "NVIDIA H200 datasheet: the H100 SXM's Tensor Core figures"}),
+    "a100": _nvidia("a100", {"bfloat16": PEAK_FLOPS["A100"], "float16": PEAK_FLOPS["A100"], "float32": 156e12, "int8": 624e12}, 300e9, 25e9, {
+        "peak_flops": "NVIDIA A100 datasheet: BF16 312 TFLOPS, TF32 156, INT8 624 (dense)",
+        "nvlink": "NVLink 3: 600 GB/s per GPU bidirectional (A100 datasheet): 300 GB/s each way",
+        "network": "DGX A100: 8 x ConnectX-6 200 Gb/s, one per GPU: 25 GB/s each way",
+    }),
+    "b200": _nvidia("b200", {"bfloat16": PEAK_FLOPS["B200"], "float16": PEAK_FLOPS["B200"], "float32": 1100e12, "float8_e4m3fn": 4500e12}, 900e9, 50e9, {
+        "peak_flops": "NVIDIA DGX B200 / HGX B200 datasheets: FP8 4.5 PFLOPS, BF16 2.25, TF32 1.1 per GPU dense (half the "
+                      "sparse figures)",
+        "nvlink": "NVLink 5: 1.8 TB/s per GPU bidirectional: 900 GB/s each way",
+        "network": "DGX B200: 8 x ConnectX-7 400 Gb/s, one per GPU: 50 GB/s each way",
+    }),
+}  # fmt: skip
+
+# ---------------------------------------------------------------------------------------
+# Cloud TPU (ICI torus inside a slice, DCN between slices)
+# ---------------------------------------------------------------------------------------
+
+#: A large bf16 matmul on a TPU's MXUs: the scaling book's rule of thumb.
+TPU_MATMUL_EFFICIENCY = 0.85
+TPU_MEMORY_EFFICIENCY = 0.90
+#: No launch per op: a TPU program is one executable sequenced on the chip.
+TPU_OP_OVERHEAD = 0.0
+ICI_EFFICIENCY = 0.85
+ICI_LATENCY = 5e-6
+DCN_EFFICIENCY = 0.80
+DCN_LATENCY = 50e-6
+
+_SCALING_BOOK = "How to Scale Your Model (the JAX scaling book), part 2 'All About TPUs', its table of TPU specifications"
+
+
+def _tpu(name: str, bf16: float, int8: float, hbm: float, ici_link: float, dcn_per_chip: float) -> Hardware:
+    return Hardware(
+        name=f"TPU {name}",
+        peak_flops={"bfloat16": bf16, "float32": bf16, "int8": int8},
+        hbm_bandwidth=hbm,
+        links={
+            "ici": Link("ici", 2 * ici_link, ICI_LATENCY, ICI_EFFICIENCY,
+                        {"bandwidth": f"{_SCALING_BOOK}: {ici_link / 1e9:.0f} GB/s one way per ICI link; a ring along a "
+                                      "torus dimension uses both directions"}),
+            "dcn": Link("dcn", dcn_per_chip, DCN_LATENCY, DCN_EFFICIENCY,
+                        {"bandwidth": f"{_SCALING_BOOK}: DCN {dcn_per_chip / 1e9:.2f} GB/s per chip"}),
+        },
+        matmul_efficiency=TPU_MATMUL_EFFICIENCY,
+        memory_efficiency=TPU_MEMORY_EFFICIENCY,
+        op_overhead=TPU_OP_OVERHEAD,
+        sources={"peak_flops, hbm_bandwidth": _SCALING_BOOK, "float32": "XLA:TPU runs float32 matmuls at DEFAULT precision as bf16 passes"},
+    )  # fmt: skip
+
+
+CHIPS.update({
+    "v4": _tpu("v4", PEAK_FLOPS["TPU v4"], 275e12, 1.2e12, 45e9, 6.25e9),
+    "v5p": _tpu("v5p", PEAK_FLOPS["TPU v5p"], 918e12, 2.8e12, 90e9, 6.25e9),
+    "v5e": _tpu("v5e", PEAK_FLOPS["TPU v5"], 394e12, 8.1e11, 45e9, 6.25e9),
+    "v6e": _tpu("v6e", PEAK_FLOPS["TPU v6"], 1836e12, 1.6e12, 90e9, 12.5e9),
+})  # fmt: skip
