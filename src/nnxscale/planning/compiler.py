@@ -220,7 +220,7 @@ def _compile_on_target(cfg: TrainConfig, name: str) -> dict[str, Any]:
     mesh = targets.device_mesh(sizes, target, target.devices())
     t = time.perf_counter()
     try:
-        return _compile_recorded(cfg, mesh)
+        return {**_compile_recorded(cfg, mesh), "placement": targets.placement(mesh, target)}
     except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses a program larger than the chip
         if not str(e).startswith("RESOURCE_EXHAUSTED"):
             raise

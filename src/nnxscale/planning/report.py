@@ -385,7 +385,7 @@ def plan(
                         source=compiled["source"], compile_seconds=compiled["compile_seconds"], notes=placement + calibration,
                         refused=compiled["refused"])  # fmt: skip
     notes = placement + list(calibration) + compiled_notes(cfg, lay, compiled)
-    hlo_text = compiled.pop("hlo_text", None)
+    hlo_text, where = compiled.pop("hlo_text", None), compiled.pop("placement", None)
     return StepPlan(
         **common,
         temp_bytes=compiled["temp_bytes"],
@@ -400,14 +400,15 @@ def plan(
         notes=notes,
         pipeline=pipeline_figures(cfg, lay, compiled["collective_bytes"]),
         context=context_figures(cfg, lay, compiled["collective_bytes"]),
-        step_time=predict_step(cfg, lay, sizes, target, hlo_text),
+        step_time=predict_step(cfg, lay, sizes, target, hlo_text, where),
     )
 
 
-def predict_step(cfg: TrainConfig, lay: dict, sizes: dict, target, hlo_text: Optional[str]):
-    """The step time of the compiled program on the target's chips (:func:`nnxscale.planning.steptime.predict`),
-    or on this machine's XLA:CPU where its figures are registered (``register_hardware("cpu", ...)``);
-    ``None`` without a program or figures."""
+def predict_step(cfg: TrainConfig, lay: dict, sizes: dict, target, hlo_text: Optional[str], where: Optional[dict] = None):
+    """The step time of the compiled program on the target's chips (:func:`nnxscale.planning.steptime.predict`;
+    ``where``: the child compile's :func:`~nnxscale.planning.targets.placement` of the devices), or on this
+    machine's XLA:CPU where its figures are registered (``register_hardware("cpu", ...)``); ``None``
+    without a program or figures."""
     from nnxscale.planning import steptime
 
     if not hlo_text:
@@ -420,8 +421,9 @@ def predict_step(cfg: TrainConfig, lay: dict, sizes: dict, target, hlo_text: Opt
     tokens = cfg.data.batch_size * cfg.data.seq_len
     model_flops = lay["setup"].flops_per_token() * tokens
     links = steptime.axis_links_for(sizes, target) if target is not None else None
-    return steptime.predict(hlo_text, hw, axis_links=links, mesh=sizes, n_devices=n, tokens_per_step=tokens,
-                            model_flops_per_step=model_flops, compute_dtype=cfg.model.dtype)  # fmt: skip
+    placement = None if where is None else steptime.Placement.from_json(where)
+    return steptime.predict(hlo_text, hw, axis_links=links, mesh=sizes, placement=placement, n_devices=n,
+                            tokens_per_step=tokens, model_flops_per_step=model_flops, compute_dtype=cfg.model.dtype)  # fmt: skip
 
 
 def compiler_platform(target=None) -> str:

@@ -135,6 +135,43 @@ def axis_links_for(sizes: dict, target) -> dict:
     return {a: between if spans.get(a, 1) > 1 else inside for a in sizes}
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where each device of a compiled program sits, by logical device id (the position in the
+    mesh's devices, row-major: what replica groups name). ``domains``: the node (GPU) or slice
+    (TPU) of each; ``inner``/``outer``: the links inside a domain and between domains (names in
+    :attr:`Hardware.links`); TPU only: ``coords`` on the slice's ``torus``, which dimensions
+    ``wraps`` around (a ring along one uses both directions)."""
+
+    inner: str
+    outer: str
+    domains: tuple
+    coords: tuple = ()
+    torus: tuple = ()
+    wraps: tuple = ()
+
+    def ways(self, members) -> int:
+        """One-way links a ring over ``members`` drives at once: 1 on a switch (NVLink); on a
+        torus, 2 per dimension it spans whole with a wraparound, 1 per other dimension it spans."""
+        if not self.coords:
+            return 1
+        cs = [self.coords[d] for d in members]
+        total = 0
+        for k, size in enumerate(self.torus):
+            seen = {c[k] for c in cs}
+            if len(seen) > 1:
+                total += 2 if self.wraps[k] and len(seen) == size else 1
+        return max(total, 1)
+
+    def to_json(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Placement":
+        return cls(d["inner"], d["outer"], tuple(d["domains"]), tuple(tuple(c) for c in d.get("coords", ())),
+                   tuple(d.get("torus", ())), tuple(d.get("wraps", ())))  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------
 # the prediction
 # --------------------------------------------------------------------------------------
@@ -228,12 +265,13 @@ _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 
 
 class _Walk:
-    def __init__(self, hlo_text: str, hw: Hardware, axis_links: Optional[dict], mesh: Optional[dict], n_devices: int):
+    def __init__(self, hlo_text: str, hw: Hardware, axis_links: Optional[dict], mesh: Optional[dict], n_devices: int,
+                 placement: Optional["Placement"] = None):
         self.comps, self.entry, devices = hlo._read(hlo_text)
         if self.entry is None:
             raise ValueError("no ENTRY computation in this HLO text: pass compiled.as_text()")
         self.devices = devices if devices > 1 else n_devices
-        self.hw, self.axis_links, self.mesh = hw, dict(axis_links or {}), dict(mesh or {})
+        self.hw, self.axis_links, self.mesh, self.placement = hw, dict(axis_links or {}), dict(mesh or {}), placement
         self.memo: dict[str, _Span] = {}
         self.flops_memo: dict[str, tuple[float, float]] = {}
         self.notes: set = set()
@@ -388,12 +426,55 @@ class _Walk:
                     break
         if rec is None:
             return None
-        link = self.link_of(where[1].attrs, rec.group)
-        n = max(rec.group, 1)
-        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0, "collective-broadcast": 1.0}.get(rec.kind, (n - 1) / n)
-        lk = self.hw.links[link]
-        seconds = factor * rec.bytes / lk.effective + lk.latency if rec.bytes else 0.0
+        link, seconds = self.collective_seconds(rec, where[1].attrs)
         return rec, link, seconds
+
+    def collective_seconds(self, rec: hlo.Collective, attrs: str) -> tuple[str, float]:
+        """``(link, seconds)``: a collective's time on the links its group crosses.
+
+        Ring algorithms: ``factor x bytes / bandwidth`` with factor ``(n-1)/n`` for a gather, a
+        scatter or an all-to-all, twice that for an all-reduce, 1 for a permute. A group that
+        spans ``M`` domains (nodes, slices) with ``g`` devices in each runs hierarchically, as
+        NCCL does over a fat tree and XLA over DCN: ``max(factor(g) x bytes / inner, factor(M) x
+        bytes / (g x outer))`` (the ``g`` devices of a domain each send their share over their
+        own NIC); an all-to-all cannot split that way: ``(M-1)/M x bytes / outer``. On a TPU
+        torus a ring uses both directions of each dimension it spans that wraps around, one
+        direction of one that does not (the scaling book's rule).
+        """
+        n = max(rec.group, 1)
+        if not rec.bytes:
+            return self._link_names()[0], 0.0
+        kind = rec.kind
+
+        def factor(k: int) -> float:
+            if kind == "collective-permute" or kind == "collective-broadcast":
+                return 1.0 if k > 1 else 0.0
+            share = (k - 1) / k
+            return 2 * share if kind == "all-reduce" else share
+
+        p = self.placement
+        groups = _group_members(attrs, self.devices) if p is not None else None
+        if p is None or not groups or max(max(g) for g in groups) >= len(p.domains):
+            link = self.link_of(attrs, n)
+            lk = self.hw.links[link]
+            return link, factor(n) * rec.bytes / lk.effective + lk.latency
+        members = sorted({d for g in groups for d in g}) if kind == "collective-permute" else groups[0]
+        domains = {p.domains[d] for d in members}
+        m = len(domains)
+        g = max(len(members) // m, 1)
+        inner, outer = self.hw.links[p.inner], self.hw.links[p.outer]
+        ways = p.ways(members)
+        if kind == "collective-permute":  # one hop each, one direction: over the slowest link a pair crosses
+            lk = outer if any(len({p.domains[d] for d in pair}) > 1 for pair in groups) else inner
+            return lk.name, rec.bytes / lk.effective + lk.latency
+        t_in = factor(g) * rec.bytes / (inner.effective * ways) if g > 1 else 0.0
+        if m == 1:
+            return inner.name, t_in + inner.latency
+        t_out = factor(m) * rec.bytes / (outer.effective * (1 if kind == "all-to-all" else g))
+        return outer.name, max(t_in, t_out) + outer.latency
+
+    def _link_names(self) -> list:
+        return list(self.hw.links)
 
     def link_of(self, attrs: str, group: int) -> str:
         """The slowest link a collective's replica group crosses (the mesh axes its members
@@ -631,14 +712,17 @@ def predict(
     tokens_per_step: int,
     model_flops_per_step: float,
     mesh: Optional[dict] = None,
+    placement: Optional[Placement] = None,
     compute_dtype: str = "bfloat16",
 ) -> StepTime:
     """The step time of a compiled, scheduled program on ``hw`` (see the module docstring).
 
-    ``axis_links``: ``{mesh axis: link name in hw.links}`` (:func:`axis_links_for`); with
-    ``mesh`` (``{axis: size}`` in the mesh's order), each collective's link is the slowest
-    of the axes its replica group spans; without, every collective goes over the one link
-    all axes share, or the first of ``hw.links``. ``tokens_per_step``: the global batch's
+    Where collectives go: ``placement`` (:class:`Placement`, read from the target's devices
+    by :func:`nnxscale.planning.targets.placement`) places each replica group's members on
+    nodes or slices and the torus; without it, ``axis_links`` (``{mesh axis: link name in
+    hw.links}``, :func:`axis_links_for`) with ``mesh`` (``{axis: size}`` in the mesh's order)
+    gives each collective the slowest link of the axes its group spans; without those, every
+    collective goes over the first of ``hw.links``. ``tokens_per_step``: the global batch's
     tokens; ``model_flops_per_step``: all devices' training FLOPs as the run's metrics count
     them (6N + attention per token x tokens), for ``mfu``; ``compute_dtype``: whose peak the
     MFU is over.
@@ -646,7 +730,7 @@ def predict(
     for axis, link in (axis_links or {}).items():
         if link not in hw.links:
             raise ValueError(f"axis {axis!r} is said to cross link {link!r}; {hw.name} has {', '.join(hw.links)}")
-    walk = _Walk(hlo_text, hw, axis_links, mesh, n_devices)
+    walk = _Walk(hlo_text, hw, axis_links, mesh, n_devices, placement)
     s = walk.span(walk.entry)
     collectives = sorted(s.colls.values(), key=lambda c: (KINDS.index(c.kind) if c.kind in KINDS else 99, c.link))
     seconds = max(s.seconds, 1e-12)
