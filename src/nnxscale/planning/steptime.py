@@ -379,7 +379,7 @@ class _Walk:
                 k = math.prod(shapes[0][int(d.strip('"'))] for d in dims.group(1).split(",") if d.strip())
                 return 2.0 * math.prod(out) * k
             return 0.0
-        if "fmha" in name or "triton" in name or name == "tpu_custom_call":
+        if "fmha" in name or "triton" in name or name == "tpu_custom_call":  # attention kernels (Pallas, cuDNN)
             return _attention_flops(instr, shapes, self.notes)
         return 0.0
 
@@ -612,25 +612,25 @@ def _channel(walk: _Walk, instr: _Instr) -> str:
 
 
 def _attention_flops(instr: _Instr, shapes: list, notes: set) -> float:
-    """An attention kernel's FLOPs from its operands: the first three rank-4 operands are the
-    query, key and value, ``(B, T, H, D)`` (the layout jax's kernels take); forward
-    ``4 B H T S D`` (two products), the backward (a kernel with gradients among its outputs:
-    more outputs than a forward's one or two) 2.5x that (five products); halved when causal
-    (the HLO says ``causal``/``is_causal`` in its config)."""
-    qkv = [s for s in shapes if len(s) == 4][:3]
-    if len(qkv) < 2:
+    """An attention kernel's FLOPs from its operands and results. Its first rank-4 operands are
+    the query and key, ``(B, T, H, D)`` or ``(B, H, T, D)`` (the sequence: the longer middle
+    dimension of the key). Each product over the scores is ``2 B H T S D`` FLOPs (``H`` the
+    query heads), halved for a causal mask (nnxscale's models are causal decoders). A forward
+    kernel (query, key and value in) runs two (scores, weighted values); a backward kernel (the
+    output's gradient in too: more than three rank-4 operands) recomputes the scores and the
+    probabilities' gradient and runs one more per gradient it returns (dq, dk, dv: 5 when fused,
+    as FlashAttention-2's backward)."""
+    four = [s for s in shapes if len(s) == 4]
+    if len(four) < 2:
         if shapes:
             notes.add("a kernel whose FLOPs could not be read from its operands: its matmuls are not counted")
         return 0.0
-    (b, t, h, d), (_, s, _, _) = qkv[0], qkv[1]
-    flops = 4.0 * b * h * t * s * d
-    outs = [x for x in hlo._leaves(instr.type) if len(x[1]) == 4]
-    if len(outs) >= 3:
-        flops *= 2.5
-    config = instr.attrs.lower()
-    if "causal" in config and '"causal":false' not in config.replace(" ", ""):
-        flops /= 2
-    return flops
+    q, k = four[0], four[1]
+    seq = max(k[1], k[2])
+    per_product = 2.0 * math.prod(q) * seq / 2  # causal: half the score matrix
+    outputs = [x for x in hlo._leaves(instr.type) if len(x[1]) == 4]
+    products = 2 if len(four) <= 3 else 2 + max(len(outputs), 1)
+    return products * per_product
 
 
 def _group_members(attrs: str, devices: int) -> Optional[list[list[int]]]:
