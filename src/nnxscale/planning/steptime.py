@@ -505,6 +505,7 @@ class _Walk:
         t = net = 0.0  # the compute stream's clock; when the collective stream is free
         pending: dict[str, tuple[float, CollectiveTime]] = {}
         by_channel: dict[str, str] = {}
+        early: dict[str, float] = {}  # a loop body's done of a collective its previous turn started: when it waits
 
         def wait(key: str) -> None:
             nonlocal t
@@ -548,6 +549,9 @@ class _Walk:
                     key = by_channel.get(_channel(self, instr), "")
                 if key in pending:
                     wait(key)
+                else:  # started at the end of the previous turn of this loop (a pipelined collective)
+                    for k in (_carried_start(comp, instr), "channel:" + _channel(self, instr)):
+                        early.setdefault(k, t)
                 continue
             coll = self.collective(comp, instr)
             if coll is not None:
@@ -582,11 +586,33 @@ class _Walk:
             sub = self.op_time(comp, instr)
             out.add(sub)
             t += sub.seconds
-        for key in list(pending):  # the scheduler always closes them; be safe
-            wait(key)
+        end_of_turn = t
+        for key in list(pending):
+            ch = "channel:" + _channel(self, comp.instrs[key])
+            done_at = early.get(key, early.get(ch)) if ch != "channel:" else early.get(key)
+            if done_at is None:  # the scheduler closes every pair in its computation; be safe
+                wait(key)
+                continue
+            # Awaited in the next turn: hidden by the rest of this turn and the next one's ops before its done.
+            end, c = pending.pop(key)
+            waits = max(end - end_of_turn - done_at, 0.0)
+            out.colls[(c.kind, c.link)].exposed += waits
+            t += waits
         out.seconds = t
         self.memo[name] = out
         return out
+
+
+def _carried_start(comp: _Comp, done: _Instr) -> str:
+    """The start a loop body's ``done`` waits for when that start is the previous turn's: the
+    done reads a loop parameter's element that the body's root sets to the start."""
+    g = hlo._through(comp, done.operands[0]) if done.operands else None
+    m = re.search(r"\bindex=(\d+)", g.attrs) if g is not None and g.opcode == "get-tuple-element" else None
+    root = comp.instrs.get(comp.root)
+    if m is None or root is None or root.opcode != "tuple" or int(m.group(1)) >= len(root.operands):
+        return ""
+    src = hlo._through(comp, root.operands[int(m.group(1))])
+    return src.name if src is not None else ""
 
 
 def _calls_target(walk: _Walk, instr: _Instr, target: str) -> bool:
