@@ -69,7 +69,10 @@ class Hardware:
     ``"dcn"``, ...), the slowest first-class choice for a collective being the one its group
     crosses. Efficiency constants: ``matmul_efficiency`` (a large GEMM's achieved over peak),
     ``memory_efficiency`` (a streaming kernel's achieved over the HBM bandwidth),
-    ``op_overhead`` (seconds per op launched). ``sources``: where each figure is published.
+    ``op_overhead`` (seconds per op launched), ``kernel_efficiency`` (by custom-call target:
+    target name or its prefix: an attention kernel's achieved over peak, where it differs from
+    a GEMM's). ``sources``:
+    where each figure is published.
     """
 
     name: str
@@ -80,6 +83,7 @@ class Hardware:
     memory_efficiency: float
     op_overhead: float
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
+    kernel_efficiency: dict = dataclasses.field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s at ``dtype`` (a name or an HLO element type); bfloat16's where unknown."""
@@ -389,7 +393,10 @@ class _Walk:
             flops, secs = self._direct_flops(comp, instr)
         elif instr.opcode == "custom-call":
             kflops = self.kernel_flops(instr, comp)
-            secs = kflops / (self.hw.peak("bfloat16") * self.hw.matmul_efficiency)
+            target = _TARGET.search(instr.attrs)
+            name = target.group(1) if target else ""
+            efficiency = next((e for k, e in self.hw.kernel_efficiency.items() if name.startswith(k)), self.hw.matmul_efficiency)
+            secs = kflops / (self.hw.peak("bfloat16") * efficiency)
         for callee in hlo._called(instr) if instr.opcode in ("fusion", "custom-call") else ():
             f, s = self.comp_flops(callee)
             flops, secs = flops + f, secs + s
@@ -645,7 +652,11 @@ def _attention_flops(instr: _Instr, shapes: list, notes: set) -> float:
     kernel (query, key and value in) runs two (scores, weighted values); a backward kernel (the
     output's gradient in too: more than three rank-4 operands) recomputes the scores and the
     probabilities' gradient and runs one more per gradient it returns (dq, dk, dv: 5 when fused,
-    as FlashAttention-2's backward)."""
+    as FlashAttention-2's backward). A kernel the metadata names ``preprocess`` (the backward's
+    row sums) runs none."""
+    source = hlo._OP_NAME.search(instr.attrs)
+    if source and "preprocess" in source.group(1):  # the backward's preprocessing (a row sum): no products
+        return 0.0
     four = [s for s in shapes if len(s) == 4]
     if len(four) < 2:
         if shapes:
