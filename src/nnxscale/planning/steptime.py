@@ -796,8 +796,8 @@ def bottleneck(st: StepTime, hw: Hardware) -> str:
         return (f"communication-bound: {share:.0%} of the step waits on collectives; the {worst.kind}s over {worst.link} "
                 f"({link.effective / 1e9:.0f} GB/s effective) expose {_fmt_s(worst.exposed)} of {_fmt_s(worst.seconds)}")  # fmt: skip
     if what == "compute":
-        return (f"compute-bound: {share:.0%} of the step in matrix products at {hw.matmul_efficiency:.0%} of "
-                f"{hw.name}'s peak; collectives hidden but {_fmt_s(st.exposed_collective_s)}")
+        return (f"compute-bound: {share:.0%} of the step in matrix products ({st.flops / 1e12:,.0f} TFLOP per device; GEMMs "
+                f"at {hw.matmul_efficiency:.0%} of the peak); collectives hidden but {_fmt_s(st.exposed_collective_s)}")
     if what == "memory":
         return (f"memory-bound: {share:.0%} of the step in ops limited by HBM ({hw.hbm_bandwidth * hw.memory_efficiency / 1e12:.2f} "
                 "TB/s effective): elementwise work, copies, small matmuls")
