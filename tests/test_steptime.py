@@ -235,3 +235,23 @@ def test_a_collective_a_loop_turn_starts_for_the_next_hides_behind_both_turns():
     # each turn's gather runs behind its second matmul and the next turn's first: 2 matmuls hide it
     assert gather > 2 * matmul
     assert c.exposed == pytest.approx(4 * (gather - 2 * matmul), rel=1e-3)
+
+
+def test_a_plan_on_this_machine_predicts_only_with_registered_cpu_figures(monkeypatch):
+    """report.predict_step, which plan() calls with the compiled program: XLA:CPU's figures
+    where registered, nothing otherwise (the XLA:CPU fixture stands for the compiled step)."""
+    import types
+
+    from nnxscale.planning import report
+    from nnxscale.training.config import TrainConfig, with_overrides
+
+    monkeypatch.setattr(steptime, "_REGISTERED", {})
+    cfg = with_overrides(TrainConfig(), {"parallel.mesh": "fsdp=8", "data.batch_size": 16, "data.seq_len": 64})
+    lay = {"setup": types.SimpleNamespace(flops_per_token=lambda: 1e6)}
+    text = gzip.open(FIXTURES / "cpu_fsdp_scan.hlo.gz", "rt").read()
+    assert report.predict_step(cfg, lay, {"fsdp": 8}, None, text) is None
+    steptime.register_hardware("cpu", dataclasses.replace(CHIP, links={"memory": Link("memory", 1e10, 0.0, 1.0)}))
+    st = report.predict_step(cfg, lay, {"fsdp": 8}, None, text)
+    assert st.hardware == "test chip" and {c.link for c in st.collectives} == {"memory"}
+    assert st.tokens_per_s == pytest.approx(16 * 64 / st.seconds)
+    assert st.mfu == pytest.approx(1e6 * 16 * 64 / (8 * 5e14 * st.seconds))  # float32 compute: float32's peak
