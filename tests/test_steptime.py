@@ -45,14 +45,13 @@ def test_the_walk_finds_every_collective_and_matmul_the_counters_find(name):
 
 
 def test_a_real_training_step_on_each_compiler():
-    """llama-tiny's whole step (fsdp=8) as XLA:CPU, the H100's and the TPU's compilers scheduled it."""
-    for backend, chip in (("cpu", "h100"), ("h100", "h100"), ("tpu", "v5e")):
+    """llama-tiny's whole step (fsdp=8) as the H100's and the TPU's compilers scheduled it."""
+    for backend, chip in (("h100", "h100"), ("tpu", "v5e")):
         text = gzip.open(FIXTURES / f"{backend}_llama_fsdp.hlo.gz", "rt").read()
         st = _predict(text, CHIPS[chip])
         assert st.flops == pytest.approx(hlo.matmul_flops(text))
         assert sum(c.bytes for c in st.collectives) == pytest.approx(sum(hlo.collective_bytes(text).values()))
-        if backend != "cpu":  # the accelerators' schedulers start collectives early: some of their time is hidden
-            assert st.exposed_collective_s < st.collective_s
+        assert st.exposed_collective_s < st.collective_s  # their schedulers start collectives early: some time is hidden
     assert json.loads(json.dumps(st.to_json()))["collectives"][0]["kind"] in hlo.KINDS
 
 
