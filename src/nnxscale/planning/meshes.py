@@ -112,6 +112,8 @@ def for_target(candidates: list[str], target) -> list[str]:
 
 def sweep_table(plans: list[StepPlan], skipped: Optional[dict[str, str]] = None) -> str:
     """One line per plan, fitting ones marked; then one line per candidate mesh that cannot run."""
+    from nnxscale.planning.steptime import format_seconds
+
     timed = any(p.step_time is not None for p in plans)
     header = f"{'mesh':<22}{'remat':<7}{'peak/device':>12}{'collectives':>13}  {'source':<10} fits" + (
         f"{'step':>10}{'tokens/s/dev':>14}{'MFU':>7}" if timed else "")
@@ -120,7 +122,7 @@ def sweep_table(plans: list[StepPlan], skipped: Optional[dict[str, str]] = None)
         fits = "-" if p.fits is None else "yes" if p.fits else "no"
         st = p.step_time
         time = "" if not timed else f"{'-':>10}{'-':>14}{'-':>7}" if st is None else (
-            f"{st.seconds:>9.3f}s{st.tokens_per_s_per_device:>14,.0f}{'-' if st.mfu is None else f'{st.mfu:.1%}':>7}")
+            f"{format_seconds(st.seconds):>10}{st.tokens_per_s_per_device:>14,.0f}{'-' if st.mfu is None else f'{st.mfu:.1%}':>7}")
         lines.append(
             f"{format_mesh(p.mesh):<22}{p.remat:<7}{format_bytes(p.peak_bytes):>12}"
             f"{p.collective_total / max(p.full_param_bytes, 1):>12.2f}x  {p.source.split(' ')[0]:<10} {f'{fits:<4}' if timed else fits}{time}"

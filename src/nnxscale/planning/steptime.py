@@ -794,17 +794,18 @@ def bottleneck(st: StepTime, hw: Hardware) -> str:
         worst = max(st.collectives, key=lambda c: c.exposed)
         link = hw.links[worst.link]
         return (f"communication-bound: {share:.0%} of the step waits on collectives; the {worst.kind}s over {worst.link} "
-                f"({link.effective / 1e9:.0f} GB/s effective) expose {_fmt_s(worst.exposed)} of {_fmt_s(worst.seconds)}")  # fmt: skip
+                f"({link.effective / 1e9:.0f} GB/s effective) expose {format_seconds(worst.exposed)} of {format_seconds(worst.seconds)}")  # fmt: skip
     if what == "compute":
         return (f"compute-bound: {share:.0%} of the step in matrix products ({st.flops / 1e12:,.0f} TFLOP per device; GEMMs "
-                f"at {hw.matmul_efficiency:.0%} of the peak); collectives hidden but {_fmt_s(st.exposed_collective_s)}")
+                f"at {hw.matmul_efficiency:.0%} of the peak); collectives hidden but {format_seconds(st.exposed_collective_s)}")
     if what == "memory":
         return (f"memory-bound: {share:.0%} of the step in ops limited by HBM ({hw.hbm_bandwidth * hw.memory_efficiency / 1e12:.2f} "
                 "TB/s effective): elementwise work, copies, small matmuls")
-    return f"launch-bound: {share:.0%} of the step is {st.ops:,} op launches x {_fmt_s(hw.op_overhead)}"
+    return f"launch-bound: {share:.0%} of the step is {st.ops:,} op launches x {format_seconds(hw.op_overhead)}"
 
 
-def _fmt_s(seconds: float) -> str:
+def format_seconds(seconds: float) -> str:
+    """``1.83 s``, ``17.6 ms``, ``335 us``."""
     if seconds >= 1:
         return f"{seconds:.2f} s"
     if seconds >= 1e-3:
@@ -818,15 +819,15 @@ def format_lines(st: StepTime, target_name: str = "") -> list[str]:
     mfu = f", MFU {st.mfu:.1%}" if st.mfu is not None else ""
     lines = [
         f"step time{where} (predicted: roofline over the compiled schedule, {st.hardware})",
-        f"  {_fmt_s(st.seconds)} per step; {st.tokens_per_s:,.0f} tokens/s, {st.tokens_per_s_per_device:,.0f} per device{mfu}",
-        f"  {'compute-bound ops':<34}{_fmt_s(st.compute_s):>11}",
-        f"  {'memory-bound ops':<34}{_fmt_s(st.memory_s):>11}",
-        f"  {'op launches':<34}{_fmt_s(st.overhead_s):>11}  {st.ops:,} ops",
+        f"  {format_seconds(st.seconds)} per step; {st.tokens_per_s:,.0f} tokens/s, {st.tokens_per_s_per_device:,.0f} per device{mfu}",
+        f"  {'compute-bound ops':<34}{format_seconds(st.compute_s):>11}",
+        f"  {'memory-bound ops':<34}{format_seconds(st.memory_s):>11}",
+        f"  {'op launches':<34}{format_seconds(st.overhead_s):>11}  {st.ops:,} ops",
     ]
     for c in st.collectives:
         if c.seconds:
-            lines.append(f"  {c.kind + ' over ' + c.link:<34}{_fmt_s(c.seconds):>11}  {_fmt_s(c.exposed)} exposed, "
-                         f"{_fmt_s(c.seconds - c.exposed)} hidden behind compute")  # fmt: skip
+            lines.append(f"  {c.kind + ' over ' + c.link:<34}{format_seconds(c.seconds):>11}  {format_seconds(c.exposed)} exposed, "
+                         f"{format_seconds(c.seconds - c.exposed)} hidden behind compute")  # fmt: skip
     lines.append(f"  bottleneck: {st.bottleneck}")
     lines += [f"  note: {n}" for n in st.notes]
     return lines
