@@ -41,6 +41,8 @@ def test_the_walk_finds_every_collective_and_matmul_the_counters_find(name):
     # the parts add up to the step; what is hidden is no more than what the links take
     assert st.seconds == pytest.approx(st.compute_s + st.memory_s + st.overhead_s + st.exposed_collective_s)
     assert 0 <= st.exposed_collective_s <= st.collective_s + 1e-12
+    for c in st.collectives:  # a wait behind a queue of collectives is theirs, not the waiting one's
+        assert -1e-12 <= c.exposed <= c.seconds + 1e-12, c
     assert st.tokens_per_s == pytest.approx(1024 / st.seconds) and st.bottleneck
 
 

@@ -265,6 +265,7 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "afte
 _FREE_CALLS = ("AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked", "Sharding", "SPMDFullToShardShape",
                "SPMDShardToFullShape", "MoveToHost", "MoveToDevice")  # fmt: skip
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_FLOATS = {"bf16", "f16", "f32", "f8e4m3fn", "f8e5m2"}
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 
 
@@ -375,7 +376,8 @@ class _Walk:
         dimension numbers; an attention kernel from its query, key and value shapes."""
         target = _TARGET.search(instr.attrs)
         name = target.group(1) if target else ""
-        shapes = [hlo._leaves(comp.instrs[o].type)[0][1] for o in instr.operands if o in comp.instrs and hlo._leaves(comp.instrs[o].type)]
+        typed = [hlo._leaves(comp.instrs[o].type)[0] for o in instr.operands if o in comp.instrs and hlo._leaves(comp.instrs[o].type)]
+        shapes = [dims for _, dims in typed]
         if name.startswith("__cublas"):
             dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instr.attrs)
             out = hlo._leaves(instr.type)[0][1] if hlo._leaves(instr.type) else ()
@@ -384,7 +386,7 @@ class _Walk:
                 return 2.0 * math.prod(out) * k
             return 0.0
         if "fmha" in name or "triton" in name or name == "tpu_custom_call":  # attention kernels (Pallas, cuDNN)
-            return _attention_flops(instr, shapes, self.notes)
+            return _attention_flops(instr, [dims for dt, dims in typed if dt in _FLOATS], self.notes)
         return 0.0
 
     def op_time(self, comp: _Comp, instr: _Instr) -> _Span:
@@ -514,13 +516,20 @@ class _Walk:
         by_channel: dict[str, str] = {}
         early: dict[str, float] = {}  # a loop body's done of a collective its previous turn started: when it waits
 
-        def wait(key: str) -> None:
+        issued: list = []  # (begin, end, (kind, link)) of this computation's collectives, one at a time on their stream
+
+        def expose(until: float) -> None:
+            """The compute stream waits from ``t`` to ``until``: the collectives running then are exposed."""
             nonlocal t
-            end, c = pending.pop(key)
-            hidden_until = max(end - t, 0.0)
-            c.exposed += hidden_until
-            out.colls[(c.kind, c.link)].exposed += hidden_until
-            t += hidden_until
+            for begin, end, key in issued:
+                overlap = min(end, until) - max(begin, t)
+                if overlap > 0:
+                    out.colls[key].exposed += overlap
+            t = max(t, until)
+
+        def wait(key: str) -> None:
+            end, _ = pending.pop(key)
+            expose(end)
 
         for instr in comp.instrs.values():
             op = instr.opcode
@@ -569,6 +578,7 @@ class _Walk:
                 c.seconds += seconds
                 begin = max(t, net)
                 net = begin + seconds
+                issued.append((begin, net, (rec.kind, link)))
                 asynchronous = op.endswith("-start") or op == "async-start" or _calls_target(self, instr, "AsyncCollectiveStart")
                 if asynchronous:
                     pending[instr.name] = (net, CollectiveTime(rec.kind, link))
@@ -576,9 +586,7 @@ class _Walk:
                     if ch:
                         by_channel[ch] = instr.name
                 else:
-                    exposed = net - t
-                    c.exposed += exposed
-                    t = net
+                    expose(net)
                 continue
             if op.endswith("-start") or op == "async-start":  # an async op that is no collective: its computation runs here
                 for callee in hlo._called(instr):
@@ -645,28 +653,40 @@ def _channel(walk: _Walk, instr: _Instr) -> str:
 
 
 def _attention_flops(instr: _Instr, shapes: list, notes: set) -> float:
-    """An attention kernel's FLOPs from its operands and results. Its first rank-4 operands are
-    the query and key, ``(B, T, H, D)`` or ``(B, H, T, D)`` (the sequence: the longer middle
-    dimension of the key). Each product over the scores is ``2 B H T S D`` FLOPs (``H`` the
-    query heads), halved for a causal mask (nnxscale's models are causal decoders). A forward
-    kernel (query, key and value in) runs two (scores, weighted values); a backward kernel (the
-    output's gradient in too: more than three rank-4 operands) recomputes the scores and the
-    probabilities' gradient and runs one more per gradient it returns (dq, dk, dv: 5 when fused,
-    as FlashAttention-2's backward). A kernel the metadata names ``preprocess`` (the backward's
-    row sums) runs none."""
+    """An attention kernel's FLOPs from its floating-point operands (``shapes``; a mask's block
+    tables are integers). Its first two rank-3 or rank-4 operands
+    are the query and the key: ``(H, T, D)`` per sequence (TPU splash), ``(B, T, H, D)`` or
+    ``(B, H, T, D)`` (the key's sequence: its longer middle dimension). Each product over the
+    scores is ``2 x (query elements) x S`` FLOPs, halved for a causal mask (nnxscale's models
+    are causal decoders). The kernel's name (its instruction or the JAX function in its
+    metadata) says which: a forward runs two products (scores, weighted values); a backward
+    recomputes the scores and the probabilities' gradient and runs one more per gradient it
+    returns (``dq`` 3, ``dkv`` 4, dq, dk and dv fused 5, as FlashAttention-2's); a
+    ``preprocess`` kernel (the backward's row sums) none. Unnamed: a forward with three
+    activations in, a backward with more."""
     source = hlo._OP_NAME.search(instr.attrs)
-    if source and "preprocess" in source.group(1):  # the backward's preprocessing (a row sum): no products
+    names = f"{instr.name} {source.group(1) if source else ''}".lower()
+    if "preprocess" in names:
         return 0.0
-    four = [s for s in shapes if len(s) == 4]
-    if len(four) < 2:
+    acts = [s for s in shapes if len(s) in (3, 4)]
+    if len(acts) < 2:
         if shapes:
             notes.add("a kernel whose FLOPs could not be read from its operands: its matmuls are not counted")
         return 0.0
-    q, k = four[0], four[1]
-    seq = max(k[1], k[2])
+    q, k = acts[0], acts[1]
+    seq = k[-2] if len(k) == 3 else max(k[1], k[2])
     per_product = 2.0 * math.prod(q) * seq / 2  # causal: half the score matrix
-    outputs = [x for x in hlo._leaves(instr.type) if len(x[1]) == 4]
-    products = 2 if len(four) <= 3 else 2 + max(len(outputs), 1)
+    grads = max(len([x for x in hlo._leaves(instr.type) if len(x[1]) in (3, 4)]), 1)
+    if "dkv" in names:
+        products = 4
+    elif re.search(r"(^|[^a-z])dq([^a-z]|$)", names):
+        products = 3
+    elif "fwd" in names or "forward" in names:
+        products = 2
+    elif "bwd" in names or "backward" in names:
+        products = 2 + min(grads, 3)
+    else:
+        products = 2 if len(acts) <= 3 else 2 + min(grads, 3)
     return products * per_product
 
 
@@ -827,7 +847,7 @@ def format_lines(st: StepTime, target_name: str = "") -> list[str]:
     for c in st.collectives:
         if c.seconds:
             lines.append(f"  {c.kind + ' over ' + c.link:<34}{format_seconds(c.seconds):>11}  {format_seconds(c.exposed)} exposed, "
-                         f"{format_seconds(c.seconds - c.exposed)} hidden behind compute")  # fmt: skip
+                         f"{format_seconds(max(c.seconds - c.exposed, 0.0))} hidden behind compute")  # fmt: skip
     lines.append(f"  bottleneck: {st.bottleneck}")
     lines += [f"  note: {n}" for n in st.notes]
     return lines
