@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from model_testing import greedy_by_hand
 from test_cli import run_main
-from test_train import _Captured, assert_params_equal, capture_first_state, captured_values, flat, quiet_train, tiny_cfg
+from test_train import assert_params_equal, capture_first_state, captured_values, flat, quiet_train, tiny_cfg
 from tokenizers import Tokenizer
 
 import nnxscale
@@ -95,21 +95,18 @@ def test_fine_tune_a_hugging_face_llama_directory_on_text(tmp_path, text_data, b
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(bpe_tokenizer.with_name(name), hf / name)
 
-    # The first step starts from the directory's weights, laid out on this run's mesh.
+    # From the command line: train (its first step starts from the directory's weights, laid
+    # out on this run's mesh), resume, sample words.
     run_dir = tmp_path / "run"
-    seen = capture_first_state(monkeypatch, stop=True)
-    with pytest.raises(_Captured):
-        quiet_train(tiny_cfg(tmp_path / "first", text_data, model=str(hf), mesh="data=2,model=4"))
-    start = {k: np.asarray(v) for k, v in flat(nnx.to_pure_dict(nnx.state(source))).items()}
-    assert_params_equal(captured_values(seen), start)
-    assert flat(seen["params"])["['layers']['mlp']['gate_proj']['kernel']"].shard_shape == (2, 128, 96)  # 384 / 4
-    monkeypatch.undo()
-
-    # The same from the command line: train, resume, sample words.
+    seen = capture_first_state(monkeypatch)
     args = ["train", "--model", str(hf), "--mesh", "data=2,model=4", "--data", str(text_data), "--run-dir", str(run_dir),
             "--batch-size", "16", "--seq-len", "32", "--log-every", "1", "--steps", "3", "--save-every", "0", "--eval-every", "0"]  # fmt: skip
     code, out, err = run_main(capsys, args)
     assert code == 0, err
+    monkeypatch.undo()
+    start = {k: np.asarray(v) for k, v in flat(nnx.to_pure_dict(nnx.state(source))).items()}
+    assert_params_equal(captured_values(seen), start)
+    assert flat(seen["params"])["['layers']['mlp']['gate_proj']['kernel']"].shard_shape == (2, 128, 96)  # 384 / 4
     assert (run_dir / "tokenizer.json").read_bytes() == bpe_tokenizer.read_bytes()
     code, out, err = run_main(capsys, [*args[:-6], "--steps", "4", "--save-every", "0", "--eval-every", "0"])
     assert code == 0 and f"resumed {run_dir} from step 3" in out, err
