@@ -12,7 +12,12 @@ reduced, once per step (see the note above :func:`_vocab_ce`).
 
 The number of slices is the fewest that keep one slice's float32 logits under
 :data:`CHUNK_BYTES` per device; short sequences take one slice, which is the plain
-computation: the logits held once in the compute dtype, and nothing recomputed.
+computation: the logits held once in the compute dtype, and nothing recomputed. Between the
+two, where all the slices' logits in the compute dtype fit :data:`KEEP_BYTES` per device, the
+forward keeps them, and the head it gathered, for the backward: the step runs the head's
+product three times (forward, the two gradients), not four, and gathers the head once.
+llama-3.2-1b on TPU v5e-8 (fsdp=8, 2,048 tokens per chip): the matrix products 1.05x
+MaxText's with the recompute, 1.00x without (docs/maxtext.md).
 """
 
 from __future__ import annotations
