@@ -112,7 +112,7 @@ def make_train_step(s: Setup, *, vote: bool = False):
             carry = (jnp.float32(0), zeros, jnp.float32(0))
             (loss, grads, total), extras = jax.lax.scan(body, carry, (jnp.arange(accum), micro(x), micro(y)))
             if replicas:  # the one reduction over the replicas, after every micro-batch
-                grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)
+                grads = jax.tree.map(functools.partial(_replica_sum, dtype=jnp.dtype(s.cfg.model.dtype)), grads)
             total = total if weighted else accum
             loss, grads = loss / total, jax.tree.map(lambda g: g / total, grads)
             extras = jax.tree.map(lambda a: jnp.mean(a, axis=0), extras)
@@ -174,6 +174,16 @@ def _stacked(zeros, sharding, replicas: tuple, sizes: dict):
     n = math.prod(sizes[a] for a in replicas)
     spec = P(replicas, *sharding.spec)
     return jax.lax.with_sharding_constraint(jnp.zeros((n, *zeros.shape), zeros.dtype), NamedSharding(sharding.mesh, spec))
+
+
+def _replica_sum(g, dtype):
+    """The replicas' partial sums ``g`` ``(replicas, *shape)`` summed, moved in the compute
+    ``dtype`` where it is narrower than ``g``'s, as the compiler reduces one micro-batch's
+    gradient (each replica's sum is still accumulated in ``g``'s dtype). H100, gpt2, data=8,
+    ``--grad-accum 4``, bfloat16: 497.8 MB moved in float32, where one micro-batch moves 326.2 MB."""
+    if dtype.itemsize >= g.dtype.itemsize:
+        return jnp.sum(g, axis=0)
+    return jnp.sum(g.astype(dtype), axis=0).astype(g.dtype)
 
 
 def replica_partial(weighed: Callable, s: Setup, replicas: tuple, weighted: bool) -> Callable:
