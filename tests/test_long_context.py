@@ -147,26 +147,28 @@ def test_the_chunked_loss_equals_the_plain_one_and_never_holds_all_logits():
         losses = optax_ce(hidden @ head, targets)
         return jnp.sum(losses * weights) / jnp.sum(weights)
 
-    for chunks in (1, 3, 4):
+    want = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(hidden, head, weights)
+    for chunks, keep in ((1, None), (3, False), (4, False), (4, True)):  # keep: the slices' logits from the forward
         chunked = lambda hidden, head, weights: losslib.chunked_cross_entropy(  # noqa: E731
-            hidden, targets, head, weights=weights, chunks=chunks  # noqa: B023
+            hidden, targets, head, weights=weights, chunks=chunks, keep=keep  # noqa: B023
         )
         got = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1)))(hidden, head, weights)
-        want = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(hidden, head, weights)
-        assert_close(got, want, f"{chunks} chunks")
+        assert_close(got, want, f"{chunks} chunks, keep={keep}")
 
     # Compiled, nothing run: with 8 chunks of 4,096 tokens x 8,192 words, the backward holds a
-    # chunk's logits and their gradient at a time (two eighths, and a little), not all of them.
-    def temp(chunks):
+    # chunk's logits and their gradient at a time (two eighths, and a little), not all of them;
+    # keeping every slice's logits for the backward holds them all.
+    def temp(chunks, keep=False):
         h = jax.ShapeDtypeStruct((1, 4096, 64), jnp.float32)
         w = jax.ShapeDtypeStruct((64, 8192), jnp.float32)
         t = jnp.zeros((1, 4096), jnp.int32)
-        f = lambda h, w: losslib.chunked_cross_entropy(h, t, w, chunks=chunks)  # noqa: E731
+        f = lambda h, w: losslib.chunked_cross_entropy(h, t, w, chunks=chunks, keep=keep)  # noqa: E731
         return jax.jit(jax.grad(f, argnums=(0, 1))).lower(h, w).compile().memory_analysis().temp_size_in_bytes
 
     logits = 4096 * 8192 * 4
     assert temp(1) >= logits
     assert temp(8) <= 3 * logits / 8, (temp(8), logits)
+    assert temp(8, keep=True) >= logits
 
 
 def test_on_fsdp_the_head_gradient_is_reduced_once_per_step():

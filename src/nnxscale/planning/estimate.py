@@ -74,10 +74,11 @@ def accumulation_note(cfg: TrainConfig, lay: dict) -> Optional[str]:
     """What gradient accumulation does to the collectives of the compiled step, for the plan's
     notes. Measured on XLA:CPU, llama-mini, 8 devices, batch 32 x 128, 2026-11-26, collectives
     per step over the parameter bytes with 1 and 4 micro-batches: data=8 all-reduce 1.03x and
-    4.12x (once per micro-batch where once per step would do); fsdp=8 all-gather 2.00x and
-    7.79x, all-reduce 1.03x and 4.00x (per micro-batch, as the sharded accumulator needs). A
-    pipeline accumulates its microbatches itself: gpt2-tiny on stage=2,data=4 all-reduces
-    1.78x with 2 and with 8 microbatches, once per step."""
+    4.12x before the replicas summed their gradients unreduced
+    (:func:`nnxscale.training.step.replica_axes`), 1.03x and 1.00x since (2026-11-26); fsdp=8
+    all-gather 2.00x and 7.79x, all-reduce 1.03x and 4.00x (per micro-batch, as the sharded
+    accumulator needs). A pipeline accumulates its microbatches itself: gpt2-tiny on
+    stage=2,data=4 all-reduces 1.78x with 2 and with 8 microbatches, once per step."""
     accum = cfg.optim.grad_accum
     if accum == 1 or lay["rules"].batch_shard_count == 1:
         return None
@@ -86,9 +87,12 @@ def accumulation_note(cfg: TrainConfig, lay: dict) -> Optional[str]:
     if split["fsdp"]:
         parts.append(f"FSDP gathers the weights and reduce-scatters their gradients in each of the {accum} micro-batches "
                      "(inherent: the accumulator is sharded like the weights, as in MaxText's gradient accumulation)")
-    if split["replicated"] / max(lay["full_param_bytes"], 1) >= 0.005:
+    from nnxscale.training.step import sums_unreduced
+
+    if split["replicated"] / max(lay["full_param_bytes"], 1) >= 0.005 and not sums_unreduced(lay["model"], lay.get("pipeline")):
         parts.append(f"the replicated weights' gradients are all-reduced in each micro-batch, {accum}x the textbook's "
-                     "once per step (waste: accumulating them unreduced and reducing once is not done yet)")
+                     "once per step (a mixture's router losses or your own loss couple a batch's tokens: a replica's "
+                     "gradient is not its share of the sum)")
     return f"--grad-accum {accum}: " + "; ".join(parts) if parts else None
 
 

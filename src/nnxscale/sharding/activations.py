@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import LayoutError
 from nnxscale.sharding.axes import entry_axes
-from nnxscale.sharding.rules import MeshRules, TensorLayout, resolve
+from nnxscale.sharding.rules import MeshRules, TensorLayout, layout_for, resolve
 
 _CURRENT: contextvars.ContextVar[Optional[MeshRules]] = contextvars.ContextVar("nnxscale_rules", default=None)
 _RECORDS: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("nnxscale_activation_records", default=None)
@@ -102,15 +102,9 @@ def constrain(x: jax.Array, *names: Optional[str]) -> jax.Array:
             f"constrain: {len(names)} logical names {names} for an activation of shape {shape} (rank {len(shape)}): "
             "give one name (or None) per dimension"
         )
-    layout = rules.activation_layout(names, shape)
     context = jax.sharding.get_abstract_mesh()
     manual = set() if context.empty else set(context.manual_axes)
-    if manual:  # ``x`` is one shard of the manual axes: they split it already and are not asked for
-        layout = dataclasses.replace(
-            layout,
-            spec=P(*(_without(entry, manual) for entry in layout.spec)),
-            dropped=tuple(d for d in layout.dropped if d.axis not in manual),
-        )
+    layout = local_layout(rules, names, shape, manual)
     records = _RECORDS.get()
     if records is not None:
         record = ActivationRecord(tuple(names), shape, str(x.dtype), layout, tuple(sorted(manual)))
@@ -122,6 +116,20 @@ def constrain(x: jax.Array, *names: Optional[str]) -> jax.Array:
     if isinstance(rules.mesh, jax.sharding.Mesh):
         return jax.lax.with_sharding_constraint(x, NamedSharding(rules.mesh, spec))
     return jax.lax.with_sharding_constraint(x, spec)  # the mesh set with jax.set_mesh
+
+
+def local_layout(rules: MeshRules, names, shape, manual: set) -> TensorLayout:
+    """The activation layout of one shard of the ``manual`` axes (inside a ``jax.shard_map``;
+    ``shape`` is the shard's): those axes split it already, so they count as 1 and are left out."""
+    if not manual:
+        return rules.activation_layout(names, shape)
+    sizes = {a: 1 if a in manual else n for a, n in rules.sizes.items()}
+    layout = layout_for(names, shape, rules.rules.activations, sizes)
+    return dataclasses.replace(
+        layout,
+        spec=P(*(_without(entry, manual) for entry in layout.spec)),
+        dropped=tuple(d for d in layout.dropped if d.axis not in manual),
+    )
 
 
 def _without(entry, manual: set):

@@ -34,18 +34,18 @@ def per_device(kernel: Callable, q, k, v, q_segments, k_segments):
     heads, laid out as the activation rules in force lay ``q`` and ``k`` out (the length is
     whole here: a split sequence is a ring). Without rules or on one device, ``kernel`` as is.
     Segments are ``(B, T)`` / ``(B, S)`` arrays or None."""
-    from nnxscale.sharding.activations import _without, current_rules  # _without: less the manual axes
+    from nnxscale.sharding.activations import current_rules, local_layout
 
     rules = current_rules()
     if rules is None or rules.num_devices == 1:
         return kernel(q, k, v, q_segments, k_segments)
-    q_spec = rules.activation_spec(Q_NAMES, q.shape)
-    kv_spec = rules.activation_spec(KV_NAMES, k.shape)
     context = jax.sharding.get_abstract_mesh()
-    manual = set() if context.empty else set(context.manual_axes)
-    batch = _without(q_spec[0], manual) if q_spec[0] == kv_spec[0] else None
+    manual = set() if context.empty else set(context.manual_axes)  # left out: split already
+    q_spec = local_layout(rules, Q_NAMES, q.shape, manual).spec
+    kv_spec = local_layout(rules, KV_NAMES, k.shape, manual).spec
+    batch = q_spec[0] if q_spec[0] == kv_spec[0] else None
     # Query head n reads key/value head n // (N / K): the heads split alike on both, or not at all.
-    heads = _without(q_spec[2], manual) if q_spec[2] == kv_spec[2] else None
+    heads = q_spec[2] if q_spec[2] == kv_spec[2] else None
     axes = frozenset(a for e in (batch, heads) for a in entry_axes(e))
     if not axes:
         return kernel(q, k, v, q_segments, k_segments)
