@@ -44,6 +44,7 @@ from nnxscale.training.guards import SkipCounter, StopSignals
 from nnxscale.training.inputs import (
     DataKind, data_kind, document_separator, keep_tokenizer, load_data, pretrained_source, run_tokenizer,
 )  # fmt: skip
+from nnxscale.training.model import require_weights
 from nnxscale.training.observe import ProfileWindow, Scalars, WandbRun, parse_profile_steps
 from nnxscale.training.optimizer import describe_decay
 from nnxscale.training.rundir import (
@@ -112,6 +113,8 @@ def train(
         cfg = with_saved_schedule_length(cfg, run_dir)
         WandbRun.check(cfg.logging.wandb)
         step_compiler_options()  # a bad NNXSCALE_STEP_XLA_OPTIONS fails here, before anything is built
+        if model is None:
+            require_weights(cfg)  # a --model DIR of config.json alone plans, it does not train
         tokenizer = run_tokenizer(cfg, run_dir)
         kind = data_kind(cfg, tokenizer)
         s = setup(cfg, mesh, model=model, loss=loss, separator=document_separator(cfg, tokenizer, kind),
