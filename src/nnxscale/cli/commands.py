@@ -244,7 +244,8 @@ def _plan_parser(sub) -> None:
                         "e.g. h100x8, h100x64, v5p-128, v6e-256, 2xv6e-256 (needs nnxscale[cuda12] or nnxscale[tpu]; "
                         "--list-targets lists them); the verdict uses its memory per chip")  # fmt: skip
     pl.add_argument("--list-targets", action="store_true", help="list the --target names: chips, memory per chip, interconnect")
-    pl.add_argument("--sweep", action="store_true", help="plan every mesh x remat policy for the mesh's device count, sorted by peak")
+    pl.add_argument("--sweep", action="store_true", help="plan every mesh x remat policy for the mesh's device count, sorted by peak; with --target compiled "
+                    "for it (--compile auto) and ranked by predicted step time")
     pl.add_argument("--compile", choices=("auto", "never", "always"), default=None,
                     help="auto: compile up to --max-compile-devices, estimate beyond (default; --sweep: never)")  # fmt: skip
     pl.add_argument("--max-compile-devices", type=int, default=None, help="largest mesh to compile; larger ones are estimated (default: 1024)")
@@ -463,11 +464,14 @@ def _plan(args) -> int:
         import math
 
         devices = target.chips if target is not None else math.prod(mesh_sizes(cfg.parallel.mesh).values())
-        plans, skipped = meshes.sweep(cfg, devices, device_memory=memory, compile=args.compile or "never",
+        # For a target each candidate is compiled by its compiler: the step time is predicted from that program.
+        compile_ = args.compile or ("auto" if target is not None else "never")
+        plans, skipped = meshes.sweep(cfg, devices, device_memory=memory, compile=compile_,
                                        max_compile_devices=max_devices, target=target)  # fmt: skip
         on = f"{target.name} ({target.describe()})" if target else f"{devices} devices"
+        order = "fastest first by predicted step time" if any(p.step_time for p in plans) else "sorted by peak memory per device"
         print(f"sweep: {cfg.model.name}, {on}, global batch {cfg.data.batch_size} x {cfg.data.seq_len}, "
-              f"{cfg.model.dtype} compute, sorted by peak memory per device")  # fmt: skip
+              f"{cfg.model.dtype} compute, {order}")  # fmt: skip
         print(meshes.sweep_table(plans, skipped))
         if args.json:
             not_planned = [{"mesh": mesh, "reason": reason} for mesh, reason in skipped.items()]

@@ -152,6 +152,7 @@ def _compile_recorded(cfg: TrainConfig, mesh, s=None) -> dict[str, Any]:
         _, compiled = compile_step(cfg, mesh, s)
     out = measure(compiled, mesh_platform(mesh))
     out["platform"] = mesh_platform(mesh)
+    out["hlo_text"] = compiled.as_text()  # the scheduled program, for the step-time prediction (steptime.predict)
     out["compile_seconds"] = time.perf_counter() - t
     out["activations"] = [
         {"names": [str(n) for n in r.names], "shape": list(r.shape), "spec": str(r.layout.spec), "dropped": [str(d) for d in r.layout.dropped],
@@ -219,7 +220,7 @@ def _compile_on_target(cfg: TrainConfig, name: str) -> dict[str, Any]:
     mesh = targets.device_mesh(sizes, target, target.devices())
     t = time.perf_counter()
     try:
-        return _compile_recorded(cfg, mesh)
+        return {**_compile_recorded(cfg, mesh), "placement": targets.placement(mesh, target)}
     except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses a program larger than the chip
         if not str(e).startswith("RESOURCE_EXHAUSTED"):
             raise

@@ -54,8 +54,10 @@ def sweep(
 ) -> tuple[list[StepPlan], dict[str, str]]:
     """Plan every candidate mesh (with the ``auto`` rules) x remat policy for ``devices``.
 
-    Returns the plans sorted by peak memory per device, and the candidates that cannot run
-    this configuration (e.g. a batch the mesh cannot split): ``{mesh: the reason}``.
+    Returns the plans sorted by predicted step time where the plans have one (compiled, on a
+    target or on registered CPU figures; :func:`nnxscale.planning.steptime.rank_by_time`), else
+    by peak memory per device, and the candidates that cannot run this configuration (e.g. a
+    batch the mesh cannot split): ``{mesh: the reason}``.
     ``compile="never"`` (the default) uses the estimate: quick, and each plan says so;
     ``"auto"`` compiles each. With a ``target`` (:mod:`nnxscale.planning.targets`) the
     candidates are laid out for it (:func:`for_target`) and compiled by its compiler.
@@ -78,7 +80,9 @@ def sweep(
                                   target=target))  # fmt: skip
             except ConfigError as e:  # e.g. a batch the mesh cannot split: the same for every remat
                 skipped.setdefault(mesh, str(e))
-    return sorted(plans, key=lambda p: p.peak_bytes), skipped
+    from nnxscale.planning.steptime import rank_by_time
+
+    return rank_by_time(sorted(plans, key=lambda p: p.peak_bytes)), skipped
 
 
 #: Axes whose collectives run every layer: on a target they stay inside a node or slice, innermost.
@@ -108,13 +112,18 @@ def for_target(candidates: list[str], target) -> list[str]:
 
 def sweep_table(plans: list[StepPlan], skipped: Optional[dict[str, str]] = None) -> str:
     """One line per plan, fitting ones marked; then one line per candidate mesh that cannot run."""
-    header = f"{'mesh':<22}{'remat':<7}{'peak/device':>12}{'collectives':>13}  {'source':<10} fits"
+    timed = any(p.step_time is not None for p in plans)
+    header = f"{'mesh':<22}{'remat':<7}{'peak/device':>12}{'collectives':>13}  {'source':<10} fits" + (
+        f"{'step':>10}{'tokens/s/dev':>14}{'MFU':>7}" if timed else "")
     lines = [header, "-" * len(header)]
     for p in plans:
         fits = "-" if p.fits is None else "yes" if p.fits else "no"
+        st = p.step_time
+        time = "" if not timed else f"{'-':>10}{'-':>14}{'-':>7}" if st is None else (
+            f"{st.seconds:>9.3f}s{st.tokens_per_s_per_device:>14,.0f}{'-' if st.mfu is None else f'{st.mfu:.1%}':>7}")
         lines.append(
             f"{format_mesh(p.mesh):<22}{p.remat:<7}{format_bytes(p.peak_bytes):>12}"
-            f"{p.collective_total / max(p.full_param_bytes, 1):>12.2f}x  {p.source.split(' ')[0]:<10} {fits}"
+            f"{p.collective_total / max(p.full_param_bytes, 1):>12.2f}x  {p.source.split(' ')[0]:<10} {f'{fits:<4}' if timed else fits}{time}"
         )
     for mesh, reason in (skipped or {}).items():
         lines.append(f"not planned: {mesh}: {reason}")

@@ -133,6 +133,7 @@ class StepPlan:
     flops_frozen: bool = False  # the formula counts frozen weights (LoRA's base) at 4N: no weight gradients
     flops_uncounted: list = dataclasses.field(default_factory=list)  # custom-call kernels whose FLOPs the count cannot see
     refused: Optional[dict] = None  # the target's compiler refused the program: what it needs (see compiler.refusal)
+    step_time: Optional[Any] = None  # the predicted step time (steptime.StepTime); None where not compiled or no hardware figures
     #: :func:`layout_figures` of the plan (the abstract model, resolved rules, rows): reused by
     #: callers (``nnxscale plan``'s table and lint) instead of being built again.
     layout: Optional[dict] = dataclasses.field(default=None, repr=False, compare=False)
@@ -202,6 +203,7 @@ class StepPlan:
             "flops_formula_frozen_base": self.flops_frozen,
             "flops_uncounted_kernels": self.flops_uncounted,
             "refused": self.refused,
+            "step_time": None if self.step_time is None else self.step_time.to_json(),
         }
 
     def _versus(self, expected: float) -> str:
@@ -265,6 +267,10 @@ class StepPlan:
                 lines.append(line)
         if self.compile_seconds is not None:
             lines.append(f"  compiled in {self.compile_seconds:.1f} s")
+        if self.step_time is not None:
+            from nnxscale.planning.steptime import format_lines
+
+            lines += [""] + format_lines(self.step_time, self.target or "")
         if self.pipeline:
             lines += [""] + pipeline_lines(self.pipeline, self.source)
         if self.context:
@@ -379,6 +385,7 @@ def plan(
                         source=compiled["source"], compile_seconds=compiled["compile_seconds"], notes=placement + calibration,
                         refused=compiled["refused"])  # fmt: skip
     notes = placement + list(calibration) + compiled_notes(cfg, lay, compiled)
+    hlo_text, where = compiled.pop("hlo_text", None), compiled.pop("placement", None)
     return StepPlan(
         **common,
         temp_bytes=compiled["temp_bytes"],
@@ -393,7 +400,30 @@ def plan(
         notes=notes,
         pipeline=pipeline_figures(cfg, lay, compiled["collective_bytes"]),
         context=context_figures(cfg, lay, compiled["collective_bytes"]),
+        step_time=predict_step(cfg, lay, sizes, target, hlo_text, where),
     )
+
+
+def predict_step(cfg: TrainConfig, lay: dict, sizes: dict, target, hlo_text: Optional[str], where: Optional[dict] = None):
+    """The step time of the compiled program on the target's chips (:func:`nnxscale.planning.steptime.predict`;
+    ``where``: the child compile's :func:`~nnxscale.planning.targets.placement` of the devices), or on this
+    machine's XLA:CPU where its figures are registered (``register_hardware("cpu", ...)``); ``None``
+    without a program or figures."""
+    from nnxscale.planning import steptime
+
+    if not hlo_text:
+        return None
+    try:
+        hw = steptime.hardware_for(target if target is not None else "cpu")
+    except KeyError:
+        return None
+    n = math.prod(sizes.values())
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    model_flops = lay["setup"].flops_per_token() * tokens
+    links = steptime.axis_links_for(sizes, target) if target is not None else None
+    placement = None if where is None else steptime.Placement.from_json(where)
+    return steptime.predict(hlo_text, hw, axis_links=links, mesh=sizes, placement=placement, n_devices=n,
+                            tokens_per_step=tokens, model_flops_per_step=model_flops, compute_dtype=cfg.model.dtype)  # fmt: skip
 
 
 def compiler_platform(target=None) -> str:

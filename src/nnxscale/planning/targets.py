@@ -368,3 +368,22 @@ def device_mesh(sizes: dict[str, int], target: Target, devices):
         grid = mesh_utils.create_hybrid_device_mesh(inner, tuple(spans.values()), devices, process_is_granule=target.family == "gpu",
                                                     allow_split_physical_axes=True)  # fmt: skip
     return Mesh(grid, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))  # as make_mesh's
+
+
+def placement(mesh, target: Target) -> dict:
+    """Where each device of ``mesh`` (laid on ``target``'s devices) sits, by logical device id
+    (row-major position in the mesh: what the compiled program's replica groups name), as
+    :class:`nnxscale.planning.steptime.Placement` reads it: the node (GPU) or slice (TPU) of
+    each, and on a TPU its coordinates on the slice's torus and which dimensions wrap around
+    (v4 and v5p: a dimension of a whole number of 4-chip cube edges, joined by the optical
+    switches; v5e and v6e: a dimension of 16; the scaling book, "All About TPUs")."""
+    flat = list(mesh.devices.flat)
+    if target.family == "gpu":
+        return {"inner": "nvlink", "outer": "network", "domains": [d.process_index for d in flat]}
+    torus = [int(x) for x in target.topology.split(":")[1].split("x")]
+    cube = TPU_CHIPS[target.chip]["dims"] == 3
+    wraps = [size % 4 == 0 if cube else size == 16 for size in torus]
+    return {
+        "inner": "ici", "outer": "dcn", "domains": [getattr(d, "slice_index", None) or 0 for d in flat],
+        "coords": [list(d.coords)[: len(torus)] for d in flat], "torus": torus, "wraps": wraps,
+    }  # fmt: skip

@@ -25,6 +25,7 @@ MEMORY: dict[str, int] = {
 
 #: Dense bf16 peak FLOP/s per device, by substring of ``device.device_kind``.
 PEAK_FLOPS: dict[str, float] = {
+    "B200": 2250e12,
     "H200": 989e12,
     "H100": 989e12,
     "A100": 312e12,

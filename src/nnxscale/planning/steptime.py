@@ -1,0 +1,811 @@
+"""How long a step takes on a chip: a roofline walk over the compiled, scheduled program.
+
+Pure arithmetic over the text of an optimized, scheduled XLA module (``compiled.as_text()``,
+``is_scheduled=true``) and one chip's published figures (:class:`Hardware`); no jax.
+
+The model, in the order the program runs:
+
+- Every op of the entry computation, in schedule order; a ``while`` body as many times as
+  the loop turns (:mod:`nnxscale.planning.hlo` reads the trip counts), nested loops
+  multiplied; a ``call`` as its callee; a ``conditional`` as its slowest branch.
+- An op that computes (a fusion, a custom call, a copy, ...): ``max(compute, memory) +
+  overhead``. Compute = its matrix products' FLOPs (``dot``/``convolution`` inside it, read
+  as :func:`nnxscale.planning.hlo.matmuls` reads them; an attention kernel's from its
+  operands' shapes) over the peak at the products' dtype x :attr:`Hardware.matmul_efficiency`;
+  elementwise work is not counted. Memory = the bytes it reads and writes (its operands and
+  results, not its internals; a slice of a stacked buffer, not the buffer) over the HBM
+  bandwidth x :attr:`Hardware.memory_efficiency`. Overhead: :attr:`Hardware.op_overhead`
+  (a GPU's kernel launch).
+- A collective moves :func:`~nnxscale.planning.hlo.collectives`' bytes over the slowest link
+  its replica group crosses: ``factor x bytes / (bandwidth x efficiency) + latency``, factor
+  ``(n-1)/n`` for all-gather, reduce-scatter and all-to-all, ``2(n-1)/n`` for all-reduce and
+  1 for a permute (ring algorithms; ``n`` the group size).
+- Overlap: collectives run on their own stream, one at a time. An asynchronous one (GPU
+  ``*-start``/``*-done``, ``async-start``, TPU's async collective fusions) starts where the
+  schedule starts it and hides behind the ops scheduled before its ``done``; only what is
+  left when the ``done`` is reached is *exposed*. A synchronous collective is all exposed.
+
+Step time = the compute stream's time (compute-bound ops + memory-bound ops + overheads)
++ the exposed collective time. The chips' figures and the few efficiency constants, each
+with its published source, are :mod:`nnxscale.planning.hardware`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from typing import Optional, Union
+
+from nnxscale.planning import hlo
+from nnxscale.planning.hlo import KINDS, _Comp, _Instr
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One interconnect as a device sees it: ``bandwidth`` bytes/s each device can send on it
+    (one direction, as published), ``efficiency`` the fraction a collective reaches (fitted to
+    a published collective benchmark), ``latency`` seconds per collective."""
+
+    name: str
+    bandwidth: float
+    latency: float
+    efficiency: float
+    sources: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def effective(self) -> float:
+        return self.bandwidth * self.efficiency
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One chip's figures for :func:`predict`.
+
+    ``peak_flops``: dense FLOP/s of its matrix units per compute dtype name (``"bfloat16"``,
+    ``"float32"`` as XLA runs a float32 matmul there, ``"float8_e4m3fn"`` where it exists);
+    ``hbm_bandwidth`` bytes/s; ``links`` by name (``"nvlink"``, ``"network"``, ``"ici"``,
+    ``"dcn"``, ...), the slowest first-class choice for a collective being the one its group
+    crosses. Efficiency constants: ``matmul_efficiency`` (a large GEMM's achieved over peak),
+    ``memory_efficiency`` (a streaming kernel's achieved over the HBM bandwidth),
+    ``op_overhead`` (seconds per op launched). ``sources``: where each figure is published.
+    """
+
+    name: str
+    peak_flops: dict
+    hbm_bandwidth: float
+    links: dict
+    matmul_efficiency: float
+    memory_efficiency: float
+    op_overhead: float
+    sources: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def peak(self, dtype: str) -> float:
+        """Dense FLOP/s at ``dtype`` (a name or an HLO element type); bfloat16's where unknown."""
+        name = _DTYPE_NAMES.get(dtype, dtype)
+        return self.peak_flops.get(name) or self.peak_flops["bfloat16"]
+
+
+_DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64", "s8": "int8", "u8": "int8",
+                "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2"}  # fmt: skip
+
+_REGISTERED: dict[str, Hardware] = {}
+
+
+def register_hardware(platform_key: str, hardware: Hardware) -> None:
+    """Make ``hardware`` the figures of ``platform_key`` (a chip key such as ``"h100"``,
+    ``"v5p"``, or ``"cpu"`` for this machine's XLA:CPU): :func:`hardware_for` returns it."""
+    if not isinstance(hardware, Hardware):
+        raise TypeError(f"register_hardware({platform_key!r}, ...) takes a Hardware, got {type(hardware).__name__}")
+    _REGISTERED[platform_key] = hardware
+
+
+def hardware_for(target) -> Hardware:
+    """The figures of one chip of ``target``: a :class:`~nnxscale.planning.targets.Target`, its
+    name (``"h100x8"``, ``"v5p-128"``), a chip key (``"h100"``, ``"v5e"``) or ``"cpu"``.
+    A :class:`KeyError` naming what is known where there are none (``"cpu"`` until registered)."""
+    from nnxscale.planning import hardware, targets
+
+    key = target.chip if isinstance(target, targets.Target) else str(target).strip().lower()
+    if key in _REGISTERED:
+        return _REGISTERED[key]
+    if key in hardware.CHIPS:
+        return hardware.CHIPS[key]
+    if key != "cpu":
+        try:
+            key = targets.get(key).chip
+        except targets.TargetError:
+            pass
+        else:
+            return _REGISTERED.get(key) or hardware.CHIPS[key]
+    known = ", ".join(sorted({*hardware.CHIPS, *_REGISTERED}))
+    raise KeyError(f"no hardware figures for {target!r}: known are {known}" + ("" if "cpu" in _REGISTERED else
+                   "; XLA:CPU's are registered with register_hardware('cpu', ...)"))  # fmt: skip
+
+
+def axis_links_for(sizes: dict, target) -> dict:
+    """``{axis: link name}``: the link each mesh axis of ``sizes`` crosses on ``target``, as
+    :func:`nnxscale.planning.targets.split_over_domains` lays it: an axis that spans several
+    nodes (slices) crosses the network (DCN), else NVLink (ICI)."""
+    from nnxscale.planning.targets import split_over_domains
+
+    spans = split_over_domains(sizes, target)
+    inside, between = ("nvlink", "network") if target.family == "gpu" else ("ici", "dcn")
+    return {a: between if spans.get(a, 1) > 1 else inside for a in sizes}
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where each device of a compiled program sits, by logical device id (the position in the
+    mesh's devices, row-major: what replica groups name). ``domains``: the node (GPU) or slice
+    (TPU) of each; ``inner``/``outer``: the links inside a domain and between domains (names in
+    :attr:`Hardware.links`); TPU only: ``coords`` on the slice's ``torus``, which dimensions
+    ``wraps`` around (a ring along one uses both directions)."""
+
+    inner: str
+    outer: str
+    domains: tuple
+    coords: tuple = ()
+    torus: tuple = ()
+    wraps: tuple = ()
+
+    def ways(self, members) -> int:
+        """One-way links a ring over ``members`` drives at once: 1 on a switch (NVLink); on a
+        torus, 2 per dimension it spans whole with a wraparound, 1 per other dimension it spans."""
+        if not self.coords:
+            return 1
+        cs = [self.coords[d] for d in members]
+        total = 0
+        for k, size in enumerate(self.torus):
+            seen = {c[k] for c in cs}
+            if len(seen) > 1:
+                total += 2 if self.wraps[k] and len(seen) == size else 1
+        return max(total, 1)
+
+    def to_json(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Placement":
+        return cls(d["inner"], d["outer"], tuple(d["domains"]), tuple(tuple(c) for c in d.get("coords", ())),
+                   tuple(d.get("torus", ())), tuple(d.get("wraps", ())))  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------
+# the prediction
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CollectiveTime:
+    """The collectives of one kind over one link, per device per step: ``bytes`` as
+    :mod:`nnxscale.planning.hlo` counts them, ``count`` executions, ``seconds`` on the link,
+    ``exposed`` of them not hidden behind compute."""
+
+    kind: str
+    link: str
+    bytes: float = 0.0
+    count: int = 0
+    seconds: float = 0.0
+    exposed: float = 0.0
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class StepTime:
+    """A step's predicted time on one chip kind, and where it goes (seconds per step).
+
+    ``seconds`` = ``compute_s`` (ops bound by their matrix products) + ``memory_s`` (ops bound
+    by HBM traffic) + ``overhead_s`` (op launches) + ``exposed_collective_s``.
+    ``collective_s`` is every collective's time on its link, hidden or not. ``flops``: the
+    FLOPs per device the walk counted (kernels' estimated included); ``mfu``: the model's
+    FLOPs per step (as the run's metrics count them) over ``n_devices x peak x seconds``.
+    """
+
+    hardware: str
+    seconds: float
+    compute_s: float
+    memory_s: float
+    overhead_s: float
+    collective_s: float
+    exposed_collective_s: float
+    collectives: list
+    tokens_per_s: float
+    tokens_per_s_per_device: float
+    mfu: Optional[float]
+    bottleneck: str
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
+    ops: int = 0
+    kernel_flops: float = 0.0
+    notes: list = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["collectives"] = [c.to_json() for c in self.collectives]
+        return out
+
+
+@dataclasses.dataclass
+class _Span:
+    """What one run of a computation costs (scaled by loop trips when inside a loop)."""
+
+    seconds: float = 0.0
+    compute: float = 0.0
+    memory: float = 0.0
+    overhead: float = 0.0
+    flops: float = 0.0
+    kernel_flops: float = 0.0
+    bytes: float = 0.0
+    ops: float = 0.0
+    colls: dict = dataclasses.field(default_factory=dict)  # (kind, link) -> CollectiveTime
+
+    def add(self, other: "_Span", times: float = 1.0) -> None:
+        for f in ("seconds", "compute", "memory", "overhead", "flops", "kernel_flops", "bytes", "ops"):
+            setattr(self, f, getattr(self, f) + times * getattr(other, f))
+        for key, c in other.colls.items():
+            mine = self.colls.setdefault(key, CollectiveTime(*key))
+            mine.bytes += times * c.bytes
+            mine.count += int(round(times * c.count))
+            mine.seconds += times * c.seconds
+            mine.exposed += times * c.exposed
+
+
+#: Ops that move nothing and launch nothing: bookkeeping, aliases, views.
+_FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id", "replica-id",
+         "opt-barrier", "add-dependency", "copy-start", "copy-done", "domain", "get-dimension-size", "set-dimension-size",
+         "async-update", "send-done", "recv-done"}  # fmt: skip
+_FREE_CALLS = ("AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked", "Sharding", "SPMDFullToShardShape",
+               "SPMDShardToFullShape", "MoveToHost", "MoveToDevice")  # fmt: skip
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+
+
+class _Walk:
+    def __init__(self, hlo_text: str, hw: Hardware, axis_links: Optional[dict], mesh: Optional[dict], n_devices: int,
+                 placement: Optional["Placement"] = None):
+        self.comps, self.entry, devices = hlo._read(hlo_text)
+        if self.entry is None:
+            raise ValueError("no ENTRY computation in this HLO text: pass compiled.as_text()")
+        self.devices = devices if devices > 1 else n_devices
+        self.hw, self.axis_links, self.mesh, self.placement = hw, dict(axis_links or {}), dict(mesh or {}), placement
+        self.memo: dict[str, _Span] = {}
+        self.flops_memo: dict[str, tuple[float, float]] = {}
+        self.notes: set = set()
+
+    # ---- one op -------------------------------------------------------------------
+
+    def _type_bytes(self, t) -> float:
+        return sum(math.prod(dims) * hlo._DTYPE_BYTES.get(dt, 0) for dt, dims in hlo._leaves(t))
+
+    def _operand_bytes(self, comp: _Comp, name: str) -> float:
+        instr = comp.instrs.get(name)
+        return 0.0 if instr is None else self._type_bytes(instr.type)
+
+    def op_bytes(self, comp: _Comp, instr: _Instr) -> float:
+        """Bytes an op reads and writes in HBM: its operands and results, where a dynamic
+        slice reads its slice and a dynamic-update-slice writes its update in place."""
+        op = instr.opcode
+        if op == "dynamic-slice":
+            return 2 * self._type_bytes(instr.type)
+        if op == "dynamic-update-slice" and len(instr.operands) > 1:
+            return 2 * self._operand_bytes(comp, instr.operands[1])
+        called = hlo._called(instr)
+        fused = self.comps.get(called[0]) if op == "fusion" and called else None
+        if fused is None:
+            return self._type_bytes(instr.type) + sum(self._operand_bytes(comp, o) for o in instr.operands)
+        params = {int(i.args): i for i in fused.instrs.values() if i.opcode == "parameter" and i.args.strip().isdigit()}
+        users: dict[str, list[_Instr]] = {}
+        for i in fused.instrs.values():
+            for o in i.operands:
+                users.setdefault(o, []).append(i)
+        in_place = set()
+        written = self._written(fused, fused.root, in_place)
+        total = written
+        for k, name in enumerate(instr.operands):
+            p = params.get(k)
+            if p is None:
+                total += self._operand_bytes(comp, name)
+                continue
+            us = self._readers(fused, p.name, users)
+            if p.name in in_place and not us:
+                continue  # the buffer updated in place: only its update is written
+            if us and all(u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == src for u, src in us):
+                total += sum(self._type_bytes(u.type) for u, _ in us)
+            else:
+                total += self._operand_bytes(comp, name)
+        return total
+
+    def _readers(self, fused: _Comp, name: str, users: dict, depth: int = 0) -> list:
+        """``(user, the name it reads)`` of ``name`` through bitcasts; a DUS's target is no reader."""
+        out = []
+        for u in users.get(name, []):
+            if u.opcode == "bitcast" and depth < 8:
+                out += self._readers(fused, u.name, users, depth + 1)
+            elif u.opcode == "dynamic-update-slice" and u.operands and u.operands[0] == name:
+                continue
+            else:
+                out.append((u, name))
+        return out
+
+    def _written(self, fused: _Comp, name: str, in_place: set) -> float:
+        """Bytes a fusion's result ``name`` writes: a dynamic-update-slice writes its update."""
+        i = fused.instrs.get(name)
+        if i is None:
+            return 0.0
+        if i.opcode == "tuple":
+            return sum(self._written(fused, o, in_place) for o in i.operands)
+        if i.opcode == "bitcast" and i.operands:
+            return self._written(fused, i.operands[0], in_place)
+        if i.opcode == "dynamic-update-slice" and len(i.operands) > 1:
+            target = hlo._through(fused, i.operands[0])
+            if target is not None and target.opcode == "parameter":
+                in_place.add(target.name)
+            return self._operand_bytes(fused, i.operands[1])
+        return self._type_bytes(i.type)
+
+    def comp_flops(self, name: str, depth: int = 0) -> tuple[float, float]:
+        """``(FLOPs, seconds at peak x efficiency)`` of the matrix products inside a fused computation."""
+        if name in self.flops_memo or depth > 32:
+            return self.flops_memo.get(name, (0.0, 0.0))
+        comp = self.comps.get(name)
+        flops = secs = 0.0
+        for instr in (comp.instrs.values() if comp else ()):
+            m = hlo._matmul(comp, instr, self.devices)
+            if m is not None:
+                lhs = comp.instrs.get(instr.operands[0])
+                dtype = hlo._leaves(lhs.type)[0][0] if lhs is not None else "bf16"
+                flops += m.flops
+                secs += m.flops / (self.hw.peak(dtype) * self.hw.matmul_efficiency)
+            for callee in hlo._called(instr):
+                f, s = self.comp_flops(callee, depth + 1)
+                flops, secs = flops + f, secs + s
+        self.flops_memo[name] = (flops, secs)
+        return flops, secs
+
+    def kernel_flops(self, instr: _Instr, comp: _Comp) -> float:
+        """FLOPs of a library call or kernel the HLO does not show: a cuBLAS GEMM from its
+        dimension numbers; an attention kernel from its query, key and value shapes."""
+        target = _TARGET.search(instr.attrs)
+        name = target.group(1) if target else ""
+        shapes = [hlo._leaves(comp.instrs[o].type)[0][1] for o in instr.operands if o in comp.instrs and hlo._leaves(comp.instrs[o].type)]
+        if name.startswith("__cublas"):
+            dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instr.attrs)
+            out = hlo._leaves(instr.type)[0][1] if hlo._leaves(instr.type) else ()
+            if dims and shapes and out:
+                k = math.prod(shapes[0][int(d.strip('"'))] for d in dims.group(1).split(",") if d.strip())
+                return 2.0 * math.prod(out) * k
+            return 0.0
+        if "fmha" in name or "triton" in name or name == "tpu_custom_call":
+            return _attention_flops(instr, shapes, self.notes)
+        return 0.0
+
+    def op_time(self, comp: _Comp, instr: _Instr) -> _Span:
+        flops = secs = kflops = 0.0
+        if instr.opcode in ("dot", "convolution"):
+            flops, secs = self._direct_flops(comp, instr)
+        elif instr.opcode == "custom-call":
+            kflops = self.kernel_flops(instr, comp)
+            secs = kflops / (self.hw.peak("bfloat16") * self.hw.matmul_efficiency)
+        for callee in hlo._called(instr) if instr.opcode in ("fusion", "custom-call") else ():
+            f, s = self.comp_flops(callee)
+            flops, secs = flops + f, secs + s
+        nbytes = self.op_bytes(comp, instr)
+        mem = nbytes / (self.hw.hbm_bandwidth * self.hw.memory_efficiency)
+        span = _Span(flops=flops + kflops, kernel_flops=kflops, bytes=nbytes, ops=1, overhead=self.hw.op_overhead)
+        if secs >= mem:
+            span.compute = secs
+        else:
+            span.memory = mem
+        span.seconds = span.compute + span.memory + span.overhead
+        return span
+
+    def _direct_flops(self, comp: _Comp, instr: _Instr) -> tuple[float, float]:
+        m = hlo._matmul(comp, instr, self.devices)
+        if m is None:
+            return 0.0, 0.0
+        lhs = comp.instrs.get(instr.operands[0])
+        dtype = hlo._leaves(lhs.type)[0][0] if lhs is not None else "bf16"
+        return m.flops, m.flops / (self.hw.peak(dtype) * self.hw.matmul_efficiency)
+
+    # ---- collectives --------------------------------------------------------------
+
+    def collective(self, comp: _Comp, instr: _Instr) -> Optional[tuple[hlo.Collective, str, float]]:
+        """``(record, link, seconds)`` of a collective op (or a fusion that is one), else None."""
+        rec = hlo._collective(comp, instr, self.devices)
+        where = comp, instr
+        if rec is None and instr.opcode in ("fusion", "async-start") and hlo._called(instr):
+            inner = self.comps.get(hlo._called(instr)[0])
+            for i in (inner.instrs.values() if inner else ()):
+                rec = hlo._collective(inner, i, self.devices)
+                if rec is not None:
+                    where = inner, i
+                    break
+        if rec is None:
+            return None
+        link, seconds = self.collective_seconds(rec, where[1].attrs)
+        return rec, link, seconds
+
+    def collective_seconds(self, rec: hlo.Collective, attrs: str) -> tuple[str, float]:
+        """``(link, seconds)``: a collective's time on the links its group crosses.
+
+        Ring algorithms: ``factor x bytes / bandwidth`` with factor ``(n-1)/n`` for a gather, a
+        scatter or an all-to-all, twice that for an all-reduce, 1 for a permute. A group that
+        spans ``M`` domains (nodes, slices) with ``g`` devices in each runs hierarchically, as
+        NCCL does over a fat tree and XLA over DCN: ``max(factor(g) x bytes / inner, factor(M) x
+        bytes / (g x outer))`` (the ``g`` devices of a domain each send their share over their
+        own NIC); an all-to-all cannot split that way: ``(M-1)/M x bytes / outer``. On a TPU
+        torus a ring uses both directions of each dimension it spans that wraps around, one
+        direction of one that does not (the scaling book's rule).
+        """
+        n = max(rec.group, 1)
+        if not rec.bytes:
+            return self._link_names()[0], 0.0
+        kind = rec.kind
+
+        def factor(k: int) -> float:
+            if kind == "collective-permute" or kind == "collective-broadcast":
+                return 1.0 if k > 1 else 0.0
+            share = (k - 1) / k
+            return 2 * share if kind == "all-reduce" else share
+
+        p = self.placement
+        groups = _group_members(attrs, self.devices) if p is not None else None
+        if p is None or not groups or max(max(g) for g in groups) >= len(p.domains):
+            link = self.link_of(attrs, n)
+            lk = self.hw.links[link]
+            return link, factor(n) * rec.bytes / lk.effective + lk.latency
+        members = sorted({d for g in groups for d in g}) if kind == "collective-permute" else groups[0]
+        domains = {p.domains[d] for d in members}
+        m = len(domains)
+        g = max(len(members) // m, 1)
+        inner, outer = self.hw.links[p.inner], self.hw.links[p.outer]
+        ways = p.ways(members)
+        if kind == "collective-permute":  # one hop each, one direction: over the slowest link a pair crosses
+            lk = outer if any(len({p.domains[d] for d in pair}) > 1 for pair in groups) else inner
+            return lk.name, rec.bytes / lk.effective + lk.latency
+        t_in = factor(g) * rec.bytes / (inner.effective * ways) if g > 1 else 0.0
+        if m == 1:
+            return inner.name, t_in + inner.latency
+        t_out = factor(m) * rec.bytes / (outer.effective * (1 if kind == "all-to-all" else g))
+        return outer.name, max(t_in, t_out) + outer.latency
+
+    def _link_names(self) -> list:
+        return list(self.hw.links)
+
+    def link_of(self, attrs: str, group: int) -> str:
+        """The slowest link a collective's replica group crosses (the mesh axes its members
+        differ along, each's link from ``axis_links``)."""
+        links = self.hw.links
+        if not self.axis_links:
+            return next(iter(links))
+        distinct = set(self.axis_links.values())
+        if len(distinct) == 1:
+            return distinct.pop()
+        axes = _spanned_axes(attrs, self.mesh, self.devices) if self.mesh else None
+        if axes is None:  # cannot tell: the slowest link any axis of this size could cross
+            self.notes.add("some collectives' replica groups could not be placed on the mesh: counted on the slowest link")
+            chosen = [lk for a, lk in self.axis_links.items() if self.mesh.get(a, group) >= 1]
+        else:
+            chosen = [self.axis_links.get(a, next(iter(links))) for a in axes] or [next(iter(links))]
+        return min(chosen, key=lambda name: links[name].effective if name in links else math.inf)
+
+    # ---- the schedule -------------------------------------------------------------
+
+    def span(self, name: str, depth: int = 0) -> _Span:
+        if name in self.memo:
+            return self.memo[name]
+        comp = self.comps.get(name)
+        out = _Span()
+        if comp is None or depth > 64:
+            return out
+        t = net = 0.0  # the compute stream's clock; when the collective stream is free
+        pending: dict[str, tuple[float, CollectiveTime]] = {}
+        by_channel: dict[str, str] = {}
+
+        def wait(key: str) -> None:
+            nonlocal t
+            end, c = pending.pop(key)
+            hidden_until = max(end - t, 0.0)
+            c.exposed += hidden_until
+            out.colls[(c.kind, c.link)].exposed += hidden_until
+            t += hidden_until
+
+        for instr in comp.instrs.values():
+            op = instr.opcode
+            if op in _FREE or (op == "custom-call" and (m := _TARGET.search(instr.attrs)) and m.group(1) in _FREE_CALLS):
+                continue
+            if op == "while":
+                trip = hlo._trip_count(self.comps, comp, instr)
+                if trip is None:
+                    self.notes.add("a loop's trip count could not be read: counted once")
+                    trip = 1
+                sub = _Span()
+                sub.add(self.span(hlo._attr_comp(instr.attrs, "body") or "", depth + 1), trip)
+                sub.add(self.span(hlo._attr_comp(instr.attrs, "condition") or "", depth + 1), trip + 1)
+                out.add(sub)
+                t += sub.seconds
+                continue
+            if op == "conditional":
+                branches = [self.span(b, depth + 1) for b in hlo._called(instr)]
+                if branches:
+                    sub = max(branches, key=lambda s: s.seconds)
+                    out.add(sub)
+                    t += sub.seconds
+                continue
+            if op == "call":
+                for callee in hlo._called(instr):
+                    sub = self.span(callee, depth + 1)
+                    out.add(sub)
+                    t += sub.seconds
+                continue
+            if op.endswith("-done") or (op == "fusion" and _calls_target(self, instr, "AsyncCollectiveDone")):
+                key = instr.operands[0] if op.endswith("-done") and instr.operands else ""
+                if key not in pending:
+                    key = by_channel.get(_channel(self, instr), "")
+                if key in pending:
+                    wait(key)
+                continue
+            coll = self.collective(comp, instr)
+            if coll is not None:
+                rec, link, seconds = coll
+                c = out.colls.setdefault((rec.kind, link), CollectiveTime(rec.kind, link))
+                c.bytes += rec.bytes
+                c.count += 1
+                c.seconds += seconds
+                begin = max(t, net)
+                net = begin + seconds
+                asynchronous = op.endswith("-start") or op == "async-start" or _calls_target(self, instr, "AsyncCollectiveStart")
+                if asynchronous:
+                    pending[instr.name] = (net, CollectiveTime(rec.kind, link))
+                    ch = _channel(self, instr)
+                    if ch:
+                        by_channel[ch] = instr.name
+                else:
+                    exposed = net - t
+                    c.exposed += exposed
+                    t = net
+                continue
+            if op.endswith("-start") or op == "async-start":  # an async op that is no collective: its computation runs here
+                for callee in hlo._called(instr):
+                    sub = self.span(callee, depth + 1)
+                    out.add(sub)
+                    t += sub.seconds
+                if not hlo._called(instr):
+                    sub = self.op_time(comp, instr)
+                    out.add(sub)
+                    t += sub.seconds
+                continue
+            sub = self.op_time(comp, instr)
+            out.add(sub)
+            t += sub.seconds
+        for key in list(pending):  # the scheduler always closes them; be safe
+            wait(key)
+        out.seconds = t
+        self.memo[name] = out
+        return out
+
+
+def _calls_target(walk: _Walk, instr: _Instr, target: str) -> bool:
+    if instr.opcode != "fusion":
+        return False
+    called = hlo._called(instr)
+    comp = walk.comps.get(called[0]) if called else None
+    return comp is not None and any(i.opcode == "custom-call" and f'custom_call_target="{target}"' in i.attrs for i in comp.instrs.values())
+
+
+def _channel(walk: _Walk, instr: _Instr) -> str:
+    """The channel id of a collective op or of the collective inside a fusion."""
+    m = _CHANNEL.search(instr.attrs)
+    if m:
+        return m.group(1)
+    called = hlo._called(instr)
+    comp = walk.comps.get(called[0]) if called else None
+    for i in comp.instrs.values() if comp else ():
+        m = _CHANNEL.search(i.attrs)
+        if m and i.opcode.removesuffix("-start") in (*KINDS, "ragged-all-to-all"):
+            return m.group(1)
+    return ""
+
+
+def _attention_flops(instr: _Instr, shapes: list, notes: set) -> float:
+    """An attention kernel's FLOPs from its operands: the first three rank-4 operands are the
+    query, key and value, ``(B, T, H, D)`` (the layout jax's kernels take); forward
+    ``4 B H T S D`` (two products), the backward (a kernel with gradients among its outputs:
+    more outputs than a forward's one or two) 2.5x that (five products); halved when causal
+    (the HLO says ``causal``/``is_causal`` in its config)."""
+    qkv = [s for s in shapes if len(s) == 4][:3]
+    if len(qkv) < 2:
+        if shapes:
+            notes.add("a kernel whose FLOPs could not be read from its operands: its matmuls are not counted")
+        return 0.0
+    (b, t, h, d), (_, s, _, _) = qkv[0], qkv[1]
+    flops = 4.0 * b * h * t * s * d
+    outs = [x for x in hlo._leaves(instr.type) if len(x[1]) == 4]
+    if len(outs) >= 3:
+        flops *= 2.5
+    config = instr.attrs.lower()
+    if "causal" in config and '"causal":false' not in config.replace(" ", ""):
+        flops /= 2
+    return flops
+
+
+def _group_members(attrs: str, devices: int) -> Optional[list[list[int]]]:
+    """The replica groups of a collective as lists of device ids, in any of XLA's forms."""
+    m = re.search(r"source_target_pairs=\{(\{[\d,]+\}(?:,\{[\d,]+\})*)\}", attrs)
+    if m:
+        return [[int(x) for x in p.split(",")] for p in re.findall(r"\{([\d,]+)\}", m.group(1))]
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=(\S+))?\s*\{([^}]*)\}", attrs)
+    if m:
+        import numpy as np
+
+        sizes = [(k.strip("'\" "), int(v)) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))]
+        names = [n for n, _ in sizes]
+        grid = np.arange(math.prod(s for _, s in sizes)).reshape([s for _, s in sizes])
+        if m.group(2):
+            ids = _iota_list(m.group(2).rstrip(","))
+            if ids is None or len(ids) != grid.size:
+                return None
+            grid = np.asarray(ids).reshape(grid.shape)
+        over = [names.index(a.strip("'\" ")) for a in m.group(3).split(",") if a.strip("'\" ") in names]
+        rest = [k for k in range(len(names)) if k not in over]
+        return grid.transpose(rest + over).reshape(-1, math.prod(grid.shape[k] for k in over) if over else 1).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)+)\}", attrs)
+    if m:
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    m = re.search(r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", attrs)
+    if m:
+        shape = [int(x) for x in re.match(r"\[([\d,]+)\]", m.group(1)).group(1).split(",")]
+        ids = _iota_list(m.group(1))
+        return None if ids is None else [ids[i : i + shape[-1]] for i in range(0, len(ids), shape[-1])]
+    if re.search(r"replica_groups=\{\}", attrs):
+        return [list(range(devices))]
+    return None
+
+
+def _iota_list(text: str) -> Optional[list[int]]:
+    """``[2,4]<=[4,2]T(1,0)`` (an iota reshaped and transposed) or ``{0,1,...}`` as a flat list."""
+    import numpy as np
+
+    m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
+    if m:
+        dims = [int(x) for x in m.group(2).split(",")]
+        grid = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            grid = grid.transpose([int(x) for x in m.group(3).split(",")])
+        return grid.reshape(-1).tolist()
+    m = re.fullmatch(r"\{([\d,]+)\}", text.strip())
+    return [int(x) for x in m.group(1).split(",")] if m else None
+
+
+def _spanned_axes(attrs: str, mesh: dict, devices: int) -> Optional[list[str]]:
+    """The axes of ``mesh`` (``{axis: size}`` in its order; device id = row-major position)
+    along which a collective's group members differ."""
+    groups = _group_members(attrs, devices)
+    if not groups or math.prod(mesh.values()) != devices:
+        return None
+    names, sizes = list(mesh), list(mesh.values())
+
+    def coords(d: int) -> tuple:
+        out = []
+        for s in reversed(sizes):
+            out.append(d % s)
+            d //= s
+        return tuple(reversed(out))
+
+    varying = set()
+    for g in groups if "source_target_pairs" in attrs else groups[:1]:
+        cs = [coords(d) for d in g]
+        varying |= {names[k] for k in range(len(names)) if len({c[k] for c in cs}) > 1}
+    return [a for a in names if a in varying]
+
+
+def predict(
+    hlo_text: str,
+    hw: Hardware,
+    *,
+    axis_links: Optional[dict] = None,
+    n_devices: int,
+    tokens_per_step: int,
+    model_flops_per_step: float,
+    mesh: Optional[dict] = None,
+    placement: Optional[Placement] = None,
+    compute_dtype: str = "bfloat16",
+) -> StepTime:
+    """The step time of a compiled, scheduled program on ``hw`` (see the module docstring).
+
+    Where collectives go: ``placement`` (:class:`Placement`, read from the target's devices
+    by :func:`nnxscale.planning.targets.placement`) places each replica group's members on
+    nodes or slices and the torus; without it, ``axis_links`` (``{mesh axis: link name in
+    hw.links}``, :func:`axis_links_for`) with ``mesh`` (``{axis: size}`` in the mesh's order)
+    gives each collective the slowest link of the axes its group spans; without those, every
+    collective goes over the first of ``hw.links``. ``tokens_per_step``: the global batch's
+    tokens; ``model_flops_per_step``: all devices' training FLOPs as the run's metrics count
+    them (6N + attention per token x tokens), for ``mfu``; ``compute_dtype``: whose peak the
+    MFU is over.
+    """
+    for axis, link in (axis_links or {}).items():
+        if link not in hw.links:
+            raise ValueError(f"axis {axis!r} is said to cross link {link!r}; {hw.name} has {', '.join(hw.links)}")
+    walk = _Walk(hlo_text, hw, axis_links, mesh, n_devices, placement)
+    s = walk.span(walk.entry)
+    collectives = sorted(s.colls.values(), key=lambda c: (KINDS.index(c.kind) if c.kind in KINDS else 99, c.link))
+    seconds = max(s.seconds, 1e-12)
+    exposed = sum(c.exposed for c in collectives)
+    peak = hw.peak(compute_dtype)
+    mfu = model_flops_per_step / (n_devices * peak * seconds) if model_flops_per_step and peak else None
+    result = StepTime(
+        hardware=hw.name, seconds=seconds, compute_s=s.compute, memory_s=s.memory, overhead_s=s.overhead,
+        collective_s=sum(c.seconds for c in collectives), exposed_collective_s=exposed, collectives=collectives,
+        tokens_per_s=tokens_per_step / seconds, tokens_per_s_per_device=tokens_per_step / seconds / max(n_devices, 1),
+        mfu=mfu, bottleneck="", flops=s.flops, hbm_bytes=s.bytes, ops=int(round(s.ops)), kernel_flops=s.kernel_flops,
+        notes=sorted(walk.notes),
+    )  # fmt: skip
+    result.bottleneck = bottleneck(result, hw)
+    return result
+
+
+def bottleneck(st: StepTime, hw: Hardware) -> str:
+    """One line naming what the step waits on most."""
+    parts = {"compute": st.compute_s, "memory": st.memory_s, "overhead": st.overhead_s, "communication": st.exposed_collective_s}
+    what = max(parts, key=parts.get)
+    share = parts[what] / st.seconds
+    if what == "communication":
+        worst = max(st.collectives, key=lambda c: c.exposed)
+        link = hw.links[worst.link]
+        return (f"communication-bound: {share:.0%} of the step waits on collectives; the {worst.kind}s over {worst.link} "
+                f"({link.effective / 1e9:.0f} GB/s effective) expose {_fmt_s(worst.exposed)} of {_fmt_s(worst.seconds)}")  # fmt: skip
+    if what == "compute":
+        return (f"compute-bound: {share:.0%} of the step in matrix products at {hw.matmul_efficiency:.0%} of "
+                f"{hw.name}'s peak; collectives hidden but {_fmt_s(st.exposed_collective_s)}")
+    if what == "memory":
+        return (f"memory-bound: {share:.0%} of the step in ops limited by HBM ({hw.hbm_bandwidth * hw.memory_efficiency / 1e12:.2f} "
+                "TB/s effective): elementwise work, copies, small matmuls")
+    return f"launch-bound: {share:.0%} of the step is {st.ops:,} op launches x {_fmt_s(hw.op_overhead)}"
+
+
+def _fmt_s(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
+def format_lines(st: StepTime, target_name: str = "") -> list[str]:
+    """The plan's step-time section."""
+    where = f" on {target_name}" if target_name else ""
+    mfu = f", MFU {st.mfu:.1%}" if st.mfu is not None else ""
+    lines = [
+        f"step time{where} (predicted: roofline over the compiled schedule, {st.hardware})",
+        f"  {_fmt_s(st.seconds)} per step; {st.tokens_per_s:,.0f} tokens/s, {st.tokens_per_s_per_device:,.0f} per device{mfu}",
+        f"  {'compute-bound ops':<34}{_fmt_s(st.compute_s):>11}",
+        f"  {'memory-bound ops':<34}{_fmt_s(st.memory_s):>11}",
+        f"  {'op launches':<34}{_fmt_s(st.overhead_s):>11}  {st.ops:,} ops",
+    ]
+    for c in st.collectives:
+        if c.seconds:
+            lines.append(f"  {c.kind + ' over ' + c.link:<34}{_fmt_s(c.seconds):>11}  {_fmt_s(c.exposed)} exposed, "
+                         f"{_fmt_s(c.seconds - c.exposed)} hidden behind compute")  # fmt: skip
+    lines.append(f"  bottleneck: {st.bottleneck}")
+    lines += [f"  note: {n}" for n in st.notes]
+    return lines
+
+
+def dumps(st: Union[StepTime, None]) -> str:
+    return json.dumps(None if st is None else st.to_json())
+
+
+def rank_by_time(plans: list) -> list:
+    """Plans (:class:`~nnxscale.planning.report.StepPlan`) fastest first by predicted step time:
+    those that fit and have a prediction, then those without one (by peak memory), then those
+    that do not fit."""
+    def key(p):
+        fits = p.fits is not False
+        st = getattr(p, "step_time", None)
+        return (not fits, st is None, st.seconds if st is not None else 0.0, p.peak_bytes)
+
+    return sorted(plans, key=key)

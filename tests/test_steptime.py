@@ -1,0 +1,181 @@
+"""The step-time prediction (planning.steptime): a walk over compiled, scheduled programs.
+
+Pure arithmetic over HLO text: the saved compiles of tests/data/hlo (XLA:CPU, the H100
+compiler, the TPU v5e compiler) and small modules written here, where every figure follows
+by hand from the shapes and a made-up chip's round numbers."""
+
+import dataclasses
+import gzip
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from nnxscale.planning import hlo, steptime, targets
+from nnxscale.planning.hardware import CHIPS
+from nnxscale.planning.steptime import Hardware, Link, Placement, predict
+
+FIXTURES = Path(__file__).parent / "data" / "hlo"
+
+#: A chip of round numbers: 1 PFLOP/s bf16, 1 TB/s HBM, 100 GB/s inside a node, 10 GB/s between.
+CHIP = Hardware(
+    name="test chip", peak_flops={"bfloat16": 1e15, "float32": 5e14}, hbm_bandwidth=1e12,
+    links={"nvlink": Link("nvlink", 1e11, 0.0, 1.0), "network": Link("network", 1e10, 0.0, 1.0)},
+    matmul_efficiency=1.0, memory_efficiency=1.0, op_overhead=0.0,
+)  # fmt: skip
+
+
+def _predict(text, hw=CHIP, **kw):
+    return predict(text, hw, n_devices=8, tokens_per_step=1024, model_flops_per_step=0.0, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("*.hlo.gz") if "llama" not in p.name))
+def test_the_walk_finds_every_collective_and_matmul_the_counters_find(name):
+    text = gzip.open(FIXTURES / name, "rt").read()
+    st = _predict(text, CHIPS["v5e"] if name.startswith("tpu") else CHIPS["h100"])
+    by_kind = {k: sum(c.bytes for c in st.collectives if c.kind == k) for k in hlo.KINDS}
+    assert by_kind == pytest.approx(hlo.collective_bytes(text))
+    assert sum(c.count for c in st.collectives) == sum(op.executions for op in hlo.collectives(text))
+    assert st.flops == pytest.approx(hlo.matmul_flops(text))
+    # the parts add up to the step; what is hidden is no more than what the links take
+    assert st.seconds == pytest.approx(st.compute_s + st.memory_s + st.overhead_s + st.exposed_collective_s)
+    assert 0 <= st.exposed_collective_s <= st.collective_s + 1e-12
+    assert st.tokens_per_s == pytest.approx(1024 / st.seconds) and st.bottleneck
+
+
+def test_a_real_training_step_on_each_compiler():
+    """llama-tiny's whole step (fsdp=8) as XLA:CPU, the H100's and the TPU's compilers scheduled it."""
+    for backend, chip in (("cpu", "h100"), ("h100", "h100"), ("tpu", "v5e")):
+        text = gzip.open(FIXTURES / f"{backend}_llama_fsdp.hlo.gz", "rt").read()
+        st = _predict(text, CHIPS[chip])
+        assert st.flops == pytest.approx(hlo.matmul_flops(text))
+        assert sum(c.bytes for c in st.collectives) == pytest.approx(sum(hlo.collective_bytes(text).values()))
+        if backend != "cpu":  # the accelerators' schedulers start collectives early: some of their time is hidden
+            assert st.exposed_collective_s < st.collective_s
+    assert json.loads(json.dumps(st.to_json()))["collectives"][0]["kind"] in hlo.KINDS
+
+
+# Written by hand: a gather of a (4096, 4096) bf16 weight from 8 devices beside a matmul of two such.
+OVERLAP = """HloModule overlap, is_scheduled=true, num_partitions=8
+
+%fused_dot (p0: bf16[4096,4096], p1: bf16[4096,4096]) -> bf16[4096,4096] {
+  %p0 = bf16[4096,4096]{1,0} parameter(0)
+  %p1 = bf16[4096,4096]{1,0} parameter(1)
+  ROOT %dot = bf16[4096,4096]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: bf16[512,4096], x: bf16[4096,4096], y: bf16[4096,4096]) -> bf16[4096,4096] {
+  %a = bf16[512,4096]{1,0} parameter(0)
+  %x = bf16[4096,4096]{1,0} parameter(1)
+  %y = bf16[4096,4096]{1,0} parameter(2)
+  %ag-start = (bf16[512,4096]{1,0}, bf16[4096,4096]{1,0}) all-gather-start(%a), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %f = bf16[4096,4096]{1,0} fusion(%x, %y), kind=kCustom, calls=%fused_dot
+  %ag-done = bf16[4096,4096]{1,0} all-gather-done(%ag-start)
+  ROOT %out = bf16[4096,4096]{1,0} add(%f, %ag-done)
+}
+"""
+MATRIX = 4096 * 4096 * 2  # bytes of one bf16 (4096, 4096)
+
+
+def test_one_ops_time_is_its_roofline_by_hand():
+    st = _predict(OVERLAP)
+    matmul = 2 * 4096**3 / 1e15  # FLOPs over the peak: compute-bound (memory: 3 matrices / 1 TB/s is less)
+    assert 3 * MATRIX / 1e12 < matmul
+    add = 3 * MATRIX / 1e12  # two read, one written: memory-bound
+    assert st.compute_s == pytest.approx(matmul) and st.memory_s == pytest.approx(add)
+    assert st.flops == 2 * 4096**3 and st.hbm_bytes == pytest.approx(6 * MATRIX)
+    slow = dataclasses.replace(CHIP, matmul_efficiency=0.5, op_overhead=1e-6)
+    st2 = _predict(OVERLAP, slow)
+    assert st2.compute_s == pytest.approx(2 * matmul) and st2.overhead_s == pytest.approx(2e-6)
+
+
+def test_an_async_collective_hides_behind_the_compute_scheduled_inside_it():
+    st = _predict(OVERLAP)
+    gather = 7 / 8 * MATRIX / 1e11  # (n-1)/n of the gathered tensor over 100 GB/s
+    matmul = 2 * 4096**3 / 1e15
+    (c,) = st.collectives
+    assert (c.kind, c.link, c.count) == ("all-gather", "nvlink", 1) and c.bytes == MATRIX
+    assert c.seconds == pytest.approx(gather)
+    assert c.exposed == pytest.approx(gather - matmul)  # the matmul between start and done hides its share
+    assert st.seconds == pytest.approx(matmul + (gather - matmul) + 3 * MATRIX / 1e12)
+    # Synchronous, the same gather is all exposed; a faster link hides it entirely.
+    sync = OVERLAP.replace("(bf16[512,4096]{1,0}, bf16[4096,4096]{1,0}) all-gather-start(", "bf16[4096,4096]{1,0} all-gather(")
+    sync = sync.replace("  %ag-done = bf16[4096,4096]{1,0} all-gather-done(%ag-start)\n", "").replace("%ag-done", "%ag-start")
+    assert _predict(sync).exposed_collective_s == pytest.approx(gather)
+    fast = dataclasses.replace(CHIP, links={"nvlink": Link("nvlink", 1e13, 0.0, 1.0)})
+    assert _predict(OVERLAP, fast).exposed_collective_s == 0
+
+
+def test_a_loop_body_counts_once_per_trip():
+    text = gzip.open(FIXTURES / "h100_fsdp_scan.hlo.gz", "rt").read()  # a scan over 4 layers, forward and backward
+    st = _predict(text)
+    trips = {op.executions for op in hlo.collectives(text) if op.kind == "all-gather"}
+    assert trips == {4}
+    gathers = [c for c in st.collectives if c.kind == "all-gather"]
+    assert sum(c.count for c in gathers) == sum(op.executions for op in hlo.collectives(text) if op.kind == "all-gather")
+
+
+def test_a_group_across_nodes_runs_hierarchically():
+    """16 devices on 2 nodes of 8: a gather over all 16 is bound by each node's 8 NICs
+    (the slower of 7/8 of the bytes over NVLink and 1/2 over 8 x 10 GB/s); a gather over
+    the 2 devices of a pair on different nodes by one NIC."""
+    text = OVERLAP.replace("num_partitions=8", "num_partitions=16")
+    where = Placement("nvlink", "network", tuple([0] * 8 + [1] * 8))
+    wide = text.replace("replica_groups={{0,1,2,3,4,5,6,7}}", "replica_groups=[1,16]<=[16]")
+    (c,) = _predict(wide, placement=where).collectives
+    assert c.link == "network" and c.seconds == pytest.approx(max(7 / 8 * MATRIX / 1e11, 1 / 2 * MATRIX / (8 * 1e10)))
+    pairs = text.replace("replica_groups={{0,1,2,3,4,5,6,7}}", "replica_groups=[8,2]<=[2,8]T(1,0)")
+    (c,) = _predict(pairs, placement=where).collectives
+    assert c.link == "network" and c.seconds == pytest.approx(1 / 2 * MATRIX / 1e10)
+    inside = text.replace("replica_groups={{0,1,2,3,4,5,6,7}}", "replica_groups=[2,8]<=[16]")
+    (c,) = _predict(inside, placement=where).collectives
+    assert c.link == "nvlink" and c.seconds == pytest.approx(7 / 8 * MATRIX / 1e11)
+    # Without a placement, the mesh axes say it: data=2 across the nodes, fsdp=8 inside.
+    (c,) = _predict(pairs, axis_links={"data": "network", "fsdp": "nvlink"}, mesh={"data": 2, "fsdp": 8}).collectives
+    assert c.link == "network"
+    (c,) = _predict(inside, axis_links={"data": "network", "fsdp": "nvlink"}, mesh={"data": 2, "fsdp": 8}).collectives
+    assert c.link == "nvlink"
+
+
+def test_a_torus_ring_uses_both_directions_where_it_wraps():
+    torus = Placement("ici", "dcn", (0,) * 8, tuple((x, y) for y in range(2) for x in range(4)), (4, 2), (True, False))
+    assert torus.ways([0, 1, 2, 3]) == 2  # along x: all 4, wrapped
+    assert torus.ways([0, 4]) == 1  # along y: no wraparound
+    assert torus.ways(range(8)) == 3 and torus.ways([0, 1]) == 1  # both dimensions; part of x
+    assert Placement.from_json(torus.to_json()) == torus
+
+
+def test_every_target_has_figures_with_sources():
+    for t in targets.catalog():
+        hw = steptime.hardware_for(t)
+        assert hw is steptime.hardware_for(t.name) is CHIPS[t.chip]
+        assert hw.peak("bfloat16") > 0 and hw.hbm_bandwidth > 0 and hw.sources
+        assert 0 < hw.matmul_efficiency <= 1 and 0 < hw.memory_efficiency <= 1
+        for link in hw.links.values():
+            assert link.bandwidth > 0 and 0 < link.efficiency <= 1 and link.sources
+        inside, between = ("nvlink", "network") if t.family == "gpu" else ("ici", "dcn")
+        assert {inside, between} <= set(hw.links)
+    # a hardware figure shared with the targets' data is that data, not a copy
+    assert CHIPS["h100"].hbm_bandwidth == targets.GPU_CHIPS["h100"]["memory_bandwidth"]
+    assert steptime.axis_links_for({"data": 2, "model": 8}, targets.get("h100x16")) == {"data": "network", "model": "nvlink"}
+
+
+def test_cpu_figures_come_from_registration(monkeypatch):
+    monkeypatch.setattr(steptime, "_REGISTERED", {})
+    with pytest.raises(KeyError, match="register_hardware"):
+        steptime.hardware_for("cpu")
+    steptime.register_hardware("cpu", CHIP)
+    assert steptime.hardware_for("cpu") is CHIP
+    with pytest.raises(TypeError):
+        steptime.register_hardware("cpu", {"peak": 1})
+    with pytest.raises(ValueError, match="link 'ib'"):
+        _predict(OVERLAP, axis_links={"fsdp": "ib"})
+
+
+def test_mfu_and_throughput():
+    st = predict(OVERLAP, CHIP, n_devices=8, tokens_per_step=4096, model_flops_per_step=8 * 1e12)
+    assert st.tokens_per_s_per_device == pytest.approx(4096 / st.seconds / 8)
+    assert st.mfu == pytest.approx(8e12 / (8 * 1e15 * st.seconds))
+    assert math.isclose(predict(OVERLAP, CHIP, n_devices=8, tokens_per_step=1, model_flops_per_step=8e12,
+                                compute_dtype="float32").mfu, 2 * st.mfu)  # fmt: skip
