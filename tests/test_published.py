@@ -79,3 +79,51 @@ def test_every_published_run_names_its_source_and_describes_a_plannable_run():
         assert re.fullmatch(r"[0-9a-f]{40}", src["commit"]) and re.fullmatch(r"\d{4}-\d{2}-\d{2}", src["date"]), r["name"]
         assert {"precision", "fp8", "attention", "remat_policy"} <= set(r["run"]), r["name"]
     assert {"h100", "v5e", "v5p", "v6e"} <= chips  # the issue's runs: NVIDIA and the three TPU generations
+
+
+def test_the_cpu_calibration_is_cached_per_jaxlib_and_core_count(tmp_path, monkeypatch):
+    """XLA:CPU's figures are measured once per machine: read back while the jaxlib version and
+    the core count are the same, measured again when either changes or when asked to; they are
+    per device, so half the devices get twice the host's share each."""
+    from nnxscale.planning import calibration
+
+    calls = []
+
+    def fake_measure():
+        calls.append(1)
+        return {"devices": 8, "matmul_flops": 1e9 * len(calls), "stream_bytes": 4e8, "op_seconds": 2e-5,
+                "allreduce_bytes": 1e8, "allreduce_latency": 3e-4, "measured": "now"}  # fmt: skip
+
+    path = tmp_path / "cal.json"
+    first = calibration.host_figures(path=path, measure=fake_measure)
+    assert calibration.host_figures(path=path, measure=fake_measure) == first and len(calls) == 1
+    key = calibration.machine_key()
+    monkeypatch.setattr(calibration, "machine_key", lambda: {**key, "cores": key["cores"] + 1})
+    assert calibration.host_figures(path=path, measure=fake_measure)["matmul_flops"] == 2e9 and len(calls) == 2
+    monkeypatch.setattr(calibration, "machine_key", lambda: {**key, "jaxlib": "0.0.1"})
+    calibration.host_figures(path=path, measure=fake_measure)
+    calibration.host_figures(path=path, measure=fake_measure, refresh=True)
+    assert len(calls) == 4 and json.loads(path.read_text())["key"]["jaxlib"] == "0.0.1"
+
+    eight, four = calibration.cpu_hardware(8, first), calibration.cpu_hardware(4, first)
+    assert eight.peak("float32") == 1e9 and four.peak("float32") == 2e9 and four.op_overhead == 1e-5
+    assert four.hbm_bandwidth == 2 * eight.hbm_bandwidth and four.links["cpu"].effective == 2e8
+
+
+def test_a_cpu_run_predicts_only_once_this_machine_is_calibrated(tmp_path, monkeypatch):
+    """The trainer asks local_hardware for its devices' figures: on XLA:CPU none until the
+    cache holds this machine's (a run never measures), then the calibrated ones for its mesh."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from nnxscale.planning import calibration
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    assert calibration.local_hardware(mesh) is None
+    figures = {"devices": 8, "matmul_flops": 1e9, "stream_bytes": 4e8, "op_seconds": 2e-5, "allreduce_bytes": 1e8,
+               "allreduce_latency": 3e-4, "measured": "now"}  # fmt: skip
+    calibration.host_figures(measure=lambda: figures)
+    assert calibration.cache_path().is_file() and str(calibration.cache_path()).startswith(str(tmp_path))
+    assert calibration.local_hardware(mesh).peak("float32") == 2e9  # 8 devices' share, for 4

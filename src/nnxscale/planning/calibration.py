@@ -1,0 +1,216 @@
+"""XLA:CPU as a step-time target: this machine's figures, measured (``steptime`` needs a chip's).
+
+A CPU has no datasheet the prediction can read, so a few microbenchmarks measure what
+XLA:CPU reaches here, with every local CPU device working at once as the devices of a
+training step do (XLA's simulated devices share the host's cores): a matrix product's FLOP/s,
+a streaming update's bytes/s, the cost of one more op (a tiny product: the runtime's dispatch
+of an op), and an all-reduce's bandwidth and latency between the devices. Each figure is per
+device, for the number of devices measured with; :func:`cpu_hardware` rescales them to another
+count (the host's throughput shared out). About 2 seconds on an idle 2-core machine.
+
+The figures are cached per machine under the user's cache directory
+(``$XDG_CACHE_HOME/nnxscale/cpu-calibration.json``, else ``~/.cache/...``), keyed by the
+jaxlib version and the cores this process may use: a new jaxlib or another core count
+measures again. :func:`register_cpu` makes them the ``"cpu"`` hardware of
+:func:`nnxscale.planning.steptime.hardware_for`, so ``nnxscale plan`` without ``--target``
+and the trainer on XLA:CPU predict step times too.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+#: Bump when what is measured changes: older cache entries are measured again.
+CALIBRATION_VERSION = 1
+
+#: Sizes of the microbenchmarks, per device: a square float32 product of this side (the
+#: mini models' products are 128-512 wide), a streaming update of this many bytes, a chain
+#: of this many tiny dependent products, an all-reduce of this many bytes.
+MATMUL_SIDE = 256
+STREAM_BYTES = 8 << 20
+CHAIN_OPS = 64
+ALLREDUCE_BYTES = 2 << 20
+
+
+def cache_path() -> Path:
+    """Where the figures are kept: ``$XDG_CACHE_HOME/nnxscale/cpu-calibration.json``."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "nnxscale" / "cpu-calibration.json"
+
+
+def machine_key() -> dict[str, Any]:
+    """What the figures hold for: this jaxlib and the cores this process may run on."""
+    import jaxlib
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"jaxlib": jaxlib.__version__, "cores": cores, "version": CALIBRATION_VERSION}
+
+
+def host_figures(*, refresh: bool = False, path: Optional[Path] = None, measure: Optional[Callable[[], dict]] = None) -> dict:
+    """This machine's XLA:CPU figures (:func:`measure_host`'s), from the cache where it holds
+    them for :func:`machine_key`, else measured now and cached. ``refresh``: measure again."""
+    path = cache_path() if path is None else Path(path)
+    key = machine_key()
+    if not refresh:
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cached = None
+        if isinstance(cached, dict) and cached.get("key") == key and isinstance(cached.get("figures"), dict):
+            return cached["figures"]
+    figures = (measure or measure_host)()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "figures": figures}, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: measured each time, still right
+        pass
+    return figures
+
+
+def _median_seconds(fn: Callable, *args, repeat: int = 5) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+_REPEATS, _AR_LOOPS, _SMALL_LOOPS = 8, 4, 32
+
+
+@functools.cache
+def _programs(devices: tuple) -> dict:
+    """The microbenchmarks' jitted programs and inputs over ``devices`` (one shard each), built
+    once per process: measuring again (``bench/steptime.py`` does before each configuration)
+    runs them without compiling."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    n, m = len(devices), MATMUL_SIDE
+    mesh = Mesh(np.array(devices), ("d",))
+
+    def put(*shape):
+        return jax.device_put(jnp.full((n, *shape), 0.5, jnp.float32), NamedSharding(mesh, P("d")))
+
+    def chain(x, w):
+        for _ in range(CHAIN_OPS):
+            x = jnp.einsum("dij,djk->dik", x, w)
+        return x
+
+    def allreduce(loops):
+        def body(x):
+            return jax.lax.fori_loop(0, loops, lambda _, c: c * 0.5 + jax.lax.psum(c, "d") * (0.5 / n), x)
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+    return {
+        "mesh": mesh,
+        "products": jax.jit(lambda a, w: jax.lax.fori_loop(0, _REPEATS, lambda _, c: jnp.einsum("dij,djk->dik", c, w) / m, a)),
+        "stream": jax.jit(lambda x: jax.lax.fori_loop(0, _REPEATS, lambda _, c: c * 0.999 + 0.001, x)),
+        "chain": jax.jit(chain),
+        "allreduce": allreduce(_AR_LOOPS),
+        "allreduce_small": allreduce(_SMALL_LOOPS),
+        "square": put(m, m), "long": put(STREAM_BYTES // 4), "tiny": put(8, 8), "shard": put(ALLREDUCE_BYTES // 4), "few": put(8),
+    }  # fmt: skip
+
+
+def measure_host() -> dict:
+    """Measure XLA:CPU here, every local CPU device at once (one shard each): per device,
+    ``matmul_flops`` (FLOP/s of a float32 product), ``stream_bytes`` (bytes/s read and written
+    by an elementwise update), ``op_seconds`` (one more op in a chain of dependent tiny
+    products), ``allreduce_bytes`` and ``allreduce_latency`` (an all-reduce between all of
+    them: ring bandwidth, and the time of one of a few bytes); ``devices``: how many."""
+    import jax
+
+    devices = tuple(d for d in jax.local_devices() if d.platform == "cpu") or tuple(jax.devices("cpu"))
+    n = len(devices)
+    p = _programs(devices)
+    with jax.set_mesh(p["mesh"]):  # the calibration's own mesh, whatever mesh the caller is under
+        t_mm = _median_seconds(p["products"], p["square"], p["square"])
+        t_stream = _median_seconds(p["stream"], p["long"])
+        t_chain = _median_seconds(p["chain"], p["tiny"], p["tiny"])
+        t_ar = _median_seconds(p["allreduce"], p["shard"]) / _AR_LOOPS
+        t_small = _median_seconds(p["allreduce_small"], p["few"]) / _SMALL_LOOPS
+    m, repeats = MATMUL_SIDE, _REPEATS
+    ring = 2 * (n - 1) / n if n > 1 else 1.0
+    return {
+        "devices": n,
+        "matmul_flops": 2 * m**3 * repeats / t_mm,
+        "stream_bytes": 2 * STREAM_BYTES * repeats / t_stream,
+        "op_seconds": t_chain / CHAIN_OPS,
+        "allreduce_bytes": ring * ALLREDUCE_BYTES / max(t_ar - t_small, 1e-9),
+        "allreduce_latency": t_small,
+        "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def cpu_hardware(n_devices: int, figures: Optional[dict] = None):
+    """The :class:`~nnxscale.planning.steptime.Hardware` of one of ``n_devices`` simulated CPU
+    devices: the measured per-device figures (``figures``, default :func:`host_figures`)
+    rescaled from the count they were measured with (the host's throughput shared out)."""
+    from nnxscale.planning.steptime import Hardware, Link
+
+    f = host_figures() if figures is None else figures
+    share = f["devices"] / max(n_devices, 1)
+    flops = f["matmul_flops"] * share
+    source = f"measured on this machine ({machine_key()['cores']} cores, {f['devices']} devices, {f['measured']})"
+    return Hardware(
+        name=f"XLA:CPU ({n_devices} devices on {machine_key()['cores']} cores)",
+        peak_flops={"float32": flops, "bfloat16": flops},  # XLA:CPU computes a bfloat16 product in float32
+        hbm_bandwidth=f["stream_bytes"] * share,
+        links={"cpu": Link("cpu", f["allreduce_bytes"] * share, f["allreduce_latency"] / share, 1.0, {"bandwidth": source})},
+        matmul_efficiency=1.0,
+        memory_efficiency=1.0,
+        op_overhead=f["op_seconds"] / share,
+        sources={k: source for k in ("peak_flops", "hbm_bandwidth", "op_overhead")},
+    )  # fmt: skip
+
+
+def register_cpu(n_devices: int, *, refresh: bool = False):
+    """Measure (or read) this machine's figures and register them as ``"cpu"`` for ``n_devices``
+    devices (:func:`nnxscale.planning.steptime.register_hardware`); returns the hardware."""
+    from nnxscale.planning.steptime import register_hardware
+
+    hw = cpu_hardware(n_devices, host_figures(refresh=refresh))
+    register_hardware("cpu", hw)
+    return hw
+
+
+#: A device's ``device_kind`` (by substring, the first that matches) -> its chip's key in
+#: :data:`nnxscale.planning.hardware.CHIPS` (the names :data:`nnxscale.sharding.devices.PEAK_FLOPS` reads).
+DEVICE_KINDS = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("B200", "b200"), ("TPU v6", "v6e"),
+                ("TPU v5p", "v5p"), ("TPU v5", "v5e"), ("TPU v4", "v4"))  # fmt: skip
+
+
+def local_hardware(mesh):
+    """The figures of the devices a run's ``mesh`` holds, where the prediction has them: a GPU
+    or TPU nnxscale knows by its ``device_kind``, or XLA:CPU once this machine is calibrated
+    (read from the cache, never measured here: a run does not pay for it); else ``None``."""
+    from nnxscale.planning import steptime
+
+    device = mesh.devices.flat[0]
+    if device.platform == "cpu":
+        try:
+            cached = json.loads(cache_path().read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(cached, dict) or cached.get("key") != machine_key():
+            return None
+        return cpu_hardware(mesh.devices.size, cached["figures"])
+    kind = getattr(device, "device_kind", "")
+    key = next((k for sub, k in DEVICE_KINDS if sub in kind), None)
+    return None if key is None else steptime.hardware_for(key)
