@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 #: Bump when what is measured changes: older cache entries are measured again.
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 
-#: Sizes of the microbenchmarks, per device: a square float32 product of this side (the
-#: mini models' products are 128-512 wide), a streaming update of this many bytes, a chain
-#: of this many tiny dependent products, an all-reduce of this many bytes.
-MATMUL_SIDE = 256
+#: Sizes of the microbenchmarks, per device: an MLP's two float32 products of this many rows
+#: and this width (x 4 inside: the shapes of a small model's step per device), a streaming
+#: update of this many bytes, a chain of this many tiny dependent products, an all-reduce of
+#: this many bytes.
+MATMUL_ROWS, MATMUL_WIDTH = 512, 128
 STREAM_BYTES = 8 << 20
 CHAIN_OPS = 64
 ALLREDUCE_BYTES = 2 << 20
@@ -100,8 +101,11 @@ def _programs(devices: tuple) -> dict:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    n, m = len(devices), MATMUL_SIDE
+    n, rows, width = len(devices), MATMUL_ROWS, MATMUL_WIDTH
     mesh = Mesh(np.array(devices), ("d",))
+
+    def mlp(c, w1, w2):
+        return jnp.einsum("dij,djk->dik", jnp.einsum("dij,djk->dik", c, w1), w2) / width
 
     def put(*shape):
         return jax.device_put(jnp.full((n, *shape), 0.5, jnp.float32), NamedSharding(mesh, P("d")))
@@ -119,18 +123,19 @@ def _programs(devices: tuple) -> dict:
 
     return {
         "mesh": mesh,
-        "products": jax.jit(lambda a, w: jax.lax.fori_loop(0, _REPEATS, lambda _, c: jnp.einsum("dij,djk->dik", c, w) / m, a)),
+        "products": jax.jit(lambda a, w1, w2: jax.lax.fori_loop(0, _REPEATS, lambda _, c: mlp(c, w1, w2), a)),
         "stream": jax.jit(lambda x: jax.lax.fori_loop(0, _REPEATS, lambda _, c: c * 0.999 + 0.001, x)),
         "chain": jax.jit(chain),
         "allreduce": allreduce(_AR_LOOPS),
         "allreduce_small": allreduce(_SMALL_LOOPS),
-        "square": put(m, m), "long": put(STREAM_BYTES // 4), "tiny": put(8, 8), "shard": put(ALLREDUCE_BYTES // 4), "few": put(8),
+        "rows": put(rows, width), "w1": put(width, 4 * width), "w2": put(4 * width, width),
+        "long": put(STREAM_BYTES // 4), "tiny": put(8, 8), "shard": put(ALLREDUCE_BYTES // 4), "few": put(8),
     }  # fmt: skip
 
 
 def measure_host() -> dict:
     """Measure XLA:CPU here, every local CPU device at once (one shard each): per device,
-    ``matmul_flops`` (FLOP/s of a float32 product), ``stream_bytes`` (bytes/s read and written
+    ``matmul_flops`` (FLOP/s of an MLP's float32 products), ``stream_bytes`` (bytes/s read and written
     by an elementwise update), ``op_seconds`` (one more op in a chain of dependent tiny
     products), ``allreduce_bytes`` and ``allreduce_latency`` (an all-reduce between all of
     them: ring bandwidth, and the time of one of a few bytes); ``devices``: how many."""
@@ -140,17 +145,18 @@ def measure_host() -> dict:
     n = len(devices)
     p = _programs(devices)
     with jax.set_mesh(p["mesh"]):  # the calibration's own mesh, whatever mesh the caller is under
-        t_mm = _median_seconds(p["products"], p["square"], p["square"])
+        mlp = (p["rows"], p["w1"], p["w2"])
+        t_mm = _median_seconds(p["products"], *mlp)
         t_stream = _median_seconds(p["stream"], p["long"])
         t_chain = _median_seconds(p["chain"], p["tiny"], p["tiny"])
         t_ar = _median_seconds(p["allreduce"], p["shard"]) / _AR_LOOPS
         t_small = _median_seconds(p["allreduce_small"], p["few"]) / _SMALL_LOOPS
-    m, repeats = MATMUL_SIDE, _REPEATS
+    flops = 2 * 2 * MATMUL_ROWS * MATMUL_WIDTH * 4 * MATMUL_WIDTH * _REPEATS
     ring = 2 * (n - 1) / n if n > 1 else 1.0
     return {
         "devices": n,
-        "matmul_flops": 2 * m**3 * repeats / t_mm,
-        "stream_bytes": 2 * STREAM_BYTES * repeats / t_stream,
+        "matmul_flops": flops / t_mm,
+        "stream_bytes": 2 * STREAM_BYTES * _REPEATS / t_stream,
         "op_seconds": t_chain / CHAIN_OPS,
         "allreduce_bytes": ring * ALLREDUCE_BYTES / max(t_ar - t_small, 1e-9),
         "allreduce_latency": t_small,
