@@ -179,3 +179,59 @@ def test_mfu_and_throughput():
     assert st.mfu == pytest.approx(8e12 / (8 * 1e15 * st.seconds))
     assert math.isclose(predict(OVERLAP, CHIP, n_devices=8, tokens_per_step=1, model_flops_per_step=8e12,
                                 compute_dtype="float32").mfu, 2 * st.mfu)  # fmt: skip
+
+
+# A loop whose body waits, after its first matmul, for the gather its previous turn started
+# after that matmul (a pipelined collective: started before the loop for the first turn).
+PIPELINED = """HloModule pipelined, is_scheduled=true, num_partitions=8
+
+%fused_dot (p0: bf16[4096,4096], p1: bf16[4096,4096]) -> bf16[4096,4096] {
+  %p0 = bf16[4096,4096]{1,0} parameter(0)
+  %p1 = bf16[4096,4096]{1,0} parameter(1)
+  ROOT %dot = bf16[4096,4096]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (p: (s32[], bf16[512,4096], (bf16[512,4096], bf16[4096,4096]), bf16[4096,4096])) -> (s32[], bf16[512,4096], (bf16[512,4096], bf16[4096,4096]), bf16[4096,4096]) {
+  %p = (s32[], bf16[512,4096]{1,0}, (bf16[512,4096]{1,0}, bf16[4096,4096]{1,0}), bf16[4096,4096]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %a = bf16[512,4096]{1,0} get-tuple-element(%p), index=1
+  %prev = (bf16[512,4096]{1,0}, bf16[4096,4096]{1,0}) get-tuple-element(%p), index=2
+  %w = bf16[4096,4096]{1,0} get-tuple-element(%p), index=3
+  %f = bf16[4096,4096]{1,0} fusion(%w, %w), kind=kCustom, calls=%fused_dot
+  %done = bf16[4096,4096]{1,0} all-gather-done(%prev)
+  %start = (bf16[512,4096]{1,0}, bf16[4096,4096]{1,0}) all-gather-start(%a), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %g = bf16[4096,4096]{1,0} fusion(%f, %done), kind=kCustom, calls=%fused_dot
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[512,4096]{1,0}, (bf16[512,4096]{1,0}, bf16[4096,4096]{1,0}), bf16[4096,4096]{1,0}) tuple(%next, %a, %start, %g)
+}
+
+%cond (p: (s32[], bf16[512,4096], (bf16[512,4096], bf16[4096,4096]), bf16[4096,4096])) -> pred[] {
+  %p = (s32[], bf16[512,4096]{1,0}, (bf16[512,4096]{1,0}, bf16[4096,4096]{1,0}), bf16[4096,4096]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: bf16[512,4096], w: bf16[4096,4096]) -> bf16[4096,4096] {
+  %a = bf16[512,4096]{1,0} parameter(0)
+  %w = bf16[4096,4096]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %start0 = (bf16[512,4096]{1,0}, bf16[4096,4096]{1,0}) all-gather-start(%a), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %init = (s32[], bf16[512,4096]{1,0}, (bf16[512,4096]{1,0}, bf16[4096,4096]{1,0}), bf16[4096,4096]{1,0}) tuple(%zero, %a, %start0, %w)
+  %loop = (s32[], bf16[512,4096]{1,0}, (bf16[512,4096]{1,0}, bf16[4096,4096]{1,0}), bf16[4096,4096]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %last = (bf16[512,4096]{1,0}, bf16[4096,4096]{1,0}) get-tuple-element(%loop), index=2
+  ROOT %out = bf16[4096,4096]{1,0} all-gather-done(%last)
+}
+"""
+
+
+def test_a_collective_a_loop_turn_starts_for_the_next_hides_behind_both_turns():
+    st = _predict(PIPELINED)
+    gather = 7 / 8 * MATRIX / 1e11
+    matmul = 2 * 4096**3 / 1e15
+    (c,) = st.collectives
+    assert c.count == 5 and c.seconds == pytest.approx(5 * gather)  # 4 turns and the one before the loop
+    # each turn's gather runs behind its second matmul and the next turn's first: 2 matmuls hide it
+    assert gather > 2 * matmul
+    assert c.exposed == pytest.approx(4 * (gather - 2 * matmul), rel=1e-3)

@@ -63,6 +63,27 @@ def test_plan_target_h100x8_reports_the_gpu_compilers_own_figures(h100x8_plan):
 
 
 @pytest.mark.needs_cuda_plugin
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry")
+def test_plan_target_predicts_the_step_time_from_the_compiled_program(h100x8_plan):
+    p = h100x8_plan
+    st = p.step_time
+    assert st is not None and st.hardware == "NVIDIA H100 80GB HBM3" and st.seconds > 0
+    assert st.seconds == pytest.approx(st.compute_s + st.memory_s + st.overhead_s + st.exposed_collective_s)
+    assert st.tokens_per_s == pytest.approx(16 * 64 / st.seconds) and 0 < st.mfu < 1
+    # the Pallas attention kernel's products are estimated from its operands: the walk counts more than the dots
+    assert st.kernel_flops > 0 and st.flops == pytest.approx(p.flops + st.kernel_flops)
+    assert "step time on h100x8" in str(p) and f"bottleneck: {st.bottleneck}" in str(p)
+    assert p.to_dict()["step_time"]["seconds"] == st.seconds
+    # ranked by time: a slower copy goes after it, one that does not fit last
+    slow = dataclasses.replace(p, step_time=dataclasses.replace(st, seconds=2 * st.seconds))
+    big = dataclasses.replace(p, device_memory=p.peak_bytes - 1)
+    assert meshes.sweep_table([p]).splitlines()[0].split()[-3:] == ["step", "tokens/s/dev", "MFU"]
+    from nnxscale.planning.steptime import rank_by_time
+
+    assert rank_by_time([big, slow, p]) == [p, slow, big]
+
+
+@pytest.mark.needs_cuda_plugin
 def test_the_mesh_is_laid_onto_the_targets_nodes():
     target = targets.get("h100x16")  # two nodes of 8
     devices = target.devices()

@@ -38,11 +38,20 @@ GPU_MEMORY_EFFICIENCY = 0.90
 #: GEMM as a kernel; asynchronous launches overlap the host's cost). An assumption, not fitted.
 GPU_OP_OVERHEAD = 2e-6
 
+#: Attention kernels on the GPU, achieved over peak: "FlashAttention-2 ... achieving only 35%
+#: utilization on the H100 GPU", FlashAttention-3 "up to 740 TFLOPs/s (75% utilization)" in
+#: bf16 (Shah et al., "FlashAttention-3", 2024, abstract). JAX's Pallas GPU flash kernel is a
+#: Triton kernel of FlashAttention-2's design: 0.35; cuDNN's fused attention on Hopper uses
+#: the warp-specialized design FlashAttention-3 describes: 0.75.
+GPU_KERNEL_EFFICIENCY = {"__gpu$xla.gpu.triton": 0.35, "__cudnn$fmha": 0.75}
+
 _GPU_SOURCES = {
     "matmul_efficiency": "H. He, thonking.ai 2024: cuBLAS bf16 8192^3, random inputs, 257-258 of 312 TFLOP/s on A100 "
                          "(83%); taken for every NVIDIA chip",
     "memory_efficiency": "assumption: ~90% of the published HBM bandwidth for a streaming kernel (not a cited fit)",
     "op_overhead": "assumption: ~2 us between back-to-back kernels (not a cited fit)",
+    "kernel_efficiency": "Shah et al., FlashAttention-3 (2024), abstract: FlashAttention-2 35% of the H100's peak (the "
+                         "Pallas GPU kernel, Triton), FlashAttention-3 75% (cuDNN's fused attention)",
 }
 
 #: NVLink inside a node: "although NVIDIA claims bandwidths of about 450GB/s over an H100
@@ -75,6 +84,7 @@ def _nvidia(key: str, peaks: dict, nvlink: float, nic: float, sources: dict) -> 
         matmul_efficiency=GPU_MATMUL_EFFICIENCY,
         memory_efficiency=GPU_MEMORY_EFFICIENCY,
         op_overhead=GPU_OP_OVERHEAD,
+        kernel_efficiency=GPU_KERNEL_EFFICIENCY,
         sources={**_GPU_SOURCES, "hbm_bandwidth": "targets.GPU_CHIPS", **sources},
     )  # fmt: skip
 

@@ -69,7 +69,10 @@ class Hardware:
     ``"dcn"``, ...), the slowest first-class choice for a collective being the one its group
     crosses. Efficiency constants: ``matmul_efficiency`` (a large GEMM's achieved over peak),
     ``memory_efficiency`` (a streaming kernel's achieved over the HBM bandwidth),
-    ``op_overhead`` (seconds per op launched). ``sources``: where each figure is published.
+    ``op_overhead`` (seconds per op launched), ``kernel_efficiency`` (by custom-call target:
+    target name or its prefix: an attention kernel's achieved over peak, where it differs from
+    a GEMM's). ``sources``:
+    where each figure is published.
     """
 
     name: str
@@ -80,6 +83,7 @@ class Hardware:
     memory_efficiency: float
     op_overhead: float
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
+    kernel_efficiency: dict = dataclasses.field(default_factory=dict)
 
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s at ``dtype`` (a name or an HLO element type); bfloat16's where unknown."""
@@ -379,7 +383,7 @@ class _Walk:
                 k = math.prod(shapes[0][int(d.strip('"'))] for d in dims.group(1).split(",") if d.strip())
                 return 2.0 * math.prod(out) * k
             return 0.0
-        if "fmha" in name or "triton" in name or name == "tpu_custom_call":
+        if "fmha" in name or "triton" in name or name == "tpu_custom_call":  # attention kernels (Pallas, cuDNN)
             return _attention_flops(instr, shapes, self.notes)
         return 0.0
 
@@ -389,7 +393,10 @@ class _Walk:
             flops, secs = self._direct_flops(comp, instr)
         elif instr.opcode == "custom-call":
             kflops = self.kernel_flops(instr, comp)
-            secs = kflops / (self.hw.peak("bfloat16") * self.hw.matmul_efficiency)
+            target = _TARGET.search(instr.attrs)
+            name = target.group(1) if target else ""
+            efficiency = next((e for k, e in self.hw.kernel_efficiency.items() if name.startswith(k)), self.hw.matmul_efficiency)
+            secs = kflops / (self.hw.peak("bfloat16") * efficiency)
         for callee in hlo._called(instr) if instr.opcode in ("fusion", "custom-call") else ():
             f, s = self.comp_flops(callee)
             flops, secs = flops + f, secs + s
@@ -505,6 +512,7 @@ class _Walk:
         t = net = 0.0  # the compute stream's clock; when the collective stream is free
         pending: dict[str, tuple[float, CollectiveTime]] = {}
         by_channel: dict[str, str] = {}
+        early: dict[str, float] = {}  # a loop body's done of a collective its previous turn started: when it waits
 
         def wait(key: str) -> None:
             nonlocal t
@@ -548,6 +556,9 @@ class _Walk:
                     key = by_channel.get(_channel(self, instr), "")
                 if key in pending:
                     wait(key)
+                else:  # started at the end of the previous turn of this loop (a pipelined collective)
+                    for k in (_carried_start(comp, instr), "channel:" + _channel(self, instr)):
+                        early.setdefault(k, t)
                 continue
             coll = self.collective(comp, instr)
             if coll is not None:
@@ -582,11 +593,33 @@ class _Walk:
             sub = self.op_time(comp, instr)
             out.add(sub)
             t += sub.seconds
-        for key in list(pending):  # the scheduler always closes them; be safe
-            wait(key)
+        end_of_turn = t
+        for key in list(pending):
+            ch = "channel:" + _channel(self, comp.instrs[key])
+            done_at = early.get(key, early.get(ch)) if ch != "channel:" else early.get(key)
+            if done_at is None:  # the scheduler closes every pair in its computation; be safe
+                wait(key)
+                continue
+            # Awaited in the next turn: hidden by the rest of this turn and the next one's ops before its done.
+            end, c = pending.pop(key)
+            waits = max(end - end_of_turn - done_at, 0.0)
+            out.colls[(c.kind, c.link)].exposed += waits
+            t += waits
         out.seconds = t
         self.memo[name] = out
         return out
+
+
+def _carried_start(comp: _Comp, done: _Instr) -> str:
+    """The start a loop body's ``done`` waits for when that start is the previous turn's: the
+    done reads a loop parameter's element that the body's root sets to the start."""
+    g = hlo._through(comp, done.operands[0]) if done.operands else None
+    m = re.search(r"\bindex=(\d+)", g.attrs) if g is not None and g.opcode == "get-tuple-element" else None
+    root = comp.instrs.get(comp.root)
+    if m is None or root is None or root.opcode != "tuple" or int(m.group(1)) >= len(root.operands):
+        return ""
+    src = hlo._through(comp, root.operands[int(m.group(1))])
+    return src.name if src is not None else ""
 
 
 def _calls_target(walk: _Walk, instr: _Instr, target: str) -> bool:
@@ -612,25 +645,29 @@ def _channel(walk: _Walk, instr: _Instr) -> str:
 
 
 def _attention_flops(instr: _Instr, shapes: list, notes: set) -> float:
-    """An attention kernel's FLOPs from its operands: the first three rank-4 operands are the
-    query, key and value, ``(B, T, H, D)`` (the layout jax's kernels take); forward
-    ``4 B H T S D`` (two products), the backward (a kernel with gradients among its outputs:
-    more outputs than a forward's one or two) 2.5x that (five products); halved when causal
-    (the HLO says ``causal``/``is_causal`` in its config)."""
-    qkv = [s for s in shapes if len(s) == 4][:3]
-    if len(qkv) < 2:
+    """An attention kernel's FLOPs from its operands and results. Its first rank-4 operands are
+    the query and key, ``(B, T, H, D)`` or ``(B, H, T, D)`` (the sequence: the longer middle
+    dimension of the key). Each product over the scores is ``2 B H T S D`` FLOPs (``H`` the
+    query heads), halved for a causal mask (nnxscale's models are causal decoders). A forward
+    kernel (query, key and value in) runs two (scores, weighted values); a backward kernel (the
+    output's gradient in too: more than three rank-4 operands) recomputes the scores and the
+    probabilities' gradient and runs one more per gradient it returns (dq, dk, dv: 5 when fused,
+    as FlashAttention-2's backward). A kernel the metadata names ``preprocess`` (the backward's
+    row sums) runs none."""
+    source = hlo._OP_NAME.search(instr.attrs)
+    if source and "preprocess" in source.group(1):  # the backward's preprocessing (a row sum): no products
+        return 0.0
+    four = [s for s in shapes if len(s) == 4]
+    if len(four) < 2:
         if shapes:
             notes.add("a kernel whose FLOPs could not be read from its operands: its matmuls are not counted")
         return 0.0
-    (b, t, h, d), (_, s, _, _) = qkv[0], qkv[1]
-    flops = 4.0 * b * h * t * s * d
-    outs = [x for x in hlo._leaves(instr.type) if len(x[1]) == 4]
-    if len(outs) >= 3:
-        flops *= 2.5
-    config = instr.attrs.lower()
-    if "causal" in config and '"causal":false' not in config.replace(" ", ""):
-        flops /= 2
-    return flops
+    q, k = four[0], four[1]
+    seq = max(k[1], k[2])
+    per_product = 2.0 * math.prod(q) * seq / 2  # causal: half the score matrix
+    outputs = [x for x in hlo._leaves(instr.type) if len(x[1]) == 4]
+    products = 2 if len(four) <= 3 else 2 + max(len(outputs), 1)
+    return products * per_product
 
 
 def _group_members(attrs: str, devices: int) -> Optional[list[list[int]]]:

@@ -370,20 +370,30 @@ def device_mesh(sizes: dict[str, int], target: Target, devices):
     return Mesh(grid, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))  # as make_mesh's
 
 
-def placement(mesh, target: Target) -> dict:
-    """Where each device of ``mesh`` (laid on ``target``'s devices) sits, by logical device id
-    (row-major position in the mesh: what the compiled program's replica groups name), as
-    :class:`nnxscale.planning.steptime.Placement` reads it: the node (GPU) or slice (TPU) of
-    each, and on a TPU its coordinates on the slice's torus and which dimensions wrap around
-    (v4 and v5p: a dimension of a whole number of 4-chip cube edges, joined by the optical
-    switches; v5e and v6e: a dimension of 16; the scaling book, "All About TPUs")."""
+def placement(mesh, target: "Target | None" = None) -> dict:
+    """Where each device of ``mesh`` sits, by logical device id (row-major position in the
+    mesh: what the compiled program's replica groups name), as
+    :class:`nnxscale.planning.steptime.Placement` reads it: the node (GPU: its process) or
+    slice (TPU) of each, and on a TPU its coordinates on the slice's torus and which dimensions
+    wrap around (v4 and v5p: a dimension of a whole number of 4-chip cube edges, joined by the
+    optical switches; v5e and v6e: a dimension of 16; the scaling book, "How to Think About
+    TPUs"). ``target``: the devices' :class:`Target` (deviceless); ``None``: real devices, the
+    torus read from their coordinates. ``None`` is returned for CPU devices."""
     flat = list(mesh.devices.flat)
-    if target.family == "gpu":
+    platform = flat[0].platform
+    if platform == "cpu":
+        return None
+    if platform != "tpu":
         return {"inner": "nvlink", "outer": "network", "domains": [d.process_index for d in flat]}
-    torus = [int(x) for x in target.topology.split(":")[1].split("x")]
-    cube = TPU_CHIPS[target.chip]["dims"] == 3
+    coords = [list(d.coords) for d in flat]
+    if target is not None:
+        torus = [int(x) for x in target.topology.split(":")[1].split("x")]
+        cube = TPU_CHIPS[target.chip]["dims"] == 3
+    else:
+        torus = [max(c[k] for c in coords) + 1 for k in range(len(coords[0]))]
+        cube = "lite" not in flat[0].device_kind.lower() and "v6" not in flat[0].device_kind.lower()
     wraps = [size % 4 == 0 if cube else size == 16 for size in torus]
     return {
         "inner": "ici", "outer": "dcn", "domains": [getattr(d, "slice_index", None) or 0 for d in flat],
-        "coords": [list(d.coords)[: len(torus)] for d in flat], "torus": torus, "wraps": wraps,
+        "coords": [c[: len(torus)] for c in coords], "torus": torus, "wraps": wraps,
     }  # fmt: skip
