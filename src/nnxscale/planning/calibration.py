@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 #: Bump when what is measured changes: older cache entries are measured again.
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 
 #: Sizes of the microbenchmarks, per device: an MLP's two float32 products of this many rows
 #: and this width (x 4 inside: the shapes of a small model's step per device), a streaming
@@ -121,13 +121,28 @@ def _programs(devices: tuple) -> dict:
 
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
+    def after_product(with_allreduce: bool):
+        # A product, then (or not) an all-reduce of a few bytes: the devices, sharing the
+        # cores, reach it at different times, as they reach a step's collectives.
+        def body(x, h, w):
+            def one(_, carry):
+                c, h = carry
+                h = jnp.einsum("dij,djk->dik", h, w) / width
+                return (c * 0.5 + jax.lax.psum(c, "d") * (0.5 / n) if with_allreduce else c), h
+
+            return jax.lax.fori_loop(0, _SMALL_LOOPS, one, (x, h))
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
     return {
         "mesh": mesh,
         "products": jax.jit(lambda a, w1, w2: jax.lax.fori_loop(0, _REPEATS, lambda _, c: mlp(c, w1, w2), a)),
         "stream": jax.jit(lambda x: jax.lax.fori_loop(0, _REPEATS, lambda _, c: c * 0.999 + 0.001, x)),
         "chain": jax.jit(chain),
         "allreduce": allreduce(_AR_LOOPS),
-        "allreduce_small": allreduce(_SMALL_LOOPS),
+        "product": after_product(False),
+        "product_allreduce": after_product(True),
+        "square": put(width, width),
         "rows": put(rows, width), "w1": put(width, 4 * width), "w2": put(4 * width, width),
         "long": put(STREAM_BYTES // 4), "tiny": put(8, 8), "shard": put(ALLREDUCE_BYTES // 4), "few": put(8),
     }  # fmt: skip
@@ -137,8 +152,10 @@ def measure_host() -> dict:
     """Measure XLA:CPU here, every local CPU device at once (one shard each): per device,
     ``matmul_flops`` (FLOP/s of an MLP's float32 products), ``stream_bytes`` (bytes/s read and written
     by an elementwise update), ``op_seconds`` (one more op in a chain of dependent tiny
-    products), ``allreduce_bytes`` and ``allreduce_latency`` (an all-reduce between all of
-    them: ring bandwidth, and the time of one of a few bytes); ``devices``: how many."""
+    products), ``allreduce_bytes`` (an all-reduce's ring bandwidth between all of them, in a
+    loop of all-reduces) and ``allreduce_latency`` (what one of a few bytes adds after a
+    product: the devices, sharing the cores, reach it at different times and wait for the
+    last, as at a step's collectives); ``devices``: how many."""
     import jax
 
     devices = tuple(d for d in jax.local_devices() if d.platform == "cpu") or tuple(jax.devices("cpu"))
@@ -150,7 +167,8 @@ def measure_host() -> dict:
         t_stream = _median_seconds(p["stream"], p["long"])
         t_chain = _median_seconds(p["chain"], p["tiny"], p["tiny"])
         t_ar = _median_seconds(p["allreduce"], p["shard"]) / _AR_LOOPS
-        t_small = _median_seconds(p["allreduce_small"], p["few"]) / _SMALL_LOOPS
+        one = (p["few"], p["rows"], p["square"])
+        t_small = (_median_seconds(p["product_allreduce"], *one) - _median_seconds(p["product"], *one)) / _SMALL_LOOPS
     flops = 2 * 2 * MATMUL_ROWS * MATMUL_WIDTH * 4 * MATMUL_WIDTH * _REPEATS
     ring = 2 * (n - 1) / n if n > 1 else 1.0
     return {
@@ -158,8 +176,8 @@ def measure_host() -> dict:
         "matmul_flops": flops / t_mm,
         "stream_bytes": 2 * STREAM_BYTES * _REPEATS / t_stream,
         "op_seconds": t_chain / CHAIN_OPS,
-        "allreduce_bytes": ring * ALLREDUCE_BYTES / max(t_ar - t_small, 1e-9),
-        "allreduce_latency": t_small,
+        "allreduce_bytes": ring * ALLREDUCE_BYTES / t_ar,
+        "allreduce_latency": max(t_small, 0.0),
         "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
