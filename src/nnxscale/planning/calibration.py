@@ -2,9 +2,10 @@
 
 A CPU has no datasheet the prediction can read, so a few microbenchmarks measure what
 XLA:CPU reaches here, with every local CPU device working at once as the devices of a
-training step do (XLA's simulated devices share the host's cores): a matrix product's FLOP/s,
-a streaming update's bytes/s, the cost of one more op (a tiny product: the runtime's dispatch
-of an op), and an all-reduce's bandwidth and latency between the devices. Each figure is per
+training step do (XLA's simulated devices share the host's cores): an MLP's matrix products'
+FLOP/s, an elementwise update's bytes/s (with a tanh: XLA:CPU's elementwise fusions are bound
+by their arithmetic as much as by memory), the cost of one more op (a tiny product: the
+runtime's dispatch of an op), and an all-reduce's bandwidth and latency between the devices. Each figure is per
 device, for the number of devices measured with; :func:`cpu_hardware` rescales them to another
 count (the host's throughput shared out). About 2 seconds on an idle 2-core machine.
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 #: Bump when what is measured changes: older cache entries are measured again.
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 4
 
 #: Sizes of the microbenchmarks, per device: an MLP's two float32 products of this many rows
 #: and this width (x 4 inside: the shapes of a small model's step per device), a streaming
@@ -137,7 +138,9 @@ def _programs(devices: tuple) -> dict:
     return {
         "mesh": mesh,
         "products": jax.jit(lambda a, w1, w2: jax.lax.fori_loop(0, _REPEATS, lambda _, c: mlp(c, w1, w2), a)),
-        "stream": jax.jit(lambda x: jax.lax.fori_loop(0, _REPEATS, lambda _, c: c * 0.999 + 0.001, x)),
+        # a layer's elementwise work: GELU's tanh, a norm's scale and shift (XLA:CPU's elementwise
+        # fusions are bound by their arithmetic, a third of a plain copy's rate, as much as by memory)
+        "stream": jax.jit(lambda x: jax.lax.fori_loop(0, _REPEATS, lambda _, c: jnp.tanh(c) * 0.9 + 0.01, x)),
         "chain": jax.jit(chain),
         "allreduce": allreduce(_AR_LOOPS),
         "product": after_product(False),
@@ -151,8 +154,8 @@ def _programs(devices: tuple) -> dict:
 def measure_host() -> dict:
     """Measure XLA:CPU here, every local CPU device at once (one shard each): per device,
     ``matmul_flops`` (FLOP/s of an MLP's float32 products), ``stream_bytes`` (bytes/s read and written
-    by an elementwise update), ``op_seconds`` (one more op in a chain of dependent tiny
-    products), ``allreduce_bytes`` (an all-reduce's ring bandwidth between all of them, in a
+    by an elementwise update with a tanh, a layer's kind of elementwise work), ``op_seconds``
+    (one more op in a chain of dependent tiny products), ``allreduce_bytes`` (an all-reduce's ring bandwidth between all of them, in a
     loop of all-reduces) and ``allreduce_latency`` (what one of a few bytes adds after a
     product: the devices, sharing the cores, reach it at different times and wait for the
     last, as at a step's collectives); ``devices``: how many."""
