@@ -59,13 +59,9 @@ def host_figures(*, refresh: bool = False, path: Optional[Path] = None, measure:
     them for :func:`machine_key`, else measured now and cached. ``refresh``: measure again."""
     path = cache_path() if path is None else Path(path)
     key = machine_key()
-    if not refresh:
-        try:
-            cached = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cached = None
-        if isinstance(cached, dict) and cached.get("key") == key and isinstance(cached.get("figures"), dict):
-            return cached["figures"]
+    cached = None if refresh else cached_figures(path)
+    if cached is not None:
+        return cached
     figures = (measure or measure_host)()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -75,6 +71,17 @@ def host_figures(*, refresh: bool = False, path: Optional[Path] = None, measure:
     except OSError:  # a read-only home: measured each time, still right
         pass
     return figures
+
+
+def cached_figures(path: Optional[Path] = None) -> Optional[dict]:
+    """The cached figures where they hold for this machine (:func:`machine_key`), else ``None``."""
+    try:
+        cached = json.loads((cache_path() if path is None else Path(path)).read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(cached, dict) and cached.get("key") == machine_key() and isinstance(cached.get("figures"), dict):
+        return cached["figures"]
+    return None
 
 
 def _median_seconds(fn: Callable, *args, repeat: int = 5) -> float:
@@ -231,13 +238,8 @@ def local_hardware(mesh):
 
     device = mesh.devices.flat[0]
     if device.platform == "cpu":
-        try:
-            cached = json.loads(cache_path().read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(cached, dict) or cached.get("key") != machine_key():
-            return None
-        return cpu_hardware(mesh.devices.size, cached["figures"])
+        figures = cached_figures()
+        return None if figures is None else cpu_hardware(mesh.devices.size, figures)
     kind = getattr(device, "device_kind", "")
     key = next((k for sub, k in DEVICE_KINDS if sub in kind), None)
     return None if key is None else steptime.hardware_for(key)
