@@ -175,3 +175,4 @@ def test_plan_takes_a_hugging_face_directory_like_train(capsys):
     assert code == 0
     plan = json.loads(out.strip().splitlines()[-1])
     assert plan["model"] == str(model_dir) and plan["num_params"] == 96 * 32 + 64 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32
+

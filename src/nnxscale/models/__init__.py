@@ -301,6 +301,12 @@ def is_pretrained_dir(path) -> bool:
     return (path / "config.json").is_file() and weights
 
 
+def is_config_dir(path) -> bool:
+    """Whether ``path`` is a directory with a Hugging Face ``config.json``, weights or not:
+    enough to know the architecture (``nnxscale plan --model DIR`` plans from it alone)."""
+    return (Path(path) / "config.json").is_file()
+
+
 def pretrained_family(path) -> ModelFamily:
     """The family of the Hugging Face directory ``path``, from its ``config.json``'s ``model_type``.
 
@@ -340,6 +346,7 @@ __all__ = [
     "find_preset",
     "gpt2",
     "hidden_and_weights",
+    "is_config_dir",
     "is_pretrained_dir",
     "llama",
     "mixtral",

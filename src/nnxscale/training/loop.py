@@ -44,6 +44,7 @@ from nnxscale.training.guards import SkipCounter, StopSignals
 from nnxscale.training.inputs import (
     DataKind, data_kind, document_separator, keep_tokenizer, load_data, pretrained_source, run_tokenizer,
 )  # fmt: skip
+from nnxscale.training.model import require_weights
 from nnxscale.training.observe import ProfileWindow, Scalars, WandbRun, parse_profile_steps
 from nnxscale.training.optimizer import describe_decay
 from nnxscale.training.rundir import (
@@ -112,6 +113,8 @@ def train(
         cfg = with_saved_schedule_length(cfg, run_dir)
         WandbRun.check(cfg.logging.wandb)
         step_compiler_options()  # a bad NNXSCALE_STEP_XLA_OPTIONS fails here, before anything is built
+        if model is None:
+            require_weights(cfg)  # a --model DIR of config.json alone plans, it does not train
         tokenizer = run_tokenizer(cfg, run_dir)
         kind = data_kind(cfg, tokenizer)
         s = setup(cfg, mesh, model=model, loss=loss, separator=document_separator(cfg, tokenizer, kind),
@@ -242,6 +245,7 @@ class _Run:
         self.scalars: Optional[Scalars] = None  # TensorBoard, opened at the first record (after a resume's start is known)
         self.wandb: Optional[WandbRun] = None
         self.profile = ProfileWindow(parse_profile_steps(cfg.logging.profile_steps), cfg.run_dir)
+        self.predicted = False  # the first speed logged has been set beside the predicted step time
         self.base: Optional[dict] = None  # a LoRA run's base: its source and fingerprint (adapters_base in checkpoints)
 
     # -- before the first step ----------------------------------------------------------
@@ -396,6 +400,13 @@ class _Run:
             record |= {"step_time_s": dt, "tokens_per_s": self.tokens_per_s, "tflops_per_s": flops / 1e12}
             if self.peak_total:
                 record["mfu"] = flops / self.peak_total
+            if not self.predicted:  # the first speed: beside the step's predicted time, where it is known
+                self.predicted = True
+                predicted = self.predicted_step()
+                if predicted is not None:
+                    record["predicted_step_time_s"] = predicted.seconds
+                    self.log(f"speed: {dt:.3g} s per step measured, {predicted.seconds:.3g} s predicted "
+                             f"({predicted.seconds / dt:.2f}x; {predicted.hardware}: {predicted.bottleneck})")  # fmt: skip
             self.t_last, self.s_last = now, step
         if do_eval:
             self.last_val = record["val_loss"] = self.evaluate()
@@ -404,6 +415,30 @@ class _Run:
         if self.is_main:
             self.write_record(record)
         return record
+
+    def predicted_step(self):
+        """The step's predicted time on these devices (:func:`nnxscale.planning.steptime.predict`
+        over the program the first step compiled: lowering it again is a cache hit, nothing is
+        compiled twice), or ``None`` where there are no figures for them (an unknown accelerator;
+        XLA:CPU before ``nnxscale plan`` has calibrated this machine) or the prediction fails."""
+        from nnxscale.planning import calibration, steptime
+
+        s, d = self.s, self.cfg.data
+        hw = calibration.local_hardware(s.mesh)
+        if hw is None:
+            return None
+        args = (s.abstract, s.abstract_batch)
+        if self.vote.needed:
+            args += (jax.ShapeDtypeStruct((s.mesh.size,), np.int32, sharding=StopVote.sharding(s.mesh)),)
+        tokens = d.batch_size * d.seq_len
+        try:
+            with jax.set_mesh(s.mesh):
+                program = self.step_fn.lower(*args).compile().as_text()
+            return steptime.predict(program, hw, n_devices=s.mesh.size, tokens_per_step=tokens,
+                                    model_flops_per_step=s.flops_per_token() * tokens, compute_dtype=self.cfg.model.dtype)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a diagnostic: it never stops the run
+            self.log(f"note: the step-time prediction failed ({type(e).__name__}: {e}); training goes on")
+            return None
 
     def write_record(self, record: dict) -> None:
         """``metrics.jsonl``, TensorBoard and W&B; a second signal takes effect after them."""

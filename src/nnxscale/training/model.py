@@ -19,6 +19,7 @@ from nnxscale.models import (
     ModelDims,
     ModelFamily,
     find_preset,
+    is_config_dir,
     is_pretrained_dir,
     next_token_loss,
     pretrained_family,
@@ -97,13 +98,15 @@ def with_adapters(build: Callable[[nnx.Rngs], nnx.Module], spec: Optional[lora_l
 
 def model_architecture(name: str, recorded: Optional[dict] = None) -> tuple[ModelFamily, Any]:
     """``(family, config)`` of ``--model NAME``: a preset of any family, or a Hugging Face
-    directory (``config.json`` + safetensors) whose ``config.json`` gives the architecture.
+    directory whose ``config.json`` gives the architecture (its weights are not read here: a
+    directory holding ``config.json`` alone is enough to plan a published model;
+    :func:`require_weights` is what training asks).
 
     ``recorded``: the ``model`` record of a run's ``config.json`` (family and config), used
     when ``name`` is a directory that is no longer there, so a run trained from a Hugging
     Face directory can still be sampled and resumed.
     """
-    if is_pretrained_dir(name):
+    if is_config_dir(name):
         family = pretrained_family(name)
         return family, family.pretrained_config(name)
     try:
@@ -115,10 +118,22 @@ def model_architecture(name: str, recorded: Optional[dict] = None) -> tuple[Mode
             return family, kind.from_dict({k: v for k, v in recorded.items() if k != "family"})
         if "/" in name or Path(name).exists():
             raise ModelError(
-                f"--model {name}: not a Hugging Face model directory (config.json and model.safetensors, "
-                "or model.safetensors.index.json), and not a preset"
+                f"--model {name}: not a Hugging Face model directory (no config.json in it), and not a preset"
             ) from None
         raise
+
+
+def require_weights(cfg: TrainConfig, command: str = "train") -> None:
+    """Refuse, in one line, to ``command`` (train, init) a ``--model DIR`` that holds a
+    ``config.json`` but no weights, where the weights would come from it (no ``--init-from``):
+    only ``nnxscale plan`` works from the architecture alone."""
+    name = cfg.model.name
+    if cfg.model.init_from is None and is_config_dir(name) and not is_pretrained_dir(name):
+        raise ModelError(
+            f"--model {name} holds config.json but no weights (model.safetensors, or model.safetensors.index.json "
+            f"and its files): {command} needs them; nnxscale plan works from config.json alone, or start from "
+            "weights with --init-from RUN_OR_HF_DIR"
+        )
 
 
 def run_model(
