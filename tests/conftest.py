@@ -66,6 +66,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "jax-test-cache")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# nnxscale's own per-machine cache (XLA:CPU's calibrated figures, nnxscale.planning.calibration)
+# under the same ignored build folder: the suite never writes to the user's home.
+os.environ["XDG_CACHE_HOME"] = os.path.join(os.path.dirname(_CACHE), "xdg-cache")
 
 import jax  # noqa: E402
 
