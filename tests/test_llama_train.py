@@ -147,7 +147,9 @@ def test_model_names_a_directory_that_is_not_a_hugging_face_model(tmp_path, text
 
     (tmp_path / "weights").mkdir()
     (tmp_path / "weights" / "config.json").write_text("{}")  # no safetensors beside it
-    for name in (str(tmp_path / "weights"), "models/Llama-3.2-1B"):
+    weights = str(tmp_path / "weights")
+    for name, words in ((weights, (f"--model {weights} holds config.json but no weights", "train needs them", "--init-from")),
+                        ("models/Llama-3.2-1B", ("--model models/Llama-3.2-1B: not a Hugging Face model directory", "not a preset"))):
         code, _, err = run_main(capsys, ["train", "--model", name, "--data", str(text_data), "--run-dir", str(tmp_path / "run")])
-        assert_one_error_line(code, err, f"--model {name}: not a Hugging Face model directory", "not a preset")
+        assert_one_error_line(code, err, *words)
         assert not (tmp_path / "run").exists()

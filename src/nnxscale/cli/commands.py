@@ -460,8 +460,6 @@ def _plan(args) -> int:
     target = None if args.target is None else targets.get(args.target)
     if target is not None:
         target.check_installed()  # before anything is built: one line naming the extra
-    elif (args.compile or ("never" if args.sweep else "auto")) != "never":
-        _calibrate_cpu(cfg)
     if args.sweep:
         import math
 
@@ -499,20 +497,6 @@ def _plan(args) -> int:
     if args.json:
         print(json.dumps(step.to_dict()))
     return 0
-
-
-def _calibrate_cpu(cfg) -> None:
-    """XLA:CPU as the plan's target: this machine's figures (measured once, a few seconds, then
-    cached per machine) registered for the mesh's device count, so the plan predicts its step time."""
-    import math
-
-    import jax
-
-    from nnxscale.planning import calibration
-    from nnxscale.planning.layout import mesh_sizes
-
-    if jax.default_backend() == "cpu":
-        calibration.register_cpu(math.prod(mesh_sizes(cfg.parallel.mesh).values()))
 
 
 def _launch(args) -> int:
