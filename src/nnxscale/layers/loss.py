@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from nnxscale.sharding.activations import constrain, current_rules
+from nnxscale.sharding.activations import constrain, current_rules, manual_axes
 
 #: One slice's logits, counted in float32 (the loss's dtype), per device, stay under this.
 CHUNK_BYTES = 256 << 20
@@ -64,8 +64,7 @@ def token_shards() -> int:
     rules = current_rules()
     if rules is None:
         return 1
-    context = jax.sharding.get_abstract_mesh()
-    manual = set() if context.empty else set(context.manual_axes)  # inside a shard_map: already split
+    manual = manual_axes()  # inside a shard_map: already split
     return math.prod(rules.sizes[a] for a in rules.batch_axes + rules.length_axes if a not in manual)
 
 

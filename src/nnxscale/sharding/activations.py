@@ -102,8 +102,7 @@ def constrain(x: jax.Array, *names: Optional[str]) -> jax.Array:
             f"constrain: {len(names)} logical names {names} for an activation of shape {shape} (rank {len(shape)}): "
             "give one name (or None) per dimension"
         )
-    context = jax.sharding.get_abstract_mesh()
-    manual = set() if context.empty else set(context.manual_axes)
+    manual = manual_axes()
     layout = local_layout(rules, names, shape, manual)
     records = _RECORDS.get()
     if records is not None:
@@ -112,10 +111,17 @@ def constrain(x: jax.Array, *names: Optional[str]) -> jax.Array:
             records.append(record)
     spec = layout.spec
     if manual:
-        return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
     if isinstance(rules.mesh, jax.sharding.Mesh):
         return jax.lax.with_sharding_constraint(x, NamedSharding(rules.mesh, spec))
     return jax.lax.with_sharding_constraint(x, spec)  # the mesh set with jax.set_mesh
+
+
+def manual_axes() -> set:
+    """The mesh axes that are manual here (inside a ``jax.shard_map`` over them): an array
+    traced here is one shard of them, split already; empty outside."""
+    context = jax.sharding.get_abstract_mesh()
+    return set() if context.empty else set(context.manual_axes)
 
 
 def local_layout(rules: MeshRules, names, shape, manual: set) -> TensorLayout:

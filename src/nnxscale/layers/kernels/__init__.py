@@ -34,13 +34,12 @@ def per_device(kernel: Callable, q, k, v, q_segments, k_segments):
     heads, laid out as the activation rules in force lay ``q`` and ``k`` out (the length is
     whole here: a split sequence is a ring). Without rules or on one device, ``kernel`` as is.
     Segments are ``(B, T)`` / ``(B, S)`` arrays or None."""
-    from nnxscale.sharding.activations import current_rules, local_layout
+    from nnxscale.sharding.activations import current_rules, local_layout, manual_axes
 
     rules = current_rules()
     if rules is None or rules.num_devices == 1:
         return kernel(q, k, v, q_segments, k_segments)
-    context = jax.sharding.get_abstract_mesh()
-    manual = set() if context.empty else set(context.manual_axes)  # left out: split already
+    manual = manual_axes()  # left out: split already
     q_spec = local_layout(rules, Q_NAMES, q.shape, manual).spec
     kv_spec = local_layout(rules, KV_NAMES, k.shape, manual).spec
     batch = q_spec[0] if q_spec[0] == kv_spec[0] else None
