@@ -262,11 +262,15 @@ def scheduled_estimate(cfg: TrainConfig, p: StepPlan) -> StepPlan:
                                notes=[*p.notes, note], pipeline=dict(pipe))  # fmt: skip
 
 
+def _pipeline_rank(p: StepPlan) -> tuple:
+    """How pipelined plans are ordered: the lesser proxy time, then the lesser peak."""
+    return p.pipeline["proxy_seconds"], p.peak_bytes
+
+
 def _better(a: StepPlan, b: StepPlan) -> bool:
     """Whether plan ``a`` beats ``b`` (same mesh, schedule and remat): one that fits before one
-    that does not, then the lesser proxy time, then the lesser peak."""
-    rank = lambda p: (p.fits is False, p.pipeline["proxy_seconds"], p.peak_bytes)  # noqa: E731
-    return rank(a) < rank(b)
+    that does not, then :func:`_pipeline_rank`."""
+    return (a.fits is False, *_pipeline_rank(a)) < (b.fits is False, *_pipeline_rank(b))
 
 
 def proposed_pipeline(plans: list[StepPlan]) -> Optional[StepPlan]:
@@ -274,7 +278,7 @@ def proposed_pipeline(plans: list[StepPlan]) -> Optional[StepPlan]:
     that fit (any, when memory is not known; the lesser peak between equal times); ``None``
     without a fitting pipeline."""
     fitting = [p for p in plans if p.pipeline is not None and "proxy_seconds" in p.pipeline and p.fits is not False]
-    return min(fitting, key=lambda p: (p.pipeline["proxy_seconds"], p.peak_bytes), default=None)
+    return min(fitting, key=_pipeline_rank, default=None)
 
 
 def pipeline_lines(plans: list[StepPlan]) -> list[str]:
