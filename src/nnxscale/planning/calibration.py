@@ -12,9 +12,12 @@ count (the host's throughput shared out). About 2 seconds on an idle 2-core mach
 The figures are cached per machine under the user's cache directory
 (``$XDG_CACHE_HOME/nnxscale/cpu-calibration.json``, else ``~/.cache/...``), keyed by the
 jaxlib version and the cores this process may use: a new jaxlib or another core count
-measures again. :func:`register_cpu` makes them the ``"cpu"`` hardware of
-:func:`nnxscale.planning.steptime.hardware_for`, so ``nnxscale plan`` without ``--target``
-and the trainer on XLA:CPU predict step times too.
+measures again. ``bench/steptime.py`` measures and predicts with them; nothing else does on
+its own: ``nnxscale plan`` without ``--target`` and the trainer predict no XLA:CPU step time,
+as those predictions are not yet within 30% of the measured step (docs/steptime.md). From
+Python, :func:`register_cpu` makes them the ``"cpu"`` hardware of
+:func:`nnxscale.planning.steptime.hardware_for`, and :func:`nnxscale.planning.plan` then
+predicts a step time for this machine's XLA:CPU.
 """
 
 from __future__ import annotations

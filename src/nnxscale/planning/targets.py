@@ -370,7 +370,7 @@ def device_mesh(sizes: dict[str, int], target: Target, devices):
     return Mesh(grid, tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))  # as make_mesh's
 
 
-def placement(mesh, target: "Target | None" = None) -> dict:
+def placement(mesh, target: "Target | None" = None) -> "dict | None":
     """Where each device of ``mesh`` sits, by logical device id (row-major position in the
     mesh: what the compiled program's replica groups name), as
     :class:`nnxscale.planning.steptime.Placement` reads it: the node (GPU: its process) or

@@ -419,8 +419,8 @@ class _Run:
     def predicted_step(self):
         """The step's predicted time on these devices (:func:`nnxscale.planning.steptime.predict`
         over the program the first step compiled: lowering it again is a cache hit, nothing is
-        compiled twice), or ``None`` where there are no figures for them (an unknown accelerator;
-        XLA:CPU before ``nnxscale plan`` has calibrated this machine) or the prediction fails."""
+        compiled twice), or ``None`` where there are no figures for them (XLA:CPU, an unknown
+        accelerator: :func:`nnxscale.planning.calibration.local_hardware`) or the prediction fails."""
         from nnxscale.planning import calibration, steptime
 
         s, d = self.s, self.cfg.data
