@@ -33,10 +33,9 @@ with its published source, are :mod:`nnxscale.planning.hardware`'s.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
-from typing import Optional, Union
+from typing import Optional
 
 from nnxscale.planning import hlo
 from nnxscale.planning.hlo import KINDS, _Comp, _Instr
@@ -851,10 +850,6 @@ def format_lines(st: StepTime, target_name: str = "") -> list[str]:
     lines.append(f"  bottleneck: {st.bottleneck}")
     lines += [f"  note: {n}" for n in st.notes]
     return lines
-
-
-def dumps(st: Union[StepTime, None]) -> str:
-    return json.dumps(None if st is None else st.to_json())
 
 
 def rank_by_time(plans: list) -> list:
