@@ -110,6 +110,35 @@ def test_the_cpu_calibration_is_cached_per_jaxlib_and_core_count(tmp_path, monke
     assert four.hbm_bandwidth == 2 * eight.hbm_bandwidth and four.links["cpu"].effective == 2e8
 
 
+def test_real_device_kinds_match_their_chips():
+    """One table (sharding.devices.DEVICE_KINDS) says what a device is: the names JAX gives real
+    devices (a v5p calls itself "TPU v5", a v5e "TPU v5 lite") match the right chip, whose
+    figures the step-time prediction and the trainer's MFU both read; an unknown one (CPU) none."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from nnxscale.planning import calibration
+    from nnxscale.planning.hardware import CHIPS
+    from nnxscale.sharding import devices
+
+    for row in devices.DEVICE_KINDS:
+        assert row.chip is None or row.bf16_peak == CHIPS[row.chip].peak("bfloat16"), row
+    expected = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H100 PCIe": "h100", "NVIDIA H200": "h200",
+                "NVIDIA A100-SXM4-80GB": "a100", "NVIDIA B200": "b200", "TPU v4": "v4", "TPU v5": "v5p",
+                "TPU v5p": "v5p", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v6 lite": "v6e"}  # fmt: skip
+    for kind, chip in expected.items():
+        platform = "tpu" if kind.startswith("TPU") else "gpu"
+        device = SimpleNamespace(platform=platform, device_kind=kind)
+        assert devices.device_kind(kind).chip == chip, kind
+        assert devices.peak_flops(device) == CHIPS[chip].peak("bfloat16"), kind
+        assert calibration.local_hardware(SimpleNamespace(devices=np.array([device]))) is CHIPS[chip], kind
+    cpu = SimpleNamespace(platform="cpu", device_kind="cpu")
+    assert devices.device_kind("cpu") is None and devices.peak_flops(cpu) is None
+    l4 = SimpleNamespace(platform="gpu", device_kind="NVIDIA L4")  # an MFU, but no figures for a prediction
+    assert devices.peak_flops(l4) == devices.PEAK_FLOPS["L4"] and calibration.local_hardware(SimpleNamespace(devices=np.array([l4]))) is None
+
+
 def test_a_cpu_run_never_predicts_even_once_this_machine_is_calibrated(tmp_path, monkeypatch):
     """The trainer asks local_hardware for its devices' figures: none on XLA:CPU, calibrated or
     not (bench/steptime.py measured its predictions outside the 30% a run's log would need)."""

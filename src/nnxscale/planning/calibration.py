@@ -227,25 +227,20 @@ def register_cpu(n_devices: int, *, refresh: bool = False):
     return hw
 
 
-#: A device's ``device_kind`` (by substring, the first that matches) -> its chip's key in
-#: :data:`nnxscale.planning.hardware.CHIPS` (the names :data:`nnxscale.sharding.devices.PEAK_FLOPS` reads).
-DEVICE_KINDS = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("B200", "b200"), ("TPU v6", "v6e"),
-                ("TPU v5p", "v5p"), ("TPU v5", "v5e"), ("TPU v4", "v4"))  # fmt: skip
-
-
 def local_hardware(mesh):
     """The figures of the devices a run's ``mesh`` holds, where the prediction has them: a GPU
-    or TPU nnxscale knows by its ``device_kind``; else ``None``.
+    or TPU nnxscale knows by its ``device_kind`` (:data:`nnxscale.sharding.devices.DEVICE_KINDS`);
+    else ``None``.
 
     Never XLA:CPU's, calibrated or not: ``bench/steptime.py`` measured its predictions at
     0.34-0.69 of the measured step time (2026-11-26, a loaded 2-core machine; docs/steptime.md),
     outside the 30% a prediction shown beside a measured step should be within. Until it is,
     XLA:CPU predictions are ``bench/steptime.py``'s, asked for explicitly."""
     from nnxscale.planning import steptime
+    from nnxscale.sharding.devices import device_kind
 
     device = mesh.devices.flat[0]
     if device.platform == "cpu":
         return None
-    kind = getattr(device, "device_kind", "")
-    key = next((k for sub, k in DEVICE_KINDS if sub in kind), None)
-    return None if key is None else steptime.hardware_for(key)
+    row = device_kind(getattr(device, "device_kind", ""))
+    return None if row is None or row.chip is None else steptime.hardware_for(row.chip)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from nnxscale.planning.steptime import Hardware, Link
 from nnxscale.planning.targets import GPU_CHIPS
-from nnxscale.sharding.devices import PEAK_FLOPS
+from nnxscale.sharding.devices import CHIP_PEAK_FLOPS
 
 # ---------------------------------------------------------------------------------------
 # NVIDIA (SXM boards in HGX/DGX nodes of 8, NVSwitch inside a node, one NIC per GPU across)
@@ -89,7 +89,7 @@ def _nvidia(key: str, peaks: dict, nvlink: float, nic: float, sources: dict) -> 
     )  # fmt: skip
 
 
-_H100_PEAKS = {"bfloat16": PEAK_FLOPS["H100"], "float16": PEAK_FLOPS["H100"], "float32": 494.7e12, "float8_e4m3fn": 1978.9e12, "int8": 1978.9e12}
+_H100_PEAKS = {"bfloat16": CHIP_PEAK_FLOPS["h100"], "float16": CHIP_PEAK_FLOPS["h100"], "float32": 494.7e12, "float8_e4m3fn": 1978.9e12, "int8": 1978.9e12}
 _HOPPER = {
     "peak_flops": "NVIDIA H100 Tensor Core GPU datasheet, SXM: BF16/FP16 1,979 TFLOPS and FP8 3,958 with sparsity (dense: "
                   "half); TF32 989 with sparsity (494.7 dense; XLA runs float32 matmuls as TF32 by default)",
@@ -100,12 +100,12 @@ _HOPPER = {
 CHIPS: dict[str, Hardware] = {
     "h100": _nvidia("h100", _H100_PEAKS, 450e9, 50e9, _HOPPER),
     "h200": _nvidia("h200", _H100_PEAKS, 450e9, 50e9, {**_HOPPER, "peak_flops": "NVIDIA H200 datasheet: the H100 SXM's Tensor Core figures"}),
-    "a100": _nvidia("a100", {"bfloat16": PEAK_FLOPS["A100"], "float16": PEAK_FLOPS["A100"], "float32": 156e12, "int8": 624e12}, 300e9, 25e9, {
+    "a100": _nvidia("a100", {"bfloat16": CHIP_PEAK_FLOPS["a100"], "float16": CHIP_PEAK_FLOPS["a100"], "float32": 156e12, "int8": 624e12}, 300e9, 25e9, {
         "peak_flops": "NVIDIA A100 datasheet: BF16 312 TFLOPS, TF32 156, INT8 624 (dense)",
         "nvlink": "NVLink 3: 600 GB/s per GPU bidirectional (A100 datasheet): 300 GB/s each way",
         "network": "DGX A100: 8 x ConnectX-6 200 Gb/s, one per GPU: 25 GB/s each way",
     }),
-    "b200": _nvidia("b200", {"bfloat16": PEAK_FLOPS["B200"], "float16": PEAK_FLOPS["B200"], "float32": 1100e12, "float8_e4m3fn": 4500e12}, 900e9, 50e9, {
+    "b200": _nvidia("b200", {"bfloat16": CHIP_PEAK_FLOPS["b200"], "float16": CHIP_PEAK_FLOPS["b200"], "float32": 1100e12, "float8_e4m3fn": 4500e12}, 900e9, 50e9, {
         "peak_flops": "NVIDIA DGX B200 / HGX B200 datasheets: FP8 4.5 PFLOPS, BF16 2.25, TF32 1.1 per GPU dense (half the "
                       "sparse figures)",
         "nvlink": "NVLink 5: 1.8 TB/s per GPU bidirectional: 900 GB/s each way",
@@ -161,8 +161,8 @@ def _tpu(name: str, bf16: float, int8: float, hbm: float, ici_link: float, chips
 
 
 CHIPS.update({
-    "v4": _tpu("v4", PEAK_FLOPS["TPU v4"], 275e12, 1.2e12, 45e9, 4),
-    "v5p": _tpu("v5p", PEAK_FLOPS["TPU v5p"], 918e12, 2.8e12, 90e9, 4),
-    "v5e": _tpu("v5e", PEAK_FLOPS["TPU v5"], 394e12, 8.1e11, 45e9, 8),
-    "v6e": _tpu("v6e", PEAK_FLOPS["TPU v6"], 1836e12, 1.6e12, 90e9, 8),
+    "v4": _tpu("v4", CHIP_PEAK_FLOPS["v4"], 275e12, 1.2e12, 45e9, 4),
+    "v5p": _tpu("v5p", CHIP_PEAK_FLOPS["v5p"], 918e12, 2.8e12, 90e9, 4),
+    "v5e": _tpu("v5e", CHIP_PEAK_FLOPS["v5e"], 394e12, 8.1e11, 45e9, 8),
+    "v6e": _tpu("v6e", CHIP_PEAK_FLOPS["v6e"], 1836e12, 1.6e12, 90e9, 8),
 })  # fmt: skip

@@ -5,7 +5,7 @@ Plain data, no jax import, so the command line can list it before jax starts.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 GiB = 1 << 30
 
@@ -23,24 +23,48 @@ MEMORY: dict[str, int] = {
     "tpu-v6e": 32 * GiB,
 }
 
-#: Dense bf16 peak FLOP/s per device, by substring of ``device.device_kind``.
-PEAK_FLOPS: dict[str, float] = {
-    "B200": 2250e12,
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L4": 121e12,
-    "TPU v6": 918e12,
-    "TPU v5p": 459e12,
-    "TPU v5": 197e12,  # v5e ("TPU v5 lite")
-    "TPU v4": 275e12,
-}
+class DeviceKind(NamedTuple):
+    """One row of :data:`DEVICE_KINDS`."""
+
+    #: A substring of a JAX device's ``device_kind``.
+    substring: str
+    #: The chip's key in :data:`nnxscale.planning.hardware.CHIPS` (the step-time prediction's
+    #: figures), or ``None`` where it has none.
+    chip: Optional[str]
+    #: Dense bf16 peak FLOP/s of one device.
+    bf16_peak: float
+
+
+#: What a device is, by substring of its ``device_kind``: the first row whose substring it
+#: contains. Order matters: "H200" before "H100", "TPU v5 lite" (v5e) before "TPU v5" (v5p
+#: reports itself as "TPU v5"; libtpu's deviceless topologies "v5", "v5e" and "v6e" give
+#: "TPU v5", "TPU v5 lite" and "TPU v6 lite", checked with jax 0.10.2 and libtpu 0.0.42.1).
+DEVICE_KINDS: tuple[DeviceKind, ...] = (
+    DeviceKind("B200", "b200", 2250e12),
+    DeviceKind("H200", "h200", 989e12),
+    DeviceKind("H100", "h100", 989e12),
+    DeviceKind("A100", "a100", 312e12),
+    DeviceKind("L4", None, 121e12),
+    DeviceKind("TPU v6", "v6e", 918e12),  # "TPU v6 lite"
+    DeviceKind("TPU v5 lite", "v5e", 197e12),
+    DeviceKind("TPU v5e", "v5e", 197e12),
+    DeviceKind("TPU v5", "v5p", 459e12),  # "TPU v5", and "TPU v5p" should a libtpu name it so
+    DeviceKind("TPU v4", "v4", 275e12),
+)
+
+#: Dense bf16 peak FLOP/s per device, by substring of ``device.device_kind`` (:data:`DEVICE_KINDS`'s).
+PEAK_FLOPS: dict[str, float] = {k.substring: k.bf16_peak for k in DEVICE_KINDS}
+
+#: Dense bf16 peak FLOP/s per device, by chip key (:data:`DEVICE_KINDS`'s).
+CHIP_PEAK_FLOPS: dict[str, float] = {k.chip: k.bf16_peak for k in DEVICE_KINDS if k.chip is not None}
+
+
+def device_kind(kind: str) -> Optional[DeviceKind]:
+    """The row of :data:`DEVICE_KINDS` a ``device_kind`` string matches (the first), or ``None``."""
+    return next((k for k in DEVICE_KINDS if k.substring in kind), None)
 
 
 def peak_flops(device) -> Optional[float]:
     """Peak dense bf16 FLOP/s of one device, or ``None`` where unknown (CPU)."""
-    kind = getattr(device, "device_kind", "")
-    for name, flops in PEAK_FLOPS.items():
-        if name in kind:
-            return flops
-    return None
+    row = device_kind(getattr(device, "device_kind", ""))
+    return None if row is None else row.bf16_peak
