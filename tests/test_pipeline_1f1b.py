@@ -331,3 +331,51 @@ def test_the_sweep_proposes_1f1b_where_gpipe_does_not_fit():
     table = meshes.sweep_table(plans)
     proposed = [line for line in table.splitlines() if line.endswith("<- proposed")]
     assert len(proposed) == 1 and "1f1b" in proposed[0] and f"M={chosen.pipeline['microbatches']}" in proposed[0], table
+
+
+def test_compiled_pipelines_are_ranked_by_their_predicted_step_time(monkeypatch):
+    """Where the sweep compiles (here ``compile="always"``; ``--target`` alike), each mesh,
+    schedule and remat policy compiles only the microbatch counts with the least proxy time
+    (meshes.PIPELINE_COMPILES_PER_GROUP of them), then chooses among them, and proposes among
+    all, by the predicted step time, not the proxy. The compile is stood in for: the estimate
+    given a step time that prefers what the proxy does not."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from nnxscale.planning import meshes
+
+    real_plan, compiled, cache = meshes.plan, [], {}
+
+    def fake_plan(c, *, compile, **kw):
+        key = (c.parallel.mesh, c.parallel.pipeline_schedule, c.parallel.microbatches)
+        if key not in cache:  # each estimate once: the sweep is planned twice here
+            cache[key] = real_plan(c, compile="never", **kw)
+        p = dataclasses.replace(cache[key])
+        if compile == "never":
+            return p
+        m = c.parallel.microbatches
+        compiled.append((c.parallel.mesh, c.parallel.pipeline_schedule, m))
+        seconds = 1.0 / m + (0.5 if c.parallel.pipeline_schedule == "gpipe" else 0.0)  # 1f1b at the larger M fastest
+        return dataclasses.replace(p, step_time=SimpleNamespace(seconds=seconds))
+
+    monkeypatch.setattr(meshes, "plan", fake_plan)
+    cfg = TrainConfig.from_flags(model="gpt2-tiny", mesh="data=8", batch_size=32, seq_len=64)  # M = 2, 4, 8
+    estimated, _ = meshes.pipeline_plans(cfg, 8, 2, remats=("none",))  # no compile: the proxy's choice
+    assert not compiled and all(p.step_time is None for p in estimated)
+    proxy_m = {(format_mesh(p.mesh), p.pipeline["schedule"]): p.pipeline["microbatches"] for p in estimated}
+    plans, _ = meshes.pipeline_plans(cfg, 8, 2, remats=("none",), compile="always")
+    k = meshes.PIPELINE_COMPILES_PER_GROUP
+    assert len(compiled) == k * len(proxy_m) and len(plans) == len(proxy_m)
+    for p in plans:
+        key = (format_mesh(p.mesh), p.pipeline["schedule"])
+        tried = sorted(m for mesh, schedule, m in compiled if (mesh, schedule) == key)
+        assert len(tried) == k and proxy_m[key] in tried  # the proxy's best is among those compiled
+        assert p.pipeline["microbatches"] == max(tried) != proxy_m[key]  # the prediction chose, not the proxy
+        assert p.step_time.seconds == min(1.0 / m for m in tried) + (0.5 if key[1] == "gpipe" else 0.0)
+    chosen = meshes.proposed_pipeline(plans)
+    assert chosen.pipeline["schedule"] == "1f1b" and chosen.step_time.seconds == min(p.step_time.seconds for p in plans)
+    # one with a prediction ranks before one with a smaller proxy time and none
+    faster_by_proxy = dataclasses.replace(chosen, step_time=None, pipeline={**chosen.pipeline, "proxy_seconds": 0.0})
+    assert meshes.proposed_pipeline([faster_by_proxy, *plans]) is chosen
+    lines = meshes.pipeline_lines(plans)
+    assert "ranked by predicted step time" in lines[1] and lines[2].endswith("<- proposed"), lines

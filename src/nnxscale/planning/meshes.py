@@ -60,8 +60,9 @@ def sweep(
     by peak memory per device, and the candidates that cannot run this configuration (e.g. a
     batch the mesh cannot split): ``{mesh: the reason}``.
     ``compile="never"`` (the default) uses the estimate: quick, and each plan says so;
-    ``"auto"`` compiles each. With a ``target`` (:mod:`nnxscale.planning.targets`) the
-    candidates are laid out for it (:func:`for_target`) and compiled by its compiler.
+    ``"auto"`` compiles each (of the pipelined ones, only the microbatch counts with the least
+    proxy time: :func:`pipeline_plans`). With a ``target`` (:mod:`nnxscale.planning.targets`)
+    the candidates are laid out for it (:func:`for_target`) and compiled by its compiler.
     """
     from nnxscale.training.model import run_model
 
@@ -170,9 +171,10 @@ PROXY_SECONDS_PER_ITERATION = 50e-6
 
 
 def pipeline_proxy_seconds(flops: float, pipeline: dict, remat: str) -> float:
-    """A transparent stand-in for a pipelined step's time, until a step-time model ranks the
-    sweep: the step's compute (``flops`` per device at :data:`PROXY_FLOPS_PER_SECOND`) times
-    ``(R M + S - 1) / (R M)`` (the bubble), 1F1B without remat one forward more per
+    """A transparent stand-in for a pipelined step's time where no prediction ranks the sweep
+    (estimated plans; XLA:CPU without registered figures), and what chooses the microbatch
+    counts a compiling sweep compiles (:func:`pipeline_plans`): the step's compute (``flops``
+    per device at :data:`PROXY_FLOPS_PER_SECOND`) times ``(R M + S - 1) / (R M)`` (the bubble), 1F1B without remat one forward more per
     microbatch (its backward recomputes the stage from its input: 4/3 of the compute), plus
     :data:`PROXY_SECONDS_PER_ITERATION` per iteration (``R M + S - 1`` of them): more
     microbatches shrink the bubble and add iterations. ``pipeline``: a plan's figures
@@ -190,6 +192,11 @@ def _step_flops(p: StepPlan) -> float:
     return next((f for f in (p.flops, p.flops_recompute, p.flops_expected) if f), 0.0)
 
 
+#: With compiles (``--target``, or ``--compile auto`` within the devices it compiles), the
+#: microbatch counts compiled per mesh, schedule and remat policy: the best by proxy time.
+PIPELINE_COMPILES_PER_GROUP = 2
+
+
 def pipeline_plans(
     cfg: TrainConfig,
     devices: int,
@@ -202,14 +209,20 @@ def pipeline_plans(
     target=None,
 ) -> tuple[list[StepPlan], dict[str, str]]:
     """The sweep's pipelines: for each candidate stage mesh, schedule and remat policy, the
-    plan at the microbatch count (:func:`pipeline_candidates`) with the least
-    :func:`pipeline_proxy_seconds` among those that fit ``device_memory`` (all of them when
-    it is not known or none fits); its figures gain ``proxy_seconds``. Also the candidates
-    that cannot run: ``{mesh: the reason}``."""
-    best: dict[tuple, StepPlan] = {}
+    plan at the microbatch count (:func:`pipeline_candidates`) ranked first by
+    :func:`_pipeline_rank` among those that fit ``device_memory`` (all of them when it is not
+    known or none fits); each plan's figures gain ``proxy_seconds``
+    (:func:`pipeline_proxy_seconds`). Also the candidates that cannot run: ``{mesh: the reason}``.
+
+    Every candidate is estimated first (no compile) and given its proxy time. Where the sweep
+    compiles (a ``target``, or ``compile`` other than ``"never"`` within
+    ``max_compile_devices``), only the :data:`PIPELINE_COMPILES_PER_GROUP` microbatch counts
+    of each mesh, schedule and remat policy ranked first on the estimate (fitting, then proxy
+    time) are compiled, and the compiled plans, which carry a predicted step time where the
+    compiler's chip has figures, are ranked by it."""
+    groups: dict[tuple, list[tuple[StepPlan, TrainConfig]]] = {}
     skipped: dict[str, str] = {}
-    candidates = pipeline_candidates(devices, layers, cfg.data.batch_size, cfg.optim.grad_accum)
-    for mesh, schedule, m in candidates:
+    for mesh, schedule, m in pipeline_candidates(devices, layers, cfg.data.batch_size, cfg.optim.grad_accum):
         if target is not None:  # laid out for the target's nodes or slices, or dropped
             laid = for_target([mesh], target)
             if not laid:
@@ -219,18 +232,31 @@ def pipeline_plans(
             c = with_overrides(cfg, {"parallel.mesh": mesh, "model.remat": remat, "parallel.microbatches": m,
                                      "parallel.pipeline_schedule": schedule})  # fmt: skip
             try:
-                p = plan(c, device_memory=device_memory, compile=compile, max_compile_devices=max_compile_devices,
-                         target=target)  # fmt: skip
+                p = scheduled_estimate(c, plan(c, device_memory=device_memory, compile="never", target=target))
             except ConfigError as e:
                 skipped.setdefault(f"{mesh} ({schedule})", str(e))
                 break
-            if p.source == "estimate":
-                p = scheduled_estimate(c, p)
             p.pipeline["proxy_seconds"] = pipeline_proxy_seconds(_step_flops(p), p.pipeline, remat)
-            key = (mesh, schedule, remat)
-            if key not in best or _better(p, best[key]):
-                best[key] = p
-    return list(best.values()), skipped
+            groups.setdefault((mesh, schedule, remat), []).append((p, c))
+    compiles = compile != "never" and (target is not None or compile == "always" or devices <= max_compile_devices)
+    best = []
+    kw = {"device_memory": device_memory, "compile": compile, "max_compile_devices": max_compile_devices, "target": target}
+    for group in groups.values():
+        group.sort(key=lambda pc: _fits_then_rank(pc[0]))
+        if compiles:
+            group = [(_compiled(c, **kw), c) for _, c in group[:PIPELINE_COMPILES_PER_GROUP]]
+        best.append(min((p for p, _ in group), key=_fits_then_rank))
+    return best, skipped
+
+
+def _compiled(c: TrainConfig, **kw) -> StepPlan:
+    """The plan of pipelined configuration ``c`` as :func:`nnxscale.planning.plan` gives it
+    (``kw``), compiled where it compiles, with its proxy time."""
+    p = plan(c, **kw)
+    if p.source == "estimate":
+        p = scheduled_estimate(c, p)
+    p.pipeline["proxy_seconds"] = pipeline_proxy_seconds(_step_flops(p), p.pipeline, c.model.remat)
+    return p
 
 
 def scheduled_estimate(cfg: TrainConfig, p: StepPlan) -> StepPlan:
@@ -263,41 +289,48 @@ def scheduled_estimate(cfg: TrainConfig, p: StepPlan) -> StepPlan:
 
 
 def _pipeline_rank(p: StepPlan) -> tuple:
-    """How pipelined plans are ordered: the lesser proxy time, then the lesser peak."""
-    return p.pipeline["proxy_seconds"], p.peak_bytes
+    """How pipelined plans are ordered, as :func:`nnxscale.planning.steptime.rank_by_time`
+    orders the others: those with a predicted step time first, by it; then the others by
+    proxy time (:func:`pipeline_proxy_seconds`); the lesser peak between equal times."""
+    st = p.step_time
+    return st is None, p.pipeline["proxy_seconds"] if st is None else st.seconds, p.peak_bytes
 
 
-def _better(a: StepPlan, b: StepPlan) -> bool:
-    """Whether plan ``a`` beats ``b`` (same mesh, schedule and remat): one that fits before one
-    that does not, then :func:`_pipeline_rank`."""
-    return (a.fits is False, *_pipeline_rank(a)) < (b.fits is False, *_pipeline_rank(b))
+def _fits_then_rank(p: StepPlan) -> tuple:
+    """One that fits before one that does not, then :func:`_pipeline_rank`."""
+    return p.fits is False, *_pipeline_rank(p)
 
 
 def proposed_pipeline(plans: list[StepPlan]) -> Optional[StepPlan]:
-    """Of a sweep's pipelined plans, the one to propose: the least proxy time among those
-    that fit (any, when memory is not known; the lesser peak between equal times); ``None``
-    without a fitting pipeline."""
+    """Of a sweep's pipelined plans, the one to propose: the first by :func:`_pipeline_rank`
+    (predicted step time where the plans have one, else proxy time) among those that fit
+    (any, when memory is not known); ``None`` without a fitting pipeline."""
     fitting = [p for p in plans if p.pipeline is not None and "proxy_seconds" in p.pipeline and p.fits is not False]
     return min(fitting, key=_pipeline_rank, default=None)
 
 
 def pipeline_lines(plans: list[StepPlan]) -> list[str]:
     """The sweep table's pipelines: per plan its schedule, microbatches, bubble, work items
-    held per stage, peak, whether it fits and proxy time, least first; the proposed one marked."""
-    piped = sorted((p for p in plans if p.pipeline is not None and "proxy_seconds" in p.pipeline),
-                   key=lambda p: p.pipeline["proxy_seconds"])  # fmt: skip
+    held per stage, peak, whether it fits, proxy time and predicted step time where it has
+    one, in :func:`_pipeline_rank`'s order; the proposed one marked."""
+    from nnxscale.planning.steptime import format_seconds
+
+    piped = sorted((p for p in plans if p.pipeline is not None and "proxy_seconds" in p.pipeline), key=_pipeline_rank)
     if not piped:
         return []
     chosen = proposed_pipeline(plans)
-    lines = ["", "pipelines (microbatches chosen by a proxy time: compute x (R*M+S-1)/(R*M) + a cost per iteration):"]
+    timed = any(p.step_time is not None for p in piped)
+    lines = ["", f"pipelines (ranked by predicted step time; per mesh, schedule and remat the {PIPELINE_COMPILES_PER_GROUP} "
+             "microbatch counts with the least proxy time compiled):" if timed else
+             "pipelines (microbatches chosen by a proxy time: compute x (R*M+S-1)/(R*M) + a cost per iteration):"]  # fmt: skip
     for p in piped:
         f = p.pipeline
         held = f"{f['in_flight']} items held" if f["schedule"] == "1f1b" else "every microbatch held"
+        step = "" if not timed else f"  step {'-' if p.step_time is None else format_seconds(p.step_time.seconds):>9}"
         lines.append(
             f"  {format_mesh(p.mesh):<22}{p.remat:<7}{f['schedule']:<6} M={f['microbatches']:<4} bubble {f['bubble']:6.1%}"
             f"  {held:<22} peak {format_bytes(p.peak_bytes):>10} fits {'-' if p.fits is None else 'yes' if p.fits else 'no':<3}"
-            f"  proxy {f['proxy_seconds'] * 1e3:9.3f} ms"
+            f"  proxy {f['proxy_seconds'] * 1e3:9.3f} ms{step}"
             + ("  <- proposed" if p is chosen else "")
         )
     return lines
-
