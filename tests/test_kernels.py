@@ -103,6 +103,26 @@ def test_auto_picks_each_platforms_kernel_from_the_meshs_devices(monkeypatch):
         attn.resolve("pallas-gpu", 1024, f32, 64, platform="tpu")
 
 
+def test_in_a_pipelines_stages_auto_leaves_out_the_pallas_gpu_kernel(monkeypatch):
+    """JAX refuses the Pallas GPU kernel's output inside a pipeline's shard_map: there ``auto``
+    takes XLA's attention (blockwise for long sequences) where it would take that kernel, says
+    so, and ``--attention pallas-gpu`` is one line; cuDNN and the other platforms are unchanged."""
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    monkeypatch.setattr(jax_private, "cudnn_version", lambda: None)
+    assert attn.resolve("auto", 1024, f32, 64, platform="nvidia", pipelined=True) == "xla"
+    assert attn.resolve("auto", 4096, bf16, 64, platform="nvidia", pipelined=True) == "blockwise"
+    with attn.in_pipeline_stages():  # while tracing the stages: the default
+        assert attn.resolve("auto", 1024, f32, 64, platform="nvidia") == "xla"
+        with pytest.raises(ConfigError, match="--attention pallas-gpu does not run inside a pipeline's stages"):
+            attn.resolve("pallas-gpu", 1024, f32, 64, platform="nvidia")
+    assert attn.resolve("auto", 1024, f32, 64, platform="nvidia") == "pallas-gpu"  # outside them again
+    line = attn.describe("auto", 1024, f32, 64, platform="nvidia", pipelined=True)
+    assert line.startswith("attention: xla (auto: NVIDIA GPU") and "nor the Pallas GPU flash kernel" in line, line
+    assert attn.resolve("auto", 1024, f32, 64, platform="tpu", pipelined=True) == "splash"
+    monkeypatch.setattr(jax_private, "cudnn_version", lambda: 92800)
+    assert attn.resolve("auto", 4096, bf16, 64, platform="nvidia", pipelined=True) == "cudnn"
+
+
 def _bench_targets():
     """``bench/_targets.py``: deviceless meshes of the planner's targets (``plan --target``'s)."""
     path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "_targets.py"
@@ -132,3 +152,20 @@ def test_an_nvidia_targets_compiler_puts_the_chosen_kernel_in_the_train_step(doc
     targets = set(re.findall(r'custom_call_target="([^"]+)"', text))
     want = "__cudnn$fmha" if chosen == "cudnn" else "__gpu$xla.gpu.triton"
     assert any(t.startswith(want) for t in targets), targets
+
+
+@pytest.mark.needs_cuda_plugin
+def test_a_pipelined_step_compiles_for_an_nvidia_target_with_auto_attention():
+    """gpt2-tiny on stage=2,data=4 for 8 H100s (deviceless), ``--attention auto``: the step
+    compiles (the Pallas GPU kernel stays out of the stages) with XLA's attention, no Triton."""
+    from nnxscale.training.config import TrainConfig
+    from nnxscale.training.state import setup
+    from nnxscale.training.step import make_train_step
+
+    mesh = _bench_targets().target_mesh("h100x8", "stage=2,data=4")
+    cfg = TrainConfig.from_flags(model="gpt2-tiny", mesh="stage=2,data=4", microbatches=2, batch_size=8, seq_len=64)
+    s = setup(cfg, mesh=mesh)
+    with jax.set_mesh(s.mesh):
+        text = make_train_step(s).lower(s.abstract, s.abstract_batch).compile().as_text()
+    assert not any(t.startswith("__gpu$xla.gpu.triton") for t in re.findall(r'custom_call_target="([^"]+)"', text))
+

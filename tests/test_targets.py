@@ -290,3 +290,14 @@ def test_in_bfloat16_the_losss_head_gradient_is_reduced_in_bfloat16_on_h100s():
     text = grad.lower(hidden, head).compile().as_text()
     reduced = sum(c.total_bytes for c in hlo.collectives(text) if c.kind in ("all-reduce", "reduce-scatter"))
     assert 0 < reduced <= 1.02 * C * V * 2, reduced / (C * V * 4)
+
+
+def test_a_target_compile_that_fails_is_one_error_naming_the_childs_line():
+    """The child that compiles for a target fails: a CompileError (an NnxscaleError: one line
+    from the command line, no traceback) with the child's own error line, not a RuntimeError."""
+    from nnxscale.errors import CompileError, NnxscaleError
+    from nnxscale.planning.compiler import _run_child
+
+    with pytest.raises(CompileError, match=r"compiling the step for h100x8 failed: KeyError: 'config'") as e:
+        _run_child({"not a request": 1}, {}, "for h100x8")
+    assert isinstance(e.value, NnxscaleError)

@@ -89,6 +89,11 @@ class JaxVersionError(NnxscaleError, RuntimeError):
     """The installed jax lacks a name nnxscale relies on (one of JAX's private ones)."""
 
 
+class CompileError(NnxscaleError, RuntimeError):
+    """A target's compiler (run by ``plan --target`` in a child process) failed on the step:
+    the message holds the child's error line."""
+
+
 #: errno -> what a user would call it (others: the system's own text, ``os.strerror``).
 _OS_REASONS = {
     errno.ENOSPC: "disk full",

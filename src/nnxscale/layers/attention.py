@@ -41,6 +41,8 @@ split over a ``context`` axis is a ring, below) go to the blockwise kernel.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from typing import NamedTuple, Optional
@@ -114,13 +116,38 @@ def cudnn_applies(dtype, head_dim: int, platform: Optional[str] = None) -> bool:
     return platform == "nvidia" and shape_ok and cudnn_version() is not None
 
 
-def resolve(impl: str, q_len: int, dtype, head_dim: int, documents: bool = False, platform: Optional[str] = None) -> str:
+#: Whether attention is traced inside a pipeline's stages (:func:`in_pipeline_stages`).
+_IN_STAGES: contextvars.ContextVar[bool] = contextvars.ContextVar("nnxscale_attention_in_stages", default=False)
+
+
+@contextlib.contextmanager
+def in_pipeline_stages():
+    """Attention traced here runs inside a pipeline's ``jax.shard_map`` over its stages
+    (:mod:`nnxscale.layers.pipeline`, :mod:`nnxscale.layers.one_f_one_b`), where the Pallas GPU
+    flash kernel cannot run (:func:`resolve`)."""
+    token = _IN_STAGES.set(True)
+    try:
+        yield
+    finally:
+        _IN_STAGES.reset(token)
+
+
+def resolve(impl: str, q_len: int, dtype, head_dim: int, documents: bool = False, platform: Optional[str] = None,
+            pipelined: Optional[bool] = None) -> str:  # fmt: skip
     """The implementation ``impl`` names for queries of ``q_len`` tokens on ``platform``
     (:func:`platform_of` a mesh; default this process's devices): ``auto`` decided.
     ``documents``: a document mask is in force (segments and per-document positions), which
-    the cuDNN path here does not take."""
+    the cuDNN path here does not take. ``pipelined``: the layers run in a pipeline's stages
+    (default: whether this is traced inside them, :func:`in_pipeline_stages`), where JAX
+    (0.10.2 with its CUDA plugin) refuses the Pallas GPU kernel's output inside the stages' ``shard_map``
+    ("manual_axis_type ... must not be None"): ``auto`` takes XLA's attention there
+    (blockwise for long sequences), and ``pallas-gpu`` is refused."""
     check_impl(impl)
     platform = platform or platform_of()
+    pipelined = _IN_STAGES.get() if pipelined is None else pipelined
+    if impl == "pallas-gpu" and pipelined:
+        raise ConfigError("--attention pallas-gpu does not run inside a pipeline's stages (JAX refuses the Pallas GPU "
+                          "kernel inside the stages' shard_map): use --attention auto, cudnn, xla or blockwise")  # fmt: skip
     if impl == "cudnn" and documents:
         raise ConfigError("--attention cudnn takes plain causal attention here, not --document-mask: use auto or pallas-gpu")
     if impl == "cudnn" and not cudnn_applies(dtype, head_dim, platform):
@@ -138,22 +165,25 @@ def resolve(impl: str, q_len: int, dtype, head_dim: int, documents: bool = False
         return impl
     if platform == "tpu":
         return "splash"
-    if platform == "nvidia":
-        return "cudnn" if cudnn_applies(dtype, head_dim, platform) and not documents else "pallas-gpu"
+    if platform == "nvidia" and (cudnn_applies(dtype, head_dim, platform) and not documents):
+        return "cudnn"
+    if platform == "nvidia" and not pipelined:
+        return "pallas-gpu"
     return "blockwise" if q_len >= AUTO_BLOCKWISE_FROM else "xla"
 
 
 def describe(impl: str, q_len: int, dtype, head_dim: int, context: int = 1, documents: bool = False,
-             platform: Optional[str] = None) -> str:  # fmt: skip
+             platform: Optional[str] = None, pipelined: bool = False) -> str:  # fmt: skip
     """One line for the start of a run and for ``plan``: the implementation in use, and why.
     ``context``: how many ways the sequence is split (then attention is a ring);
-    ``documents``: a document mask is in force; ``platform``: :func:`platform_of` the mesh."""
+    ``documents``: a document mask is in force; ``platform``: :func:`platform_of` the mesh;
+    ``pipelined``: the layers run in a pipeline's stages (see :func:`resolve`)."""
     platform = platform or platform_of()
     masked = ", masked at document boundaries" if documents else ""
     if context > 1:
         return (f"attention: ring over {context} devices (the context axis), {q_len // context:,} tokens each, "
                 f"blockwise tiles of {min(BLOCK, q_len // context)}{masked}")  # fmt: skip
-    chosen = resolve(impl, q_len, dtype, head_dim, documents, platform)
+    chosen = resolve(impl, q_len, dtype, head_dim, documents, platform, pipelined)
     if impl != "auto":
         return f"attention: {chosen} (--attention {impl}){masked}"
     if chosen == "splash":
@@ -162,6 +192,9 @@ def describe(impl: str, q_len: int, dtype, head_dim: int, context: int = 1, docu
         why = "NVIDIA GPU, " + jnp.dtype(dtype).name
         if chosen == "pallas-gpu":
             why += "; the Pallas GPU flash kernel, as " + _why_not_cudnn(dtype, head_dim, documents)
+        elif chosen != "cudnn":  # in a pipeline's stages
+            why += (f"; not cuDNN, as {_why_not_cudnn(dtype, head_dim, documents)}, nor the Pallas GPU flash kernel, "
+                    "which does not run in a pipeline's stages")  # fmt: skip
     else:
         why = f"{q_len:,} tokens per sequence; blockwise from {AUTO_BLOCKWISE_FROM:,}"
     return f"attention: {chosen} (auto: {why}){masked}"

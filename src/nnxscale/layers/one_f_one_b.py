@@ -95,6 +95,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import ConfigError
+from nnxscale.layers import attention
 from nnxscale.layers.pipeline import _ACTIVE, _manual_axes, _mesh_for
 from nnxscale.layers.stack import Rows, layers_run_by, remat_policy, scan_state
 from nnxscale.models.common.documents import trained_weights
@@ -241,7 +242,8 @@ def pipeline_value_and_grad(
     )
     token = _ACTIVE.set(None)  # the loss's own stacks (none here) would run unpipelined
     try:
-        loss, extras, g_stack, g_rest = run(stack, rest, inputs, targets, key)
+        with attention.in_pipeline_stages():
+            loss, extras, g_stack, g_rest = run(stack, rest, inputs, targets, key)
     finally:
         _ACTIVE.reset(token)
     return (loss, extras), rebuild(g_stack, g_rest)

@@ -108,6 +108,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import ConfigError
+from nnxscale.layers import attention
 from nnxscale.layers.stack import Rows, layers_run_by, num_layers, scan_state
 from nnxscale.sharding.activations import current_rules
 from nnxscale.sharding.axes import EXPERT, STAGE, entry_axes
@@ -371,7 +372,7 @@ def pipeline_layers(
                         axis_names=frozenset((axis,) + data))  # fmt: skip
     token = _ACTIVE.set(None)  # layers that scan stacks of their own run them unpipelined
     try:
-        with layers_run_by(None):
+        with layers_run_by(None), attention.in_pipeline_stages():
             out = run(*operands)
     finally:
         _ACTIVE.reset(token)

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from nnxscale.errors import CompileError
 from nnxscale.planning.layout import plan_separator
 from nnxscale.training.config import TrainConfig
 
@@ -179,7 +180,7 @@ def _run_child(request: dict, env: dict, what: str) -> dict[str, Any]:
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines() or ["(no output)"]
         errors = [line for line in lines if re.match(r"[\w.]+(Error|Exception): ", line)]
-        raise RuntimeError(f"compiling the step {what} failed: {(errors or lines)[-1]}")
+        raise CompileError(f"compiling the step {what} failed: {(errors or lines)[-1]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

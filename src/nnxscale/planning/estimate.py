@@ -445,8 +445,9 @@ def attention_figures(cfg: TrainConfig, model, rules, platform: Optional[str] = 
 
     c, head, context = model.config, model.dims.head_width, rules.length_shard_count
     platform = platform or attention.platform_of(rules.mesh)  # the target's, for a mesh of its devices
+    staged = rules.sizes.get(STAGE, 1) > 1  # the layers run in a pipeline's stages
     return {
-        "attention": "ring" if context > 1 else attention.resolve(c.attention, cfg.data.seq_len, c.dtype, head, cfg.data.document_mask, platform),
-        "attention_line": attention.describe(c.attention, cfg.data.seq_len, c.dtype, head, context, cfg.data.document_mask, platform),
+        "attention": "ring" if context > 1 else attention.resolve(c.attention, cfg.data.seq_len, c.dtype, head, cfg.data.document_mask, platform, staged),
+        "attention_line": attention.describe(c.attention, cfg.data.seq_len, c.dtype, head, context, cfg.data.document_mask, platform, staged),
     }
 

@@ -309,7 +309,7 @@ class _Run:
             c = s.model.config
             context = s.rules.length_shard_count
             self.log(attention.describe(c.attention, self.cfg.data.seq_len, c.dtype, s.model.dims.head_width, context,
-                                        self.cfg.data.document_mask, attention.platform_of(s.mesh)))
+                                        self.cfg.data.document_mask, attention.platform_of(s.mesh), s.pipeline is not None))
         if s.pipeline is not None:
             self.log(describe_pipeline(s))
             shardings = jax.tree.leaves(s.param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))

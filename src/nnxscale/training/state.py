@@ -268,10 +268,10 @@ def setup(
     rules = resolve(cfg.parallel.rules, mesh, min_shard_bytes=cfg.parallel.min_shard_bytes)
     m = run_model(cfg, model, loss, recorded=recorded, separator=separator, ignored_targets=ignored_targets)
     check_shapes(cfg, rules, m)
+    pipe = run_pipeline(cfg, rules)
     if getattr(m.config, "attention", None):  # --attention cudnn where it cannot run: one line, before anything is built
         attention.resolve(m.config.attention, cfg.data.seq_len, m.config.dtype, m.dims.head_width, cfg.data.document_mask,
-                          attention.platform_of(mesh))
-    pipe = run_pipeline(cfg, rules)
+                          attention.platform_of(mesh), pipelined=pipe is not None)  # fmt: skip
     if pipe is not None and pipe.one_f_one_b:
         if m.lora is not None:
             raise ConfigError("--lora-rank with --pipeline-schedule 1f1b is not supported yet: the 1F1B schedule computes "
