@@ -25,9 +25,10 @@ import pytest
 #
 # These are speed flags, and a jaxlib that does not know one aborts the process at its first
 # device query (jaxlib 0.12 dropped --xla_cpu_use_fusion_emitters; pytest's capture then
-# swallowed the abort and the suite exited 1 with no word). So each is tried once in a child
-# process and kept only where that jaxlib accepts it; the verdict travels to the workers and
-# to the processes the tests start in the environment.
+# swallowed the abort and the suite exited 1 with no word). So a child process starts the
+# backend with all of them, and again without each one its abort names unknown (jaxlib 0.10:
+# one probe; 0.12: two); the verdict travels to the workers and to the processes the tests
+# start in the environment.
 DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 SPEED_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 _VERDICT = "NNXSCALE_TEST_XLA_FLAGS"
@@ -47,12 +48,15 @@ def _suite_xla_flags() -> str:
     if _VERDICT in os.environ:  # decided by the pytest process that started this one
         return os.environ[_VERDICT]
     base = (os.environ.get("XLA_FLAGS", "") + " " + DEVICES_FLAG).strip()
-    kept = SPEED_FLAGS
-    if not _backend_starts(" ".join([base, *kept]))[0]:  # one probe where the jaxlib knows them all
-        ok, why = _backend_starts(base)
-        if not ok:
-            raise pytest.UsageError(f"jax's CPU backend does not start with XLA_FLAGS={base!r}:\n{why}")
-        kept = [flag for flag in SPEED_FLAGS if _backend_starts(f"{base} {flag}")[0]]
+    kept = list(SPEED_FLAGS)
+    while True:  # one probe where the jaxlib knows them all; one more per flag it names unknown
+        ok, why = _backend_starts(" ".join([base, *kept]))
+        if ok:
+            break
+        unknown = [flag for flag in kept if f"Unknown flag in XLA_FLAGS: {flag.split('=')[0]}" in why]
+        if not unknown:
+            raise pytest.UsageError(f"jax's CPU backend does not start with XLA_FLAGS={' '.join([base, *kept])!r}:\n{why}")
+        kept.remove(unknown[0])
     os.environ[_VERDICT] = " ".join([base, *kept])
     return os.environ[_VERDICT]
 
