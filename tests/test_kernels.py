@@ -103,10 +103,10 @@ def test_auto_picks_each_platforms_kernel_from_the_meshs_devices(monkeypatch):
         attn.resolve("pallas-gpu", 1024, f32, 64, platform="tpu")
 
 
-def test_in_a_pipelines_stages_auto_leaves_out_the_pallas_gpu_kernel(monkeypatch):
-    """JAX refuses the Pallas GPU kernel's output inside a pipeline's shard_map: there ``auto``
-    takes XLA's attention (blockwise for long sequences) where it would take that kernel, says
-    so, and ``--attention pallas-gpu`` is one line; cuDNN and the other platforms are unchanged."""
+def test_in_a_pipelines_stages_auto_leaves_out_the_pallas_kernels(monkeypatch):
+    """JAX refuses a Pallas kernel's output inside a pipeline's shard_map: there ``auto`` takes
+    XLA's attention (blockwise for long sequences) where it would take NVIDIA's flash kernel or
+    TPU's splash, says so, and ``--attention pallas-gpu`` or ``splash`` is one line; cuDNN stays."""
     bf16, f32 = jnp.bfloat16, jnp.float32
     monkeypatch.setattr(jax_private, "cudnn_version", lambda: None)
     assert attn.resolve("auto", 1024, f32, 64, platform="nvidia", pipelined=True) == "xla"
@@ -118,7 +118,10 @@ def test_in_a_pipelines_stages_auto_leaves_out_the_pallas_gpu_kernel(monkeypatch
     assert attn.resolve("auto", 1024, f32, 64, platform="nvidia") == "pallas-gpu"  # outside them again
     line = attn.describe("auto", 1024, f32, 64, platform="nvidia", pipelined=True)
     assert line.startswith("attention: xla (auto: NVIDIA GPU") and "nor the Pallas GPU flash kernel" in line, line
-    assert attn.resolve("auto", 1024, f32, 64, platform="tpu", pipelined=True) == "splash"
+    assert attn.resolve("auto", 1024, f32, 64, platform="tpu", pipelined=True) == "xla"  # not splash either
+    assert "not the Pallas splash attention kernel" in attn.describe("auto", 1024, f32, 64, platform="tpu", pipelined=True)
+    with pytest.raises(ConfigError, match="--attention splash does not run inside a pipeline's stages"):
+        attn.resolve("splash", 1024, f32, 64, platform="tpu", pipelined=True)
     monkeypatch.setattr(jax_private, "cudnn_version", lambda: 92800)
     assert attn.resolve("auto", 4096, bf16, 64, platform="nvidia", pipelined=True) == "cudnn"
 

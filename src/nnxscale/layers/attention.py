@@ -68,6 +68,8 @@ _NEG = -1e30  # "minus infinity" that keeps exp() and max() finite in the masked
 
 #: The kernels each platform family runs (see :func:`platform_of`); elsewhere XLA's ops only.
 KERNELS = {"splash": "tpu", "pallas-gpu": "nvidia", "cudnn": "nvidia"}
+#: The Pallas kernels among them: not inside a pipeline's stages (:func:`resolve`).
+PALLAS = ("splash", "pallas-gpu")
 _PLATFORM_NAMES = {"tpu": "TPU", "nvidia": "NVIDIA GPU"}
 
 
@@ -123,8 +125,8 @@ _IN_STAGES: contextvars.ContextVar[bool] = contextvars.ContextVar("nnxscale_atte
 @contextlib.contextmanager
 def in_pipeline_stages():
     """Attention traced here runs inside a pipeline's ``jax.shard_map`` over its stages
-    (:mod:`nnxscale.layers.pipeline`, :mod:`nnxscale.layers.one_f_one_b`), where the Pallas GPU
-    flash kernel cannot run (:func:`resolve`)."""
+    (:mod:`nnxscale.layers.pipeline`, :mod:`nnxscale.layers.one_f_one_b`), where the Pallas
+    kernels (NVIDIA's flash, TPU's splash) cannot run (:func:`resolve`)."""
     token = _IN_STAGES.set(True)
     try:
         yield
@@ -139,15 +141,16 @@ def resolve(impl: str, q_len: int, dtype, head_dim: int, documents: bool = False
     ``documents``: a document mask is in force (segments and per-document positions), which
     the cuDNN path here does not take. ``pipelined``: the layers run in a pipeline's stages
     (default: whether this is traced inside them, :func:`in_pipeline_stages`), where JAX
-    (0.10.2 with its CUDA plugin) refuses the Pallas GPU kernel's output inside the stages' ``shard_map``
-    ("manual_axis_type ... must not be None"): ``auto`` takes XLA's attention there
-    (blockwise for long sequences), and ``pallas-gpu`` is refused."""
+    (0.10.2, compiling for H100 and TPU v5e targets) refuses a Pallas kernel's output inside
+    the stages' ``shard_map`` ("manual_axis_type ... must not be None"): ``auto`` takes XLA's
+    attention there (blockwise for long sequences; cuDNN where it applies), and ``splash``
+    and ``pallas-gpu`` are refused."""
     check_impl(impl)
     platform = platform or platform_of()
     pipelined = _IN_STAGES.get() if pipelined is None else pipelined
-    if impl == "pallas-gpu" and pipelined:
-        raise ConfigError("--attention pallas-gpu does not run inside a pipeline's stages (JAX refuses the Pallas GPU "
-                          "kernel inside the stages' shard_map): use --attention auto, cudnn, xla or blockwise")  # fmt: skip
+    if impl in PALLAS and pipelined:
+        raise ConfigError(f"--attention {impl} does not run inside a pipeline's stages (JAX refuses a Pallas kernel's "
+                          "output inside the stages' shard_map): use --attention auto, xla or blockwise")  # fmt: skip
     if impl == "cudnn" and documents:
         raise ConfigError("--attention cudnn takes plain causal attention here, not --document-mask: use auto or pallas-gpu")
     if impl == "cudnn" and not cudnn_applies(dtype, head_dim, platform):
@@ -163,7 +166,7 @@ def resolve(impl: str, q_len: int, dtype, head_dim: int, documents: bool = False
         )
     if impl != "auto":
         return impl
-    if platform == "tpu":
+    if platform == "tpu" and not pipelined:
         return "splash"
     if platform == "nvidia" and (cudnn_applies(dtype, head_dim, platform) and not documents):
         return "cudnn"
@@ -188,6 +191,9 @@ def describe(impl: str, q_len: int, dtype, head_dim: int, context: int = 1, docu
         return f"attention: {chosen} (--attention {impl}){masked}"
     if chosen == "splash":
         why = "TPU: the Pallas splash attention kernel"
+    elif platform == "tpu":  # in a pipeline's stages
+        why = (f"TPU, not the Pallas splash attention kernel, which does not run in a pipeline's stages; "
+               f"{q_len:,} tokens per sequence, blockwise from {AUTO_BLOCKWISE_FROM:,}")  # fmt: skip
     elif platform == "nvidia":
         why = "NVIDIA GPU, " + jnp.dtype(dtype).name
         if chosen == "pallas-gpu":
