@@ -52,8 +52,8 @@ class ModelSettings:
                          "input; a bare --remat); dots (keep the weight matmuls' outputs)", const="full",
                          choices=("none", "full", "dots"))  # fmt: skip
     attention: str = setting("auto", "--attention", "attention implementation: auto (by the mesh's devices: splash on "
-                             "TPUs; cudnn on NVIDIA GPUs in bfloat16 without --document-mask, else pallas-gpu (not in a "
-                             "pipeline's stages); elsewhere "
+                             "TPUs; cudnn on NVIDIA GPUs in bfloat16 without --document-mask, else pallas-gpu (neither "
+                             "Pallas kernel in a pipeline's stages); elsewhere "
                              "xla up to 2,047 tokens, blockwise from 2,048); xla (jax.nn.dot_product_attention: the full "
                              "T x T scores); blockwise (flash-attention recurrence in plain JAX: memory linear in T); "
                              "cudnn; splash (TPU Pallas kernel); pallas-gpu (NVIDIA Pallas flash kernel)",
