@@ -29,10 +29,10 @@ Three parts, one run (``python bench/pipeline.py``, about 10 minutes on 2 cores;
 
 5. **LoRA** (``--lora``, not part of the full run): gpt2 with ``--remat full`` on
    ``stage=2,data=4`` at M = 8 and 32 (2 rows x 256 tokens per microbatch and data shard),
-   LoRA rank 16 on every linear layer of the blocks against the full fine-tune, both
-   schedules and interleaved 1F1B (R=2): compiled temporaries per device. The 1F1B ring keeps
-   each layer's input under remat full; a schedule that kept the frozen base in it would grow
-   past the full fine-tune's. Last line, JSON: the ratios.
+   LoRA rank 16 on every linear layer of the blocks with GPipe, 1F1B and interleaved
+   1F1B (R=2), and the full fine-tune with 1F1B: compiled temporaries per device. The 1F1B
+   ring keeps each layer's input under remat full; a schedule that kept the frozen base in
+   it would grow past the full fine-tune's. Last line, JSON: the ratios.
 
 Last line, JSON: ``{"gpipe_bubble", "circular_bubble", "pp_over_dp_step_time", ...}``: the
 bubbles of gpt2 on ``stage=2,data=4`` at M=8 (GPipe, and circular with R=2), the
@@ -114,8 +114,7 @@ MORE_TIMED = [  # (model, mesh, microbatches, repeats, schedule)
 
 # Part 5 (--lora): LoRA rank 16 against the full fine-tune, remat full, on stage=2,data=4.
 LORA_MS, LORA_RANK = (8, 32), 16
-LORA_ROWS = [  # (schedule, repeats, lora rank or None)
-    ("gpipe", 1, None), ("gpipe", 1, LORA_RANK), ("1f1b", 1, None), ("1f1b", 1, LORA_RANK), ("1f1b", 2, LORA_RANK)]
+LORA_ROWS = [("gpipe", 1, LORA_RANK), ("1f1b", 1, None), ("1f1b", 1, LORA_RANK), ("1f1b", 2, LORA_RANK)]  # (schedule, R, rank)
 
 
 def config(model: str, mesh: str, microbatches, repeats: int, batch: int, seq: int, schedule: str = "gpipe",

@@ -290,7 +290,7 @@ class _Parts:
         parameters) is one spec for every leaf or a tree of them in ``whole``'s leaf order."""
         if isinstance(specs, P):
             return [specs] * len(self.stack)
-        where = [_key_path(kp)[len(path):] for kp, _ in jax.tree_util.tree_flatten_with_path(_sub_tree(whole, path))[0]]
+        where = [_key_path(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(_sub_tree(whole, path))[0]]
         by_path = dict(zip(where, jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))))
         return [by_path[p[len(path):]] for p, s in zip(self.paths, self.in_stack) if s]
 
