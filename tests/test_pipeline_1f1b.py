@@ -306,14 +306,17 @@ def test_bad_1f1b_settings_say_what_to_do(tmp_path, text_data, capsys, extra, wo
     assert not (tmp_path / "run").exists()
 
 
-def test_plan_knows_the_schedule(text_data):
+@pytest.mark.parametrize("lora", [None, 4])
+def test_plan_knows_the_schedule(text_data, lora):
     """plan on stage=4,data=2 with 1F1B: the compiled permutes are pipeline_cost's (1F1B sends
-    what GPipe sends), no boundary all-reduce, and the ring of 2S-1 microbatches it holds."""
+    what GPipe sends), no boundary all-reduce, and the ring of 2S-1 microbatches it holds;
+    with LoRA adapters (the base frozen) the same."""
     from nnxscale.planning.report import plan
 
     cfg = cfg_for("unused", text_data, steps=1, mesh="stage=4,data=2", microbatches=4,
-                  **{"parallel.pipeline_schedule": "1f1b"})  # fmt: skip
+                  **{"parallel.pipeline_schedule": "1f1b", **({"lora.rank": lora} if lora else {})})  # fmt: skip
     step = plan(cfg)
+    assert (step.gradient_bytes < step.param_bytes / 4) == bool(lora)  # under LoRA the adapters' gradients only
     p = step.pipeline
     cost = pipeline_cost(Pipeline(stages=4, microbatches=4, one_f_one_b=True), 4, (16, 32, 128), batch_shards=2)
     assert (p["schedule"], p["in_flight"], p["boundary_bytes"]) == ("1f1b", 7, 0)
