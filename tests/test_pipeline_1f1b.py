@@ -2,13 +2,14 @@
 memory that does not grow with the microbatches.
 
 Exactness: the real train step, pipelined with 1F1B on several meshes and remat policies
-(with a document mask, gradient accumulation and a context axis, interleaved, and a mixture
-of experts beside an ``expert`` axis), against the same step on ``data=8`` from the same
-parameters: losses, gradient norms, router losses and expert load, and updated parameters
-to float tolerance; and a training run of 20 steps that moves its checkpoint to ``data=8``
-and GPipe. Memory: the compiled step's temporaries per device at 4x the microbatches (same
-microbatch size) do not grow with 1F1B and do with GPipe. Then bad input, one line each,
-the plan, and the pipelines ``plan --sweep`` proposes.
+(with a document mask, gradient accumulation and a context axis, interleaved, a mixture
+of experts beside an ``expert`` axis, and LoRA adapters), against the same step on
+``data=8`` from the same parameters: losses, gradient norms, router losses and expert load,
+and updated parameters to float tolerance; and a training run of 20 steps that moves its
+checkpoint to ``data=8`` and GPipe. Memory: the compiled step's temporaries per device at 4x
+the microbatches (same microbatch size) do not grow with 1F1B and do with GPipe, nor with
+LoRA, whose stay below the full fine-tune's. Then bad input, one line each, the plan, and
+the pipelines ``plan --sweep`` proposes.
 
 CPU: every program here compiles once (``compiled_step``), and is both run and measured
 where a test needs both; one step from the same parameters shows what several would (the
