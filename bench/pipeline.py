@@ -27,6 +27,13 @@ Three parts, one run (``python bench/pipeline.py``, about 10 minutes on 2 cores;
    times of gpt2-mini (M=8, R=2) and of mixtral-mini on ``stage=2,expert=4`` (M=4), whose
    1F1B step runs a forward pass for the router statistics first, timed in turns.
 
+5. **LoRA** (``--lora``, not part of the full run): gpt2 with ``--remat full`` on
+   ``stage=2,data=4`` at M = 8 and 32 (2 rows x 256 tokens per microbatch and data shard),
+   LoRA rank 16 on every linear layer of the blocks with GPipe, 1F1B and interleaved
+   1F1B (R=2), and the full fine-tune with 1F1B: compiled temporaries per device. The 1F1B
+   ring keeps each layer's input under remat full; a schedule that kept the frozen base in
+   it would grow past the full fine-tune's. Last line, JSON: the ratios.
+
 Last line, JSON: ``{"gpipe_bubble", "circular_bubble", "pp_over_dp_step_time", ...}``: the
 bubbles of gpt2 on ``stage=2,data=4`` at M=8 (GPipe, and circular with R=2), the
 measured GPipe step time over the ``data=8`` one, and part 3's ratios: temporaries at M=32
@@ -105,10 +112,16 @@ MORE_TIMED = [  # (model, mesh, microbatches, repeats, schedule)
 ]
 
 
+# Part 5 (--lora): LoRA rank 16 against the full fine-tune, remat full, on stage=2,data=4.
+LORA_MS, LORA_RANK = (8, 32), 16
+LORA_ROWS = [("gpipe", 1, LORA_RANK), ("1f1b", 1, None), ("1f1b", 1, LORA_RANK), ("1f1b", 2, LORA_RANK)]  # (schedule, R, rank)
+
+
 def config(model: str, mesh: str, microbatches, repeats: int, batch: int, seq: int, schedule: str = "gpipe",
-           remat: str = "none") -> TrainConfig:  # fmt: skip
+           remat: str = "none", lora=None) -> TrainConfig:  # fmt: skip
     return TrainConfig.from_flags(model=model, mesh=mesh, microbatches=microbatches, pipeline_repeats=repeats,
-                                  batch_size=batch, seq_len=seq, pipeline_schedule=schedule, remat=remat)  # fmt: skip
+                                  batch_size=batch, seq_len=seq, pipeline_schedule=schedule, remat=remat,
+                                  **({"lora_rank": lora} if lora else {}))  # fmt: skip
 
 
 def name(mesh: str, microbatches, repeats: int) -> str:
@@ -234,7 +247,43 @@ def timed_in_turns(runs: dict) -> dict:
     return {key: statistics.median(ts) for key, ts in times.items()}
 
 
+def lora_memory() -> dict:
+    """Part 5: compiled temporaries per device of gpt2's step with LoRA and without, remat full."""
+    mesh, shards = INTERLEAVED_MESH, 4
+    print(f"gpt2 (124M) train step on {mesh}, {SCHEDULE_ROWS} rows x {SCHEDULE_SEQ} tokens per microbatch and data "
+          f"shard, float32, remat full; LoRA rank {LORA_RANK} on every linear layer of the blocks (compiled, not run)")
+    header = f"{'schedule':<10}{'R':>3}{'trains':>8}{'M':>4}{'batch':>7}{'temp/dev':>11}{'peak/dev':>11}"
+    print(header)
+    print("-" * len(header))
+    rows = {}
+    for schedule, repeats, lora in LORA_ROWS:
+        for m in LORA_MS:
+            batch = SCHEDULE_ROWS * m * shards
+            s = setup(config("gpt2", mesh, m, repeats, batch, SCHEDULE_SEQ, schedule, "full", lora))
+            with jax.set_mesh(s.mesh):
+                fig = measure(make_train_step(s).lower(s.abstract, s.abstract_batch).compile())
+            rows[(schedule, repeats, lora, m)] = fig["temp_bytes"]
+            trains = "LoRA" if lora else "all"
+            print(f"{schedule:<10}{repeats:>3}{trains:>8}{m:>4}{batch:>7}{format_bytes(fig['temp_bytes']):>11}"
+                  f"{format_bytes(fig['peak_bytes']):>11}", flush=True)  # fmt: skip
+    lo, hi = LORA_MS
+    result = {
+        "lora_1f1b_temp_growth": round(rows[("1f1b", 1, LORA_RANK, hi)] / rows[("1f1b", 1, LORA_RANK, lo)], 3),
+        "lora_interleaved_1f1b_temp_growth": round(rows[("1f1b", 2, LORA_RANK, hi)] / rows[("1f1b", 2, LORA_RANK, lo)], 3),
+        "lora_gpipe_temp_growth": round(rows[("gpipe", 1, LORA_RANK, hi)] / rows[("gpipe", 1, LORA_RANK, lo)], 3),
+        "lora_over_full_1f1b_temp": {m: round(rows[("1f1b", 1, LORA_RANK, m)] / rows[("1f1b", 1, None, m)], 3)
+                                     for m in LORA_MS},  # fmt: skip
+    }
+    print(f"temp at M={hi} over M={lo} with LoRA: 1F1B {result['lora_1f1b_temp_growth']:.2f}x, interleaved 1F1B "
+          f"{result['lora_interleaved_1f1b_temp_growth']:.2f}x, GPipe {result['lora_gpipe_temp_growth']:.2f}x")  # fmt: skip
+    print(json.dumps(result))
+    return result
+
+
 def main() -> None:
+    if "--lora" in os.sys.argv:  # part 5 alone
+        lora_memory()
+        return
     if "--interleaved" in os.sys.argv:  # part 4 alone
         interleaved()
         return

@@ -2,13 +2,14 @@
 memory that does not grow with the microbatches.
 
 Exactness: the real train step, pipelined with 1F1B on several meshes and remat policies
-(with a document mask, gradient accumulation and a context axis, interleaved, and a mixture
-of experts beside an ``expert`` axis), against the same step on ``data=8`` from the same
-parameters: losses, gradient norms, router losses and expert load, and updated parameters
-to float tolerance; and a training run of 20 steps that moves its checkpoint to ``data=8``
-and GPipe. Memory: the compiled step's temporaries per device at 4x the microbatches (same
-microbatch size) do not grow with 1F1B and do with GPipe. Then bad input, one line each,
-the plan, and the pipelines ``plan --sweep`` proposes.
+(with a document mask, gradient accumulation and a context axis, interleaved, a mixture
+of experts beside an ``expert`` axis, and LoRA adapters), against the same step on
+``data=8`` from the same parameters: losses, gradient norms, router losses and expert load,
+and updated parameters to float tolerance; and a training run of 20 steps that moves its
+checkpoint to ``data=8`` and GPipe. Memory: the compiled step's temporaries per device at 4x
+the microbatches (same microbatch size) do not grow with 1F1B and do with GPipe, nor with
+LoRA, whose stay below the full fine-tune's. Then bad input, one line each, the plan, and
+the pipelines ``plan --sweep`` proposes.
 
 CPU: every program here compiles once (``compiled_step``), and is both run and measured
 where a test needs both; one step from the same parameters shows what several would (the
@@ -30,9 +31,10 @@ from nnxscale.layers.one_f_one_b import ring_slots
 from nnxscale.layers.pipeline import Pipeline, pipeline_cost
 from nnxscale.planning.compiler import measure
 from nnxscale.sharding.mesh import format_mesh
+from nnxscale.training.adapters import BASE, init_adapters, merge_params
 from nnxscale.training.config import TrainConfig
 from nnxscale.training.rundir import read_metrics
-from nnxscale.training.state import init_state, saved_order, setup
+from nnxscale.training.state import init_state, run_order, saved_order, setup
 from nnxscale.training.step import make_train_step
 
 SEPARATOR = 0
@@ -40,12 +42,13 @@ RESUMED = 2  # steps run after a resume in the 20-step test: the second uses the
 
 
 def config(model, mesh, microbatches=None, schedule="gpipe", remat="none", documents=False, repeats=1, accum=1,
-           batch=16, dropout=0.0):  # fmt: skip
-    """``model`` on ``mesh``, batch x 32 tokens; no warmup (the first step updates the parameters)."""
+           batch=16, dropout=0.0, lora=None):  # fmt: skip
+    """``model`` on ``mesh``, batch x 32 tokens; no warmup (the first step updates the parameters).
+    ``lora``: the rank of LoRA adapters on every linear layer of the blocks (the rest frozen)."""
     return TrainConfig.from_flags(
         model=model, mesh=mesh, microbatches=microbatches, pipeline_schedule=schedule, remat=remat, batch_size=batch,
         seq_len=32, min_shard_bytes=0, document_mask=documents, warmup_steps=0, min_lr_ratio=1.0, decay_steps=100,
-        pipeline_repeats=repeats, grad_accum=accum, dropout=dropout,
+        pipeline_repeats=repeats, grad_accum=accum, dropout=dropout, **({"lora_rank": lora} if lora else {}),
     )  # fmt: skip
 
 
@@ -90,18 +93,44 @@ def initial_params(model):
     return jax.tree.map(np.array, init_state(setup(config(model, "data=8")))["params"])
 
 
+@functools.lru_cache(maxsize=None)
+def initial_adapters(model, rank):
+    """LoRA adapters of ``rank`` for ``model`` (numpy, layer order): ``A`` as drawn, ``B`` not
+    zero (fresh adapters have ``B = 0``, and so no gradient of ``A``: both must be tested)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(init_adapters(setup(config(model, "data=8", lora=rank))))
+    drawn = [0.05 * jax.random.normal(jax.random.key(i), a.shape, a.dtype) if kp[-1].key == "b" else a
+             for i, (kp, a) in enumerate(flat)]  # fmt: skip
+    return jax.tree.unflatten(treedef, [np.asarray(a) for a in drawn])
+
+
+def start_params(model, lora=None):
+    """What one step starts from: ``initial_params`` (the frozen base under LoRA) and the adapters."""
+    base = initial_params(model)
+    return base if not lora else merge_params(base, initial_adapters(model, lora))
+
+
 def run_step(*args, **kwargs):
-    """Metrics of one train step of ``config(*args, **kwargs)`` from ``initial_params`` on one
-    fixed batch, and the parameters after it (layer order)."""
+    """Metrics of one train step of ``config(*args, **kwargs)`` from ``start_params`` on one
+    fixed batch, and the trained parameters after it (layer order). Under LoRA the metrics
+    count the base's leaves that changed (``base_changed``)."""
     s, step = compiled_step(*args, **kwargs)
-    cfg = s.cfg
+    cfg, lora = s.cfg, s.model.lora is not None
     x = tokens(cfg.data.batch_size, cfg.data.seq_len, cfg.data.document_mask)
     batch = {k: jax.device_put(v, s.batch_sharding) for k, v in (("inputs", x[:, :-1]), ("targets", x[:, 1:]))}
-    state = init_state(s, jax.device_put(initial_params(cfg.model.name), s.state_shardings["params"]))
+    if not lora:
+        state = init_state(s, jax.device_put(initial_params(cfg.model.name), s.state_shardings["params"]))
+    else:  # the given adapters (init_state would draw fresh ones) beside the base
+        start = start_params(cfg.model.name, cfg.lora.rank)
+        with jax.set_mesh(s.mesh):
+            state = run_order(s, jax.jit(s.init_fn, out_shardings=s.state_shardings)(start))
     with jax.set_mesh(s.mesh):
         state, m = step(state, batch)
     metrics = {k: np.asarray(m[k], np.float64) for k in ("loss", "grad_norm", "skipped", *ROUTER) if k in m}
-    return metrics, jax.tree.map(np.asarray, saved_order(s, state)["params"])
+    after = saved_order(s, state)
+    if lora:
+        same = jax.tree.map(np.array_equal, jax.device_get(after[BASE]), initial_params(cfg.model.name))
+        metrics["base_changed"] = sum(not v for v in jax.tree.leaves(same))
+    return metrics, jax.tree.map(np.asarray, after["params"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,30 +144,35 @@ def run_steps(*args, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "model, mesh, microbatches, remat, documents, repeats, accum",
+    "model, mesh, microbatches, remat, documents, repeats, accum, lora",
     [
-        ("gpt2-mini", "stage=2,data=4", 4, "none", True, 1, 1),
+        ("gpt2-mini", "stage=2,data=4", 4, "none", True, 1, 1, None),
         # a ring of 7 slots, each layer's input kept; each accumulation step a 1F1B pass
-        ("gpt2-mini", "stage=4,data=2", 4, "full", True, 1, 2),
-        ("gpt2-mini", "stage=2,fsdp=2,model=2", 2, "dots", True, 1, 1),  # FSDP and tensor parallelism in the stages
+        ("gpt2-mini", "stage=4,data=2", 4, "full", True, 1, 2, None),
+        ("gpt2-mini", "stage=2,fsdp=2,model=2", 2, "dots", True, 1, 1, None),  # FSDP and tensor parallelism in the stages
         # interleaved: 2 groups of 1 layer per stage, every microbatch round the ring twice
-        ("gpt2-mini", "stage=2,data=4", 4, "none", True, 2, 1),
-        ("llama-mini", "stage=2,context=2,data=2", 2, "full", True, 1, 1),  # ring attention inside the stages
+        ("gpt2-mini", "stage=2,data=4", 4, "none", True, 2, 1, None),
+        ("llama-mini", "stage=2,context=2,data=2", 2, "full", True, 1, 1, None),  # ring attention inside the stages
         # a mixture of experts, its experts split over an expert axis inside the stages,
         # interleaved, each layer's input kept: the router's losses and each expert's load are
         # the whole batch's
-        ("mixtral-mini", "stage=2,expert=2,data=2", 2, "full", True, 2, 1),
+        ("mixtral-mini", "stage=2,expert=2,data=2", 2, "full", True, 2, 1, None),
+        # LoRA: only the adapters differentiated (against data=8 with LoRA), the frozen base
+        # closed over, each layer's input kept (the program test_1f1b_with_lora_... measures)
+        ("gpt2-mini", "stage=2,data=4", 2, "full", True, 1, 1, 4),
     ],
 )  # fmt: skip
-def test_1f1b_step_equals_the_data_parallel_step(model, mesh, microbatches, remat, documents, repeats, accum):
+def test_1f1b_step_equals_the_data_parallel_step(model, mesh, microbatches, remat, documents, repeats, accum, lora):
     """One step from the same parameters on the same batch, against data=8's (no remat, no
     accumulation: both are the same step's numbers): the loss, its gradient's norm, a
     mixture's router losses and expert load, and the updated parameters (the first step
-    updates them at the full learning rate)."""
-    want, want_params = run_steps(model, "data=8", documents=documents)
-    got, got_params = run_steps(model, mesh, microbatches, "1f1b", remat, documents, repeats=repeats, accum=accum)
-    what = f"{model} {mesh} M={microbatches} R={repeats} remat={remat} documents={documents} grad_accum={accum}"
+    updates them at the full learning rate); under LoRA the adapters, and the base unchanged."""
+    want, want_params = run_steps(model, "data=8", documents=documents, lora=lora)
+    got, got_params = run_steps(model, mesh, microbatches, "1f1b", remat, documents, repeats=repeats, accum=accum,
+                                lora=lora)  # fmt: skip
+    what = f"{model} {mesh} M={microbatches} R={repeats} remat={remat} documents={documents} grad_accum={accum} lora={lora}"
     assert got["skipped"] == want["skipped"] == 0
+    assert got.get("base_changed", 0) == want.get("base_changed", 0) == 0, what
     assert got.keys() == want.keys()
     for k in ("loss", "grad_norm", *ROUTER):
         if k in want:
@@ -146,7 +180,7 @@ def test_1f1b_step_equals_the_data_parallel_step(model, mesh, microbatches, rema
     # The parameters' change: Adam divides by the root of the second moment, so last-bit
     # differences of gradients near zero reach single parameters amplified (3e-5 of a 3e-3
     # step seen); over all of them the updates agree to 1e-3 (a wrong gradient: order 1).
-    init = initial_params(model)
+    init = initial_adapters(model, lora) if lora else initial_params(model)
     diff = sum(np.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params)))
     update = sum(np.sum((b - i) ** 2) for b, i in zip(jax.tree.leaves(want_params), jax.tree.leaves(init)))
     assert update > 0, what
@@ -225,6 +259,23 @@ def test_1f1b_memory_does_not_grow_with_the_microbatches():
     assert interleaved[16] <= 0.5 * gpipe[16], (interleaved, gpipe)
 
 
+def test_1f1b_with_lora_keeps_no_base_weights_in_its_ring():
+    """LoRA under 1F1B with remat full (the ring keeps each layer's input; a pullback over the
+    adapters that kept the frozen base as a residual would keep 2S-1 copies of the stage's
+    weights there), compiled: temporaries per device no larger than the full fine-tune's of
+    the same step, and 4x the microbatches (same size) leave them as they were."""
+
+    def temp(microbatches, lora):  # M=2: the program the LoRA exactness case runs
+        _, compiled = compiled_step("gpt2-mini", "stage=2,data=4", microbatches, "1f1b", "full", True,
+                                    batch=8 * microbatches, lora=lora)  # fmt: skip
+        return measure(compiled)["temp_bytes"]
+
+    lora = {m: temp(m, 4) for m in (2, 8)}
+    full = temp(2, None)
+    assert lora[2] <= full, (lora, full)
+    assert lora[8] <= 1.15 * lora[2], (lora, full)
+
+
 def test_the_schedule_and_its_ring():
     pipe = Pipeline.for_mesh({"stage": 4, "data": 2}, 8, schedule="1f1b")
     assert (pipe.schedule, pipe.one_f_one_b, pipe.bubble) == ("1f1b", True, 3 / 11)
@@ -256,14 +307,17 @@ def test_bad_1f1b_settings_say_what_to_do(tmp_path, text_data, capsys, extra, wo
     assert not (tmp_path / "run").exists()
 
 
-def test_plan_knows_the_schedule(text_data):
+@pytest.mark.parametrize("lora", [None, 4])
+def test_plan_knows_the_schedule(text_data, lora):
     """plan on stage=4,data=2 with 1F1B: the compiled permutes are pipeline_cost's (1F1B sends
-    what GPipe sends), no boundary all-reduce, and the ring of 2S-1 microbatches it holds."""
+    what GPipe sends), no boundary all-reduce, and the ring of 2S-1 microbatches it holds;
+    with LoRA adapters (the base frozen) the same."""
     from nnxscale.planning.report import plan
 
     cfg = cfg_for("unused", text_data, steps=1, mesh="stage=4,data=2", microbatches=4,
-                  **{"parallel.pipeline_schedule": "1f1b"})  # fmt: skip
+                  **{"parallel.pipeline_schedule": "1f1b", **({"lora.rank": lora} if lora else {})})  # fmt: skip
     step = plan(cfg)
+    assert (step.gradient_bytes < step.param_bytes / 4) == bool(lora)  # under LoRA the adapters' gradients only
     p = step.pipeline
     cost = pipeline_cost(Pipeline(stages=4, microbatches=4, one_f_one_b=True), 4, (16, 32, 128), batch_shards=2)
     assert (p["schedule"], p["in_flight"], p["boundary_bytes"]) == ("1f1b", 7, 0)

@@ -70,6 +70,16 @@ forward ticks (mixtral-mini on ``stage=2,expert=4``, M=4: a step 1.14x GPipe's,
 as in GPipe; the experts' gradients are not summed over it (each device has all of its
 experts' tokens).
 
+**LoRA** (``base=``): only the adapters train. Every ``jax.vjp`` here (a stage's, the
+prefix's, the tail's) takes the trained leaves alone as its argument and closes over the
+frozen base, so no gradient of the base is computed and the carry of weight gradients is
+shaped like the adapters. A pullback keeps what it closes over as residuals, the base's
+weights among them; the ring stores only the leaves that are neither the stage's trained nor
+its frozen weights (told by identity, as the trained ones are), and the backward tick puts
+its own group of both back: the ring holds what it holds without LoRA, whatever the base.
+When only the stacked layers are adapted (the default targets), nothing outside them trains
+and the prefix's ``vjp`` (the embedding's gradient) is left out.
+
 **Exactness.** The loss is the weighted sum over (microbatch, batch shard) of each one's
 mean loss, each weighted by its share of the tokens the loss counts (all of them, or with
 ``separator`` those whose input is not the separator): the unpipelined loss, as gradient
@@ -180,6 +190,7 @@ def pipeline_value_and_grad(
     key,
     *,
     pipeline,
+    base=None,
     mesh=None,
     separator: Optional[int] = None,
     ignored_targets: bool = False,
@@ -196,6 +207,10 @@ def pipeline_value_and_grad(
       inputs, targets: ``(B, T)``; ``B`` splits into the batch shards and each shard's
         rows into ``pipeline.microbatches`` (microbatch ``m``: rows ``m, m+M, ...``).
       key: the step's dropout key, or ``None``.
+      base: a LoRA run's frozen weights (``params`` are its adapters, the model's parameters
+        ``merge_params(base, params)``), or ``None``. The schedule differentiates ``params``
+        alone and closes over the base: no gradient of it is computed or carried, and the
+        remat policy's residuals in the ring never hold its weights.
       pipeline: a :class:`~nnxscale.layers.pipeline.Pipeline`; with ``repeats > 1`` the
         stacked layers are in its stage order (:func:`~nnxscale.layers.pipeline.to_stage_order`).
       mesh: the mesh (default: as :func:`~nnxscale.layers.pipeline.use_pipeline` finds it).
@@ -207,46 +222,77 @@ def pipeline_value_and_grad(
     """
     mesh = _mesh_for(pipeline, mesh)
     rules = current_rules()
-    found = _discover(objective, graphdef, params, inputs, targets, key)
+    merge = _merger(base)
+    whole = merge(base, params)  # every parameter of the model
+    found = _discover(objective, graphdef, whole, inputs, targets, key)
 
-    # The parameters: the stacked layers (split over the stages) and the rest (replicated over them).
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    n_path = len(found.path)
-    in_stack = [_key_path(kp)[:n_path] == found.path for kp, _ in flat]
-    leaves = [leaf for _, leaf in flat]
-    stack = [a for a, s in zip(leaves, in_stack) if s]
-    rest = [a for a, s in zip(leaves, in_stack) if not s]
-    n_layers = int(stack[0].shape[0])
+    # The parameters: the stacked layers (split over the stages) and the rest (replicated over
+    # them), of the trained ones and of a LoRA run's frozen base each.
+    trained, frozen = _Parts(params, found.path), _Parts({} if base is None else base, found.path)
+    stacked = trained.stack + frozen.stack
+    n_layers = int(stacked[0].shape[0])
     pipeline.check(n_layers, inputs.shape[0], rules.batch_shard_count if rules is not None else 1)
-    data, stack_specs = _manual_axes(_sub_tree(params, found.path), rules, pipeline.axis)
-    stack_specs = [P(pipeline.axis)] * len(stack) if isinstance(stack_specs, P) else jax.tree.leaves(
-        stack_specs, is_leaf=lambda x: isinstance(x, P))  # fmt: skip
+    data, specs = _manual_axes(_sub_tree(whole, found.path), rules, pipeline.axis)
+    stack_specs, frozen_specs = (part.specs(specs, whole, found.path) for part in (trained, frozen))
 
-    def rebuild(stack_leaves, rest_leaves):
-        it_s, it_r = iter(stack_leaves), iter(rest_leaves)
-        return jax.tree.unflatten(treedef, [next(it_s) if s else next(it_r) for s in in_stack])
+    def rebuild(stack, rest, fstack, frest):
+        return merge(frozen.tree(fstack, frest), trained.tree(stack, rest))
 
-    def layers_state(stack_leaves):
-        """The stacked layers as the State scan_state takes (their paths inside the stack)."""
-        return _sub_tree(rebuild(stack_leaves, [None] * len(rest)), found.path)
-
-    program = _Program(objective, graphdef, found, pipeline, data, (separator, ignored_targets), rebuild, layers_state,
-                       stack_specs)  # fmt: skip
+    program = _Program(objective, graphdef, found, pipeline, data, (separator, ignored_targets), rebuild, merge,
+                       (trained, frozen), stack_specs)  # fmt: skip
     rows = P(data) if data else P()
     run = jax.shard_map(
         program,
         mesh=context_mesh(mesh),
-        in_specs=(stack_specs, [P()] * len(rest), rows, rows, P()),
-        out_specs=(P(), P(), stack_specs, [P()] * len(rest)),
+        in_specs=(stack_specs, [P()] * len(trained.rest), frozen_specs, [P()] * len(frozen.rest), rows, rows, P()),
+        out_specs=(P(), P(), stack_specs, [P()] * len(trained.rest)),
         axis_names=frozenset((pipeline.axis,) + data),
     )
     token = _ACTIVE.set(None)  # the loss's own stacks (none here) would run unpipelined
     try:
         with attention.in_pipeline_stages():
-            loss, extras, g_stack, g_rest = run(stack, rest, inputs, targets, key)
+            loss, extras, g_stack, g_rest = run(trained.stack, trained.rest, frozen.stack, frozen.rest, inputs, targets, key)
     finally:
         _ACTIVE.reset(token)
-    return (loss, extras), rebuild(g_stack, g_rest)
+    return (loss, extras), trained.tree(g_stack, g_rest)
+
+
+def _merger(base) -> Callable:
+    """``merge(frozen, trained)``: the model's parameters from a LoRA run's frozen base and its
+    adapters (:func:`nnxscale.training.adapters.merge_params`); without a base, ``trained``."""
+    if base is None:
+        return lambda frozen, trained: trained
+    from nnxscale.training.adapters import merge_params  # the trainer's, imported when used
+
+    return merge_params
+
+
+class _Parts:
+    """The leaves of a tree of parameters as those of the stacked layers at ``path`` and the rest."""
+
+    def __init__(self, tree, path: tuple):
+        flat, self.treedef = jax.tree_util.tree_flatten_with_path(tree)
+        self.path, self.paths = path, [_key_path(kp) for kp, _ in flat]
+        self.in_stack = [p[: len(path)] == path for p in self.paths]
+        self.stack = [a for (_, a), s in zip(flat, self.in_stack) if s]
+        self.rest = [a for (_, a), s in zip(flat, self.in_stack) if not s]
+
+    def tree(self, stack, rest):
+        it_s, it_r = iter(stack), iter(rest)
+        return jax.tree.unflatten(self.treedef, [next(it_s) if s else next(it_r) for s in self.in_stack])
+
+    def layers(self, stack) -> dict:
+        """The stacked layers' part of the tree (their paths inside the stack); ``{}`` if none."""
+        return _sub_tree(self.tree(stack, [None] * len(self.rest)), self.path) if stack else {}
+
+    def specs(self, specs, whole, path: tuple) -> list:
+        """The in_specs of the stacked leaves: ``specs`` (of the stacked layers of ``whole``, all
+        parameters) is one spec for every leaf or a tree of them in ``whole``'s leaf order."""
+        if isinstance(specs, P):
+            return [specs] * len(self.stack)
+        where = [_key_path(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(_sub_tree(whole, path))[0]]
+        by_path = dict(zip(where, jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))))
+        return [by_path[p[len(path):]] for p, s in zip(self.paths, self.in_stack) if s]
 
 
 def _sub_tree(params, path: tuple):
@@ -260,16 +306,17 @@ def _sub_tree(params, path: tuple):
 class _Program:
     """One device's part of the 1F1B step (inside ``shard_map``)."""
 
-    def __init__(self, objective, graphdef, found, pipeline, data, masks, rebuild, layers_state, stack_specs):
+    def __init__(self, objective, graphdef, found, pipeline, data, masks, rebuild, merge, parts, stack_specs):
         self.objective, self.graphdef, self.found, self.pipe = objective, graphdef, found, pipeline
-        self.data, self.masks, self.rebuild, self.layers_state = data, masks, rebuild, layers_state
+        self.data, self.masks, self.rebuild, self.merge = data, masks, rebuild, merge
+        self.trained, self.frozen = parts  # the trained parameters' _Parts and a LoRA base's
         self.stack_specs = stack_specs
         # Without remat the backward tick recomputes the stage from its input (one
         # microbatch's activations at a time); with a remat policy the forward tick's
         # pullback keeps what the policy saves (under "full" each layer's input) in the ring.
         self.keep_residuals = remat_policy(found.remat) != "none"
 
-    def __call__(self, stack, rest, inputs, targets, key):
+    def __call__(self, stack, rest, fstack, frest, inputs, targets, key):
         S, M, R, axis, data = self.pipe.stages, self.pipe.microbatches, self.pipe.repeats, self.pipe.axis, self.data
         V, found, aux = S * R, self.found, self.found.stats is not None
         s = jax.lax.axis_index(axis)
@@ -277,20 +324,25 @@ class _Program:
         shards = math.prod(jax.lax.axis_size(a) for a in data)
         manual = (axis,) + data
         # Sums over the manual axes happen once, at the end: the parameters vary over them here.
-        stack = vary(stack, data)
-        rest = vary(rest, manual)
-        layers = self.layers_state(stack)
-        n_local = int(jax.tree.leaves(layers)[0].shape[0])  # R*L/(S*R) layers on this stage
+        # A LoRA base is closed over by every vjp below, never differentiated: (f)stack, (f)rest.
+        stack, fstack = vary(stack, data), vary(fstack, data)
+        rest, frest = vary(rest, manual), vary(frest, manual)
+        layers, flayers = self.trained.layers(stack), self.frozen.layers(fstack)
+        n_local = int(jax.tree.leaves((layers, flayers))[0].shape[0])  # R*L/(S*R) layers on this stage
         n_item = n_local // R  # the layers of one group: one work item's
         # Stage order (Pipeline.layer_order) puts layer j of repeat r at j*R + r: a free
         # reshape to (L/(S*R), R, ...) from which each work item picks its repeat's group.
         by_repeat = lambda a: a.reshape((n_item, R) + a.shape[1:])  # noqa: E731
         grouped = layers if R == 1 else jax.tree.map(by_repeat, layers)
+        fgrouped = flayers if R == 1 else jax.tree.map(by_repeat, flayers)
 
-        def group(r):
+        def group(r, of=grouped):
+            """The trained weights of repeat ``r``'s group (``of=fgrouped``: the frozen base's)."""
             if R == 1:
-                return layers
-            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, axis=1, keepdims=False), grouped)
+                return of
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, axis=1, keepdims=False), of)
+
+        frozen_group = functools.partial(group, of=fgrouped)
 
         split = lambda a: a.reshape((a.shape[0] // M, M) + a.shape[1:]).swapaxes(0, 1)  # noqa: E731  (M, b, T)
         inputs, targets = split(inputs), split(targets)
@@ -322,7 +374,7 @@ class _Program:
                 got["x"] = x
                 return (jnp.zeros_like(x), _zeros(found.stats)) if aux else jnp.zeros_like(x)
 
-            params = self.rebuild(stack, rest_leaves)
+            params = self.rebuild(stack, rest_leaves, fstack, frest)
             _call(self.objective, self.graphdef, params, pick(inputs, m), pick(targets, m), micro_key(m), record)
             return got["x"], (got["args"], got["keys"])
 
@@ -332,7 +384,7 @@ class _Program:
                     raise ConfigError(f"1f1b: the stacked layers' input {x.shape} is not their output {y.shape}")
                 return (y, whole["stats"] if stats is None else stats) if aux else y
 
-            params = self.rebuild(stack, rest_leaves)
+            params = self.rebuild(stack, rest_leaves, fstack, frest)
             return _call(self.objective, self.graphdef, params, pick(inputs, m), pick(targets, m), micro_key(m), given)
 
         def stage_keys(keys, r):
@@ -340,9 +392,11 @@ class _Program:
                 return None
             return jax.lax.dynamic_slice_in_dim(keys, (r * S + s) * n_item, n_item)
 
-        def run_stage(layer_state, h, args, keys, r):
-            """The group's layers on ``h``: their output (and with ``aux`` their statistics)."""
-            return scan_state(found.graphdef, layer_state, h, *args, keys=stage_keys(keys, r), remat=found.remat, aux=aux)
+        def run_stage(layer_state, h, args, keys, r, frozen):
+            """The group's layers (trained weights ``layer_state``, a LoRA base's ``frozen``) on ``h``:
+            their output (and with ``aux`` their statistics)."""
+            return scan_state(found.graphdef, self.merge(frozen, layer_state), h, *args, keys=stage_keys(keys, r),
+                              remat=found.remat, aux=aux)  # fmt: skip
 
         def forward_item(t):
             """``(item, repeat, microbatch, real)`` of this stage's forward at tick ``t``: item
@@ -374,11 +428,12 @@ class _Program:
         x0, (args0, keys0) = jax.eval_shape(lambda r: prefix(r, 0), rest)
 
         def stage_vjp(h, args, keys, r):
-            """The group's ``jax.vjp`` as its output, its pullback's leaves and structure, and
-            which leaves are residuals: those that are not the stage's weights."""
-            weights = group(r)
-            weight_ids = {id(a) for a in jax.tree.leaves(weights)}
-            out, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys, r), weights, h)
+            """The group's ``jax.vjp`` (over its trained weights and input) as its output, its
+            pullback's leaves and structure, and which leaves are residuals: those that are not
+            the stage's weights, trained or frozen (the backward tick has its own of those)."""
+            weights, frozen = group(r), frozen_group(r)
+            weight_ids = {id(a) for a in jax.tree.leaves((weights, frozen))}
+            out, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys, r, frozen), weights, h)
             leaves, structure = jax.tree.flatten(pullback)
             return out, leaves, structure, tuple(i for i, a in enumerate(leaves) if id(a) not in weight_ids)
 
@@ -409,7 +464,8 @@ class _Program:
             # all work items first (no head, nothing kept but the statistics) gives them; the
             # loss's gradient with respect to them is the same for every microbatch, and the
             # backward of item (m, shard) takes 1/(M*shards) of it: the statistics are means.
-            whole["stats"] = self._router_stats(rest, prefix, run_stage, group, forward_item, act, manual, n_item)
+            whole["stats"] = self._router_stats(rest, prefix, run_stage, (group, frozen_group), forward_item, act, manual,
+                                                n_item)  # fmt: skip
             zero_y = vary(jnp.zeros(x0.shape, x0.dtype), manual)
             loss0, stats_vjp = jax.vjp(lambda st: tail(rest, zero_y, 0, stats=st)[0], vary(whole["stats"], manual))
             (dstats,) = stats_vjp(jnp.ones_like(loss0))
@@ -450,7 +506,7 @@ class _Program:
                     carry["ring"] = put(carry["ring"], [leaves[i] for i in kept], f % K)
                 else:
                     carry["ring"] = put(carry["ring"], [h], f % K)
-                    out = run_stage(group(r_f), h, args, keys, r_f)
+                    out = run_stage(group(r_f), h, args, keys, r_f, frozen_group(r_f))
                     out = out[0] if aux else out
                 if backward:  # the last stage's output is a microbatch's last repeat here (R = 1: always)
                     tail_on = last & (r_f == R - 1) & real_f
@@ -489,7 +545,9 @@ class _Program:
                         leaves[i] = value
                     pullback = jax.tree.unflatten(structure, leaves)
                 else:
-                    out_b, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys, r_b), group(r_b), stored[0])
+                    frozen = frozen_group(r_b)
+                    out_b, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys, r_b, frozen), group(r_b),
+                                              stored[0])  # fmt: skip
                 if aux:  # this group's share of the statistics' cotangent
                     rows = lambda g: jax.lax.dynamic_slice_in_dim(g, (r_b * S + s) * n_item, n_item)  # noqa: E731
                     share = jax.tree.map(lambda g: jnp.where(real, rows(g), jnp.zeros_like(rows(g))), dstats)
@@ -499,8 +557,10 @@ class _Program:
                 carry["g_stack"] = [add_group(a, g, r_b) for a, g in zip(carry["g_stack"], g_stack)]
                 _, r_low, _, real_low = backward_item(t, stage=0)
                 into_prefix = (s == 0) & (r_b == 0) & real
-                (g_rest,) = when(None if R == 1 else (r_low == 0) & real_low,
-                                 lambda: prefix_vjp(jnp.where(into_prefix, dh, jnp.zeros_like(dh))))
+                g_rest = []  # LoRA adapts the stacked layers alone: then nothing outside them trains
+                if rest:
+                    (g_rest,) = when(None if R == 1 else (r_low == 0) & real_low,
+                                     lambda: prefix_vjp(jnp.where(into_prefix, dh, jnp.zeros_like(dh))))
                 carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], g_rest)
                 carry["cot"] = jax.lax.ppermute(_tie(dh, g_rest, g_stack), axis, up)
             return carry, None
@@ -519,7 +579,7 @@ class _Program:
         extras = jax.tree.map(lambda e: jax.lax.psum(e, manual) / shards, _tie(carry["extras"], loss))
         g_stack = [a.reshape((n_local,) + a.shape[2:]) if R > 1 else a for a in _tie(carry["g_stack"], extras, loss)]
         g_stack = self._sum_over_batch(g_stack)
-        g_rest = jax.lax.psum(_tie(carry["g_rest"], g_stack), manual)
+        g_rest = jax.lax.psum(_tie(carry["g_rest"], g_stack), manual) if rest else []
         return loss, extras, g_stack, g_rest
 
     def _sum_over_batch(self, g_stack):
@@ -539,12 +599,13 @@ class _Program:
                 before = (summed,)
         return out
 
-    def _router_stats(self, rest, prefix, run_stage, group, forward_item, act, manual, n_item):
+    def _router_stats(self, rest, prefix, run_stage, groups, forward_item, act, manual, n_item):
         """The router statistics of the whole batch, per layer in layer order: a forward pass
         of every work item (``R*M + S - 1`` ticks, each one group's layers and one permute),
         averaged over the microbatches and the batch shards."""
         S, M, R, axis, data = self.pipe.stages, self.pipe.microbatches, self.pipe.repeats, self.pipe.axis, self.data
         s = jax.lax.axis_index(axis)
+        group, frozen_group = groups
         down = [(i, (i + 1) % S) for i in range(S)]
         per_group = lambda a: vary(jnp.zeros((n_item, R) + a.shape[1:], jnp.float32), manual)  # noqa: E731
         acc = jax.tree.map(per_group, self.found.stats)
@@ -554,7 +615,7 @@ class _Program:
             _, r, m, real = forward_item(t)
             x, (args, keys) = prefix(rest, m)
             h = jnp.where((s == 0) & (r == 0), x, act)
-            out, stats = run_stage(group(r), h, args, keys, r)
+            out, stats = run_stage(group(r), h, args, keys, r, frozen_group(r))
 
             def add(a, v):
                 v = jnp.where(real, v.astype(jnp.float32) / M, 0.0)

@@ -272,10 +272,6 @@ def setup(
     if getattr(m.config, "attention", None):  # --attention cudnn where it cannot run: one line, before anything is built
         attention.resolve(m.config.attention, cfg.data.seq_len, m.config.dtype, m.dims.head_width, cfg.data.document_mask,
                           attention.platform_of(mesh), pipelined=pipe is not None)  # fmt: skip
-    if pipe is not None and pipe.one_f_one_b:
-        if m.lora is not None:
-            raise ConfigError("--lora-rank with --pipeline-schedule 1f1b is not supported yet: the 1F1B schedule computes "
-                              "every weight's gradient; use --pipeline-schedule gpipe (the default) with LoRA")  # fmt: skip
     d = cfg.data
 
     factory = lambda: m.build(nnx.Rngs(cfg.seed))  # noqa: E731
