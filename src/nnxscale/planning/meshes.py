@@ -8,7 +8,7 @@ from typing import Optional
 
 from nnxscale.planning.compiler import MAX_COMPILE_DEVICES
 from nnxscale.planning.layout import plan_separator
-from nnxscale.planning.report import StepPlan, plan
+from nnxscale.planning.report import StepPlan, compiles, plan
 from nnxscale.sharding.layout import format_bytes
 from nnxscale.sharding.mesh import format_mesh
 from nnxscale.training.config import ConfigError, TrainConfig, with_overrides
@@ -232,26 +232,25 @@ def pipeline_plans(
             c = with_overrides(cfg, {"parallel.mesh": mesh, "model.remat": remat, "parallel.microbatches": m,
                                      "parallel.pipeline_schedule": schedule})  # fmt: skip
             try:
-                p = scheduled_estimate(c, plan(c, device_memory=device_memory, compile="never", target=target))
+                p = _pipeline_plan(c, device_memory=device_memory, compile="never", target=target)
             except ConfigError as e:
                 skipped.setdefault(f"{mesh} ({schedule})", str(e))
                 break
-            p.pipeline["proxy_seconds"] = pipeline_proxy_seconds(_step_flops(p), p.pipeline, remat)
             groups.setdefault((mesh, schedule, remat), []).append((p, c))
-    compiles = compile != "never" and (target is not None or compile == "always" or devices <= max_compile_devices)
     best = []
     kw = {"device_memory": device_memory, "compile": compile, "max_compile_devices": max_compile_devices, "target": target}
     for group in groups.values():
         group.sort(key=lambda pc: _fits_then_rank(pc[0]))
-        if compiles:
-            group = [(_compiled(c, **kw), c) for _, c in group[:PIPELINE_COMPILES_PER_GROUP]]
+        if compiles(compile, devices, max_compile_devices, target):
+            group = [(_pipeline_plan(c, **kw), c) for _, c in group[:PIPELINE_COMPILES_PER_GROUP]]
         best.append(min((p for p, _ in group), key=_fits_then_rank))
     return best, skipped
 
 
-def _compiled(c: TrainConfig, **kw) -> StepPlan:
+def _pipeline_plan(c: TrainConfig, **kw) -> StepPlan:
     """The plan of pipelined configuration ``c`` as :func:`nnxscale.planning.plan` gives it
-    (``kw``), compiled where it compiles, with its proxy time."""
+    (``kw``): compiled where it compiles, else estimated with its schedule's activations
+    (:func:`scheduled_estimate`); with its proxy time."""
     p = plan(c, **kw)
     if p.source == "estimate":
         p = scheduled_estimate(c, p)

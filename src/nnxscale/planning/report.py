@@ -300,6 +300,12 @@ class StepPlan:
         return "\n".join(lines)
 
 
+def compiles(compile: str, n: int, max_compile_devices: int, target=None) -> bool:
+    """Whether :func:`plan` compiles the step of ``n`` devices under ``compile`` (``"never"``,
+    ``"auto"``: within ``max_compile_devices`` or for a ``target``, ``"always"``), or estimates it."""
+    return compile != "never" and (compile == "always" or n <= max_compile_devices or target is not None)
+
+
 def plan(
     cfg: TrainConfig,
     *,
@@ -338,7 +344,7 @@ def plan(
         device_memory = target.memory
     cfg = with_overrides(cfg, {"parallel.mesh": format_mesh(sizes)})
     n = math.prod(sizes.values())
-    estimated_only = compile == "never" or (compile == "auto" and n > max_compile_devices and target is None)
+    estimated_only = not compiles(compile, n, max_compile_devices, target)
     # Compiled here: one setup on this machine's devices serves the layout and the compile
     # (the run's rules resolved once); otherwise the layout's on an abstract mesh.
     here = not estimated_only and target is None and n <= local_device_count()
