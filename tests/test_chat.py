@@ -330,8 +330,10 @@ def dpo_by_hand(model, reference, beta: float):
     return float(np.mean(np.log1p(np.exp(-margins)))), float(margins.mean()), float(np.mean(margins > 0))
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("mesh", ["data=1", "fsdp=2,model=4"])
+@pytest.mark.parametrize("mesh, lora", [
+    ("data=1", True), ("fsdp=2,model=4", False),
+    pytest.param("data=1", False, marks=pytest.mark.extended), pytest.param("fsdp=2,model=4", True, marks=pytest.mark.extended),
+], ids=["data=1-lora", "fsdp=2,model=4-full", "data=1-full", "fsdp=2,model=4-lora"])  # fmt: skip
 def test_dpo_loss_matches_a_computation_by_hand(tmp_path, mesh, lora):
     """Under LoRA the reference is the base with the adapters off: the state holds no copy
     of the weights, and the by-hand reference is the base model alone (no adapters)."""

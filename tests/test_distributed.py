@@ -312,6 +312,7 @@ def test_a_process_that_raises_ends_the_others_with_a_line_naming_it(tmp_path, t
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.extended  # the watchdog's own test stays in the suite
 def test_a_stalled_process_ends_the_job_with_stacks_and_the_phase(tmp_path, text_data, capsys):
     """A peer paused with SIGSTOP: alive, so no heartbeat notices it (the heartbeat timeout
     is set above the hang timeout here; at the defaults JAX's heartbeat ends such a job after

@@ -293,6 +293,7 @@ def test_a_second_trainer_is_refused_and_a_killed_ones_lock_is_stale(tmp_path, t
 
 
 @pytest.mark.many_steps
+@pytest.mark.extended  # the suite's: test_train's SIGTERM resume, a kill between a save and its clean-up
 def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_path, text_data, compile_cache, capsys):
     """Three kill -9s at random moments, many during an asynchronous save (one every 2
     steps): each resume continues from the last complete checkpoint, and the losses of

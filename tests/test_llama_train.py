@@ -47,7 +47,7 @@ def assert_same_run(got, want, what):
 
 # 16 query heads on 8 K/V heads: model=4 splits both; fsdp splits the matrices' embed rows.
 # (One K/V head per device, model=8: test_llama's logits and shard shapes on every mesh.)
-@pytest.mark.parametrize("mesh", ["fsdp=8", "data=2,model=4"])
+@pytest.mark.parametrize("mesh", ["fsdp=8", pytest.param("data=2,model=4", marks=pytest.mark.extended)])
 def test_llama_logs_the_same_losses_on_every_mesh(tmp_path, text_data, llama_ref, mesh):
     _, want = llama_ref
     quiet_train(llama_cfg(tmp_path / "run", text_data, mesh=mesh))

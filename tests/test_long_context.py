@@ -269,7 +269,7 @@ def optax_ce(logits, targets):
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", ["context=4", "context=2,model=2"])
+@pytest.mark.parametrize("spec", ["context=4", pytest.param("context=2,model=2", marks=pytest.mark.extended)])
 def test_ring_attention_equals_the_whole_sequence(spec):
     """The sequence split over ``context`` (in order, then zigzag with the positions given,
     with documents): outputs and gradients equal the reference's, float32 1e-5, and the
@@ -319,7 +319,9 @@ def data8_metrics(tmp_path_factory, text_data):
 
 
 @pytest.mark.parametrize("model, mesh", [
-    ("gpt2-tiny", "data=2,context=4"), ("llama-tiny", "context=2,fsdp=2,model=2"), ("llama-tiny", "stage=2,context=2,data=2"),
+    ("gpt2-tiny", "data=2,context=4"),
+    pytest.param("llama-tiny", "context=2,fsdp=2,model=2", marks=pytest.mark.extended),
+    pytest.param("llama-tiny", "stage=2,context=2,data=2", marks=pytest.mark.extended),
 ])  # fmt: skip
 def test_context_parallel_training_logs_the_losses_of_data_parallel_and_resumes_without_it(tmp_path, text_data, model, mesh,
                                                                                            data8_metrics):  # fmt: skip
@@ -354,6 +356,7 @@ def test_context_parallel_training_logs_the_losses_of_data_parallel_and_resumes_
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.extended  # the suite's document masks: test_document_masks_and_reordered_positions, test_pipeline_1f1b
 def test_a_row_of_documents_trains_like_each_document_alone(monkeypatch):
     """Two rows, each two documents joined by the separator (byte 0). With the document mask
     the per-token losses of each document equal those of the document run alone (its own

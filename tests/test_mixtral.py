@@ -235,6 +235,7 @@ def test_a_capacity_keeps_each_experts_first_assignments_of_a_sequence():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.extended  # test_a_capacity_keeps_each_experts_first_assignments_of_a_sequence: the suite's
 def test_with_a_capacity_factor_every_mesh_drops_the_same_assignments(tmp_path, text_data):
     """--capacity-factor 1: data=8, context=2,expert=4 (each sequence in zigzag order) and
     stage=2,expert=4 train the same 3 steps and log the same share of dropped assignments

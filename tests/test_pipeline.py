@@ -119,7 +119,7 @@ MESHES = {
 }
 
 
-@pytest.mark.parametrize("spec", MESHES)
+@pytest.mark.parametrize("spec", [s if s == "stage=2,data=4" else pytest.param(s, marks=pytest.mark.extended) for s in MESHES])
 def test_pipelined_equals_scan_layers(spec):
     mesh = nnxscale.make_mesh(spec)
     rules = nnxscale.resolve("auto", mesh, min_shard_bytes=0)
@@ -163,7 +163,7 @@ class _CountingBlock(Block):
         return y, {"mean": jnp.mean(y, axis=(0, 1)), "square": jnp.mean(jnp.square(x))}
 
 
-@pytest.mark.parametrize("spec,repeats,microbatches", [("stage=2,data=4", 2, 2), ("stage=4,data=2", 1, 4)])
+@pytest.mark.parametrize("spec,repeats,microbatches", [("stage=2,data=4", 2, 2), pytest.param("stage=4,data=2", 1, 4, marks=pytest.mark.extended)])
 def test_statistics_of_pipelined_layers_are_the_whole_batchs(spec, repeats, microbatches):
     """Layers that return means over their tokens (``aux``): pipelined, each layer's are
     averaged over the microbatches and batch shards and come out in layer order, equal to

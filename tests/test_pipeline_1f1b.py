@@ -148,15 +148,15 @@ def run_steps(*args, **kwargs):
     [
         ("gpt2-mini", "stage=2,data=4", 4, "none", True, 1, 1, None),
         # a ring of 7 slots, each layer's input kept; each accumulation step a 1F1B pass
-        ("gpt2-mini", "stage=4,data=2", 4, "full", True, 1, 2, None),
-        ("gpt2-mini", "stage=2,fsdp=2,model=2", 2, "dots", True, 1, 1, None),  # FSDP and tensor parallelism in the stages
+        pytest.param("gpt2-mini", "stage=4,data=2", 4, "full", True, 1, 2, None, marks=pytest.mark.extended),
+        pytest.param("gpt2-mini", "stage=2,fsdp=2,model=2", 2, "dots", True, 1, 1, None, marks=pytest.mark.extended),  # FSDP and tensor parallelism in the stages
         # interleaved: 2 groups of 1 layer per stage, every microbatch round the ring twice
         ("gpt2-mini", "stage=2,data=4", 4, "none", True, 2, 1, None),
-        ("llama-mini", "stage=2,context=2,data=2", 2, "full", True, 1, 1, None),  # ring attention inside the stages
+        pytest.param("llama-mini", "stage=2,context=2,data=2", 2, "full", True, 1, 1, None, marks=pytest.mark.extended),  # ring attention inside the stages
         # a mixture of experts, its experts split over an expert axis inside the stages,
         # interleaved, each layer's input kept: the router's losses and each expert's load are
         # the whole batch's
-        ("mixtral-mini", "stage=2,expert=2,data=2", 2, "full", True, 2, 1, None),
+        pytest.param("mixtral-mini", "stage=2,expert=2,data=2", 2, "full", True, 2, 1, None, marks=pytest.mark.extended),
         # LoRA: only the adapters differentiated (against data=8 with LoRA), the frozen base
         # closed over, each layer's input kept (the program test_1f1b_with_lora_... measures)
         ("gpt2-mini", "stage=2,data=4", 2, "full", True, 1, 1, 4),
@@ -307,7 +307,7 @@ def test_bad_1f1b_settings_say_what_to_do(tmp_path, text_data, capsys, extra, wo
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("lora", [None, 4])
+@pytest.mark.parametrize("lora", [None, pytest.param(4, marks=pytest.mark.extended)])
 def test_plan_knows_the_schedule(text_data, lora):
     """plan on stage=4,data=2 with 1F1B: the compiled permutes are pipeline_cost's (1F1B sends
     what GPipe sends), no boundary all-reduce, and the ring of 2S-1 microbatches it holds;

@@ -62,6 +62,7 @@ def reference(tmp_path_factory, text_data):
     return run_dir, records
 
 
+@pytest.mark.extended  # the suite's: test_a_data8_checkpoint_resumes_in_a_circular_pipeline, test_pipeline
 def test_circular_run_equals_data_parallel_and_its_checkpoint_resumes_on_data8(tmp_path, text_data, reference):
     """stage=2,fsdp=2,model=2 circular for 2 steps (saved in layer order), resumed on data=8."""
     _, want = reference

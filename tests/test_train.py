@@ -335,7 +335,7 @@ def test_optimizer_state_is_sharded_like_the_parameters(text_data, mesh):
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("documents", [False, True], ids=["", "document-mask"])
+@pytest.mark.parametrize("documents", [False, pytest.param(True, marks=pytest.mark.extended)], ids=["", "document-mask"])
 def test_gradient_accumulation_matches_one_big_batch(text_data, documents):
     """With a document mask the micro-batches train different numbers of tokens (the
     separators' are masked), and the step still gives the big batch's mean."""
