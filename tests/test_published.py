@@ -135,8 +135,10 @@ def test_real_device_kinds_match_their_chips():
         assert calibration.local_hardware(SimpleNamespace(devices=np.array([device]))) is CHIPS[chip], kind
     cpu = SimpleNamespace(platform="cpu", device_kind="cpu")
     assert devices.device_kind("cpu") is None and devices.peak_flops(cpu) is None
-    l4 = SimpleNamespace(platform="gpu", device_kind="NVIDIA L4")  # an MFU, but no figures for a prediction
-    assert devices.peak_flops(l4) == devices.PEAK_FLOPS["L4"] and calibration.local_hardware(SimpleNamespace(devices=np.array([l4]))) is None
+    for kind, peak in (("NVIDIA L4", 121e12), ("NVIDIA L40S", 362e12), ("NVIDIA L40", 181e12)):  # Ada: each its own
+        ada = SimpleNamespace(platform="gpu", device_kind=kind)  # an MFU, but no figures for a prediction
+        assert devices.peak_flops(ada) == peak, kind
+        assert calibration.local_hardware(SimpleNamespace(devices=np.array([ada]))) is None, kind
 
 
 def test_a_cpu_run_never_predicts_even_once_this_machine_is_calibrated(tmp_path, monkeypatch):

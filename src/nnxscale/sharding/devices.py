@@ -36,7 +36,7 @@ class DeviceKind(NamedTuple):
 
 
 #: What a device is, by substring of its ``device_kind``: the first row whose substring it
-#: contains. Order matters: "H200" before "H100", "TPU v5 lite" (v5e) before "TPU v5" (v5p
+#: contains. Order matters: "H200" before "H100", "L40S" and "L40" before "L4", "TPU v5 lite" (v5e) before "TPU v5" (v5p
 #: reports itself as "TPU v5"; libtpu's deviceless topologies "v5", "v5e" and "v6e" give
 #: "TPU v5", "TPU v5 lite" and "TPU v6 lite", checked with jax 0.10.2 and libtpu 0.0.42.1).
 DEVICE_KINDS: tuple[DeviceKind, ...] = (
@@ -44,6 +44,10 @@ DEVICE_KINDS: tuple[DeviceKind, ...] = (
     DeviceKind("H200", "h200", 989e12),
     DeviceKind("H100", "h100", 989e12),
     DeviceKind("A100", "a100", 312e12),
+    # Ada parts, dense bf16 (the datasheets' sparse figures are twice these): "NVIDIA L40S" and
+    # "NVIDIA L40" contain "L4", so they come first.
+    DeviceKind("L40S", None, 362e12),
+    DeviceKind("L40", None, 181e12),
     DeviceKind("L4", None, 121e12),
     DeviceKind("TPU v6", "v6e", 918e12),  # "TPU v6 lite"
     DeviceKind("TPU v5 lite", "v5e", 197e12),
