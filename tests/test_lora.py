@@ -111,6 +111,11 @@ def test_a_bfloat16_base_is_not_copied_to_float32_whole_on_cpu(monkeypatch):
     p = nnxscale.plan(cfg)
     assert p.flops_frozen and "4N frozen" in str(p)
     assert abs(p.flops / p.flops_expected - 1) < 0.03, (p.flops, p.flops_expected)
+    # Its textbook collectives gather the frozen base and reduce only the adapters' gradients,
+    # as the compiled step does (counting the base's gradients too was 1.5x what it moves).
+    book = dict(p.textbook)
+    assert "FSDP 2 gathers + reduce-scatter" in book, book
+    assert abs(sum(book.values()) / (p.collective_total / p.full_param_bytes) - 1) < 0.1, (book, p.collective_bytes)
     monkeypatch.setattr(train_step, "CPU_BFLOAT16_OPTIONS", {})
     theirs = temp()
     if jax.__version_info__ < (0, 12):  # its XLA:CPU hoists the conversion: the option saves at least that copy

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import jax
 
-from nnxscale.planning.layout import layout_figures, mesh_sizes, split_params
+from nnxscale.planning.layout import layout_figures, mesh_sizes, split_params, trained_rows
 from nnxscale.sharding.axes import EXPERT, STAGE
 from nnxscale.training.config import TrainConfig
 
@@ -30,26 +30,38 @@ def textbook_collectives(cfg: TrainConfig, lay: dict, platform: str = "cpu") -> 
     embedding table's in float32), about 1.6x where float32 would be 3x; ``platform`` is the
     compiler's (``"cpu"``: XLA:CPU moves bfloat16 collectives as float32). With gradient
     accumulation FSDP's three move once per micro-batch, the data-parallel all-reduce once
-    per step (what the compiled step does is :func:`accumulation_note`'s).
+    per step (what the compiled step does is :func:`accumulation_note`'s). Only the trained
+    parameters' gradients move: under LoRA the adapters' (:func:`trained_rows`).
     """
     rules, dims, full = lay["rules"], lay["model"].dims, max(lay["full_param_bytes"], 1)
     if rules.num_devices == 1:
         return []
     gather, reduce = collective_itemsizes(cfg, platform)
     accum = cfg.optim.grad_accum
-    table = [r for r in lay["rows"] if r.logical and "vocab" in r.logical]  # the embedding: reduced in its own dtype
-    split = split_params([r for r in lay["rows"] if not (r.logical and "vocab" in r.logical)], rules)
-    split_table = split_params(table, rules)
-    itemsize = 4.0  # the parameters' (float32)
-    moved = {k: (split[k] * reduce + split_table[k] * itemsize) / itemsize for k in split}  # gradients as reduced
-    weights = {k: (split[k] + split_table[k]) for k in split}
+
+    def elements(rows) -> dict[str, float]:  # split_params's shares in elements, whatever each row's dtype
+        out = dict.fromkeys(split_params([], rules), 0.0)
+        for size in {r.dtype.itemsize for r in rows}:
+            for k, v in split_params([r for r in rows if r.dtype.itemsize == size], rules).items():
+                out[k] += v / size
+        return out
+
+    def is_table(r) -> bool:  # the embedding: its gradient is reduced in float32
+        return bool(r.logical and "vocab" in r.logical)
+
+    weights = elements(lay["rows"])  # every weight is gathered where FSDP splits it, in the compute dtype
+    trained = trained_rows(lay)  # only these have gradients (LoRA: the adapters)
+    split, split_table = elements([r for r in trained if not is_table(r)]), elements([r for r in trained if is_table(r)])
+    moved = {k: split[k] * reduce + split_table[k] * 4.0 for k in split}  # gradients' bytes as reduced
+    grads = split_params(trained, rules)
     out = []
-    if weights["replicated"] / full >= 0.005 and rules.batch_shard_count > 1:  # not just LayerNorms kept whole
+    if grads["replicated"] / full >= 0.005 and rules.batch_shard_count > 1:  # not just LayerNorms kept whole
         out.append(("data-parallel gradient all-reduce", moved["replicated"] / full))
     if weights["fsdp"]:  # per micro-batch: the accumulator is sharded like the weights (see accumulation_note)
-        fsdp = (2 * weights["fsdp"] * gather / itemsize + moved["fsdp"]) / full
-        out.append(("FSDP 2 gathers + reduce-scatter" + (f" x {accum} micro-batches" if accum > 1 else ""), accum * fsdp))
-    if weights["expert"] and rules.batch_shard_count > rules.sizes[EXPERT]:
+        fsdp = (2 * weights["fsdp"] * gather + moved["fsdp"]) / full
+        what = "FSDP 2 gathers + reduce-scatter" if grads["fsdp"] else "FSDP 2 gathers (a frozen base: no gradient)"
+        out.append((what + (f" x {accum} micro-batches" if accum > 1 else ""), accum * fsdp))
+    if grads["expert"] and rules.batch_shard_count > rules.sizes[EXPERT]:
         out.append(("experts' gradient all-reduce", moved["expert"] / full))
     if weights["experts"]:
         out.append(("expert all-to-all", expert_all_to_all_bytes(cfg, lay) / full))

@@ -78,6 +78,19 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int], s=None) -> dict[str,
     }
 
 
+def trained_rows(lay: dict) -> list:
+    """The rows of ``lay`` (:func:`layout_figures`) whose parameters the step differentiates:
+    under LoRA the adapters alone (the frozen base has no gradient to reduce), else all."""
+    import jax
+
+    rows = lay["rows"]
+    if lay["model"].lora is None:
+        return rows
+    leaves = jax.tree_util.tree_flatten_with_path(lay["setup"].abstract["params"])[0]
+    trained = {".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path) for path, _ in leaves}
+    return [r for r in rows if r.path in trained]
+
+
 def split_params(rows, rules) -> dict[str, float]:
     """Full bytes of the parameters, by how the batch axes treat them, divided by the
     other (tensor-parallel) axes: ``fsdp`` (split over a batch axis: gathered every step),
