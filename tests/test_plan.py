@@ -120,7 +120,7 @@ def test_the_verdict_and_device_memory():
         report.plan(tiny("data=8", **{"data.batch_size": 12}), compile="never")
 
 
-def test_plan_command_json_sweep_and_errors(capsys, rules_built):
+def test_plan_command_json_sweep_and_errors(capsys, rules_built, monkeypatch):
     args = ["plan", "--model", "gpt2-tiny", "--mesh", "fsdp=8", "--batch-size", "16", "--seq-len", "64",
             "--min-shard-bytes", "0", "--device-memory", "1GiB", "--table", "--json"]  # fmt: skip
     assert main(args) == 0
@@ -132,10 +132,16 @@ def test_plan_command_json_sweep_and_errors(capsys, rules_built):
     # The layout, the compiled step, the table and the lint all asked the rules resolved once at setup.
     assert rules_built == [{"fsdp": 8}]
 
+    from nnxscale.sharding import state as sharding_state
+
+    traced = []  # the sweep traces each remat policy's model once, whatever the number of meshes
+    eval_shape = sharding_state.nnx.eval_shape
+    monkeypatch.setattr(sharding_state.nnx, "eval_shape", lambda f, *a, **k: traced.append(1) or eval_shape(f, *a, **k))
     assert main(["plan", "--model", "gpt2-tiny", "--mesh", "data=8", "--batch-size", "16", "--seq-len", "64", "--sweep", "--json"]) == 0
     out = capsys.readouterr().out
     swept = json.loads(out.strip().splitlines()[-1])
     plans = swept["plans"]
+    assert len(traced) == 3 < len(plans), (len(traced), len(plans))
     assert swept["not_planned"] == []  # a batch of 16 splits over every 8-way mesh
     # each configuration once (a pipeline mesh once per schedule: docs/pipelines.md)
     assert len({(p["mesh"], p["remat"], (p["pipeline"] or {}).get("schedule")) for p in plans}) == len(plans)

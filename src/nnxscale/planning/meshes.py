@@ -68,21 +68,24 @@ def sweep(
 
     if cfg.parallel.microbatches is not None:
         raise ConfigError("--sweep chooses the microbatches of the pipelines it plans: drop --microbatches")
+    from nnxscale.sharding.state import shared_abstract_models
+
     model = run_model(cfg, separator=plan_separator(cfg))
     dims, experts = model.dims, getattr(model.config, "num_local_experts", 0) if model.routed else 0
-    plans, skipped = pipeline_plans(cfg, devices, dims.layers, remats=remats, device_memory=device_memory,
-                                    compile=compile, max_compile_devices=max_compile_devices, target=target)  # fmt: skip
-    candidates = candidate_meshes(devices, math.gcd(dims.heads, dims.kv_heads), cfg.data.seq_len, experts)
-    if target is not None:
-        candidates = for_target(candidates, target)
-    for mesh in candidates:
-        for remat in remats:
-            c = with_overrides(cfg, {"parallel.mesh": mesh, "model.remat": remat})
-            try:
-                plans.append(plan(c, device_memory=device_memory, compile=compile, max_compile_devices=max_compile_devices,
-                                  target=target))  # fmt: skip
-            except ConfigError as e:  # e.g. a batch the mesh cannot split: the same for every remat
-                skipped.setdefault(mesh, str(e))
+    with shared_abstract_models():  # each remat policy's model traced once, not once per mesh
+        plans, skipped = pipeline_plans(cfg, devices, dims.layers, remats=remats, device_memory=device_memory,
+                                        compile=compile, max_compile_devices=max_compile_devices, target=target)  # fmt: skip
+        candidates = candidate_meshes(devices, math.gcd(dims.heads, dims.kv_heads), cfg.data.seq_len, experts)
+        if target is not None:
+            candidates = for_target(candidates, target)
+        for mesh in candidates:
+            for remat in remats:
+                c = with_overrides(cfg, {"parallel.mesh": mesh, "model.remat": remat})
+                try:
+                    plans.append(plan(c, device_memory=device_memory, compile=compile,
+                                      max_compile_devices=max_compile_devices, target=target))  # fmt: skip
+                except ConfigError as e:  # e.g. a batch the mesh cannot split: the same for every remat
+                    skipped.setdefault(mesh, str(e))
     from nnxscale.planning.steptime import rank_by_time
 
     return rank_by_time(sorted(plans, key=lambda p: p.peak_bytes)), skipped

@@ -30,9 +30,11 @@ dimension already uses, is dropped (that dimension is replicated over it), and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Optional
 
 import jax
@@ -159,17 +161,42 @@ def state_shardings(tree, mesh, rules=None):
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(tree, mesh, rules))
 
 
-def abstract_state(factory: Callable[[], nnx.Module], mesh, rules=None):
+#: Within :func:`shared_abstract_models`: the models :func:`abstract_state` traced, by key.
+_SHARED_MODELS: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("nnxscale_abstract_models", default=None)
+
+
+@contextlib.contextmanager
+def shared_abstract_models():
+    """Within the block, :func:`abstract_state` traces each model (each ``key``) once: what a
+    sweep of meshes needs, whose candidates build the same model. Its variables' shapes,
+    dtypes and logical names do not depend on the mesh (checked for every family on data,
+    FSDP, tensor, pipeline, context and expert meshes); their shardings are laid out per call."""
+    token = _SHARED_MODELS.set({})
+    try:
+        yield
+    finally:
+        _SHARED_MODELS.reset(token)
+
+
+def abstract_state(factory: Callable[[], nnx.Module], mesh, rules=None, *, key: Optional[Hashable] = None):
     """``(graphdef, state)`` of the model ``factory()`` would build, without building it.
 
     Each Variable of ``state`` holds a ``jax.ShapeDtypeStruct`` carrying its target
     ``NamedSharding``: the restore target for checkpoints and the plan for sharded init.
+    ``key``: what identifies the model ``factory`` builds, whatever the mesh; within
+    :func:`shared_abstract_models` a model already traced under its key is not traced again.
     """
-    # Flax's eager sharding needs a mesh for out_sharding-annotated models; a plan for a mesh
-    # larger than this machine has only an AbstractMesh (axis names and sizes, no devices).
-    context = jax.sharding.use_abstract_mesh if isinstance(mesh, jax.sharding.AbstractMesh) else jax.set_mesh
-    with context(mesh):
-        graphdef, state = nnx.split(nnx.eval_shape(factory))
+    shared = _SHARED_MODELS.get() if key is not None else None
+    if shared is not None and key in shared:
+        graphdef, state = shared[key]
+    else:
+        # Flax's eager sharding needs a mesh for out_sharding-annotated models; a plan for a mesh
+        # larger than this machine has only an AbstractMesh (axis names and sizes, no devices).
+        context = jax.sharding.use_abstract_mesh if isinstance(mesh, jax.sharding.AbstractMesh) else jax.set_mesh
+        with context(mesh):
+            graphdef, state = nnx.split(nnx.eval_shape(factory))
+        if shared is not None:
+            shared[key] = (graphdef, state)
     shardings = state_shardings(state, mesh, rules)
 
     def with_sharding(v, sharding):

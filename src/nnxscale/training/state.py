@@ -275,7 +275,9 @@ def setup(
     d = cfg.data
 
     factory = lambda: m.build(nnx.Rngs(cfg.seed))  # noqa: E731
-    graphdef, abs_model_state = abstract_state(factory, mesh, rules)
+    # A family's model is its config, adapters and seed, whatever the mesh (a sweep traces it once).
+    key = None if m.family is None else (m.name, repr(m.config), repr(m.lora), cfg.seed)
+    graphdef, abs_model_state = abstract_state(factory, mesh, rules, key=key)
     check_params_only(m, abs_model_state)
     param_sh = pure_dict(jax.tree.map(lambda v: v.replace(v.get_value().sharding), abs_model_state, is_leaf=is_variable))
     stacked = None
