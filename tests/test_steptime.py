@@ -91,6 +91,22 @@ def test_one_ops_time_is_its_roofline_by_hand():
     assert st2.compute_s == pytest.approx(2 * matmul) and st2.overhead_s == pytest.approx(2e-6)
 
 
+def test_the_bottleneck_line_gives_rates_in_their_own_units():
+    """An accelerator's bandwidth in TB/s, an XLA:CPU device's in GB/s (it read 0.00 TB/s)."""
+    from nnxscale.planning.steptime import bottleneck, format_si
+
+    assert (format_si(3.02e12, "B/s"), format_si(4.1e9, "B/s"), format_si(850e6, "B/s")) == ("3.02 TB/s", "4.1 GB/s", "850 MB/s")
+    assert (format_si(1234e12, "FLOP"), format_si(8.6e9, "FLOP")) == ("1,234 TFLOP", "8.6 GFLOP")
+    st = _predict(OVERLAP)
+    memory = dataclasses.replace(st, memory_s=10 * st.seconds)
+    for bandwidth, shown in ((1e12, "1 TB/s"), (2.5e9, "2.5 GB/s")):
+        chip = dataclasses.replace(CHIP, hbm_bandwidth=bandwidth, memory_efficiency=1.0)
+        line = bottleneck(memory, chip)
+        assert line.startswith("memory-bound") and f"({shown} effective)" in line, line
+    compute = dataclasses.replace(st, compute_s=10 * st.seconds)
+    assert "(137 GFLOP per device;" in bottleneck(compute, CHIP), bottleneck(compute, CHIP)
+
+
 def test_an_async_collective_hides_behind_the_compute_scheduled_inside_it():
     st = _predict(OVERLAP)
     gather = 7 / 8 * MATRIX / 1e11  # (n-1)/n of the gathered tensor over 100 GB/s

@@ -815,12 +815,23 @@ def bottleneck(st: StepTime, hw: Hardware) -> str:
         return (f"communication-bound: {share:.0%} of the step waits on collectives; the {worst.kind}s over {worst.link} "
                 f"({link.effective / 1e9:.0f} GB/s effective) expose {format_seconds(worst.exposed)} of {format_seconds(worst.seconds)}")  # fmt: skip
     if what == "compute":
-        return (f"compute-bound: {share:.0%} of the step in matrix products ({st.flops / 1e12:,.0f} TFLOP per device; GEMMs "
+        return (f"compute-bound: {share:.0%} of the step in matrix products ({format_si(st.flops, 'FLOP')} per device; GEMMs "
                 f"at {hw.matmul_efficiency:.0%} of the peak); collectives hidden but {format_seconds(st.exposed_collective_s)}")
     if what == "memory":
-        return (f"memory-bound: {share:.0%} of the step in ops limited by HBM ({hw.hbm_bandwidth * hw.memory_efficiency / 1e12:.2f} "
-                "TB/s effective): elementwise work, copies, small matmuls")
+        return (f"memory-bound: {share:.0%} of the step in ops limited by HBM ({format_si(hw.hbm_bandwidth * hw.memory_efficiency, 'B/s')} "
+                "effective): elementwise work, copies, small matmuls")
     return f"launch-bound: {share:.0%} of the step is {st.ops:,} op launches x {format_seconds(hw.op_overhead)}"
+
+
+def format_si(value: float, unit: str) -> str:
+    """``3.02 TB/s``, ``4.1 GB/s``, ``850 MB/s``; ``1,234 TFLOP``, ``8.6 GFLOP``: three figures
+    in the largest prefix that leaves one before the point (an XLA:CPU device's bandwidth is
+    a few GB/s, an accelerator's a few TB/s; the same line serves both)."""
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            x = value / scale
+            return f"{x:,.0f} {prefix}{unit}" if x >= 100 else f"{x:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
 
 
 def format_seconds(seconds: float) -> str:
