@@ -109,6 +109,11 @@ ENTRY %main (x: f32[256]) -> f32[256] {
 """
     (op,) = hlo.collectives(text)
     assert (op.kind, op.bytes, op.group) == ("all-reduce", 1024, 4)
+    # the members: devices in the order [0, 4, 1, 5, 2, 6, 3, 7] laid out 4 x 2, grouped along axis_0
+    attrs = "replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}"
+    assert hlo.group_members(attrs, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert hlo.group_members(attrs.replace("([2,4]T(1,0))", "[8]<=[2,4]T(1,0)"), 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert hlo.group_members(attrs.replace("{'axis_0'}", "{'axis_1'}"), 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 # --------------------------------------------------------------------------------------
 # Real compilers' programs: tests/data/hlo/*.hlo.gz (tests/data/hlo/make_fixtures.py).

@@ -215,20 +215,60 @@ def _leaves(t) -> list[tuple[str, tuple[int, ...]]]:
 
 def _group_size(attrs: str, devices: int) -> int:
     """Devices per replica group, from any of XLA's ways of writing the groups."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\S+)?\s*\{([^}]*)\}", attrs)
+    groups = group_members(attrs, devices, pairs=False, order=False)
+    return len(groups[0]) if groups else 1
+
+
+def group_members(attrs: str, devices: int, *, pairs: bool = True, order: bool = True) -> list[list[int]] | None:
+    """The replica groups of a collective as lists of device ids, in any of XLA's forms, or
+    ``None`` where it writes none; with ``pairs`` a permute's ``source_target_pairs`` too.
+    ``order=False`` ignores a mesh form's ``device_ids`` (the groups' sizes do not depend on them)."""
+    m = re.search(r"source_target_pairs=\{(\{[\d,]+\}(?:,\{[\d,]+\})*)\}", attrs) if pairs else None
     if m:
-        sizes = {k.strip("'\" "): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))}
-        named = [a.strip("'\" ") for a in m.group(2).split(",") if a.strip()]
-        return math.prod(sizes.get(a, 1) for a in named)
-    m = re.search(r"replica_groups=\{\{([^}]*)\}", attrs)
+        return [[int(x) for x in p.split(",")] for p in re.findall(r"\{([\d,]+)\}", m.group(1))]
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=(\S+))?\s*\{([^}]*)\}", attrs)
     if m:
-        return len([d for d in m.group(1).split(",") if d.strip()])
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
+        import numpy as np
+
+        sizes = [(k.strip("'\" "), int(v)) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))]
+        names = [n for n, _ in sizes]
+        grid = np.arange(math.prod(s for _, s in sizes)).reshape([s for _, s in sizes])
+        if m.group(2) and order:
+            ids = _iota_list(m.group(2).rstrip(","))
+            if ids is None or len(ids) != grid.size:
+                return None
+            grid = np.asarray(ids).reshape(grid.shape)
+        over = [names.index(a.strip("'\" ")) for a in m.group(3).split(",") if a.strip("'\" ") in names]
+        rest = [k for k in range(len(names)) if k not in over]
+        return grid.transpose(rest + over).reshape(-1, math.prod(grid.shape[k] for k in over) if over else 1).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)+)\}", attrs)
     if m:
-        return int(m.group(1).split(",")[-1])
-    if re.search(r"replica_groups=\{\}", attrs):  # one group of every device
-        return devices
-    return 1
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    m = re.search(r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", attrs)
+    if m:
+        shape = [int(x) for x in re.match(r"\[([\d,]+)\]", m.group(1)).group(1).split(",")]
+        ids = _iota_list(m.group(1))
+        return None if ids is None else [ids[i : i + shape[-1]] for i in range(0, len(ids), shape[-1])]
+    if re.search(r"replica_groups=\{\}", attrs):
+        return [list(range(devices))]
+    return None
+
+
+def _iota_list(text: str) -> list[int] | None:
+    """``[2,4]<=[4,2]T(1,0)`` or ``([4,2]T(1,0))`` (an iota reshaped and transposed) or
+    ``{0,1,...}`` as a flat list."""
+    import numpy as np
+
+    m = re.fullmatch(r"\[[\d,]+\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
+    m = m or re.fullmatch(r"\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", text.strip())
+    if m:
+        dims = [int(x) for x in m.group(1).split(",")]
+        grid = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(2):
+            grid = grid.transpose([int(x) for x in m.group(2).split(",")])
+        return grid.reshape(-1).tolist()
+    m = re.fullmatch(r"\{([\d,]+)\}", text.strip())
+    return [int(x) for x in m.group(1).split(",")] if m else None
 
 
 def _dimension(attrs: str) -> int | None:

@@ -461,7 +461,7 @@ class _Walk:
             return 2 * share if kind == "all-reduce" else share
 
         p = self.placement
-        groups = _group_members(attrs, self.devices) if p is not None else None
+        groups = hlo.group_members(attrs, self.devices) if p is not None else None
         if p is None or not groups or max(max(g) for g in groups) >= len(p.domains):
             link = self.link_of(attrs, n)
             lk = self.hw.links[link]
@@ -689,58 +689,10 @@ def _attention_flops(instr: _Instr, shapes: list, notes: set) -> float:
     return products * per_product
 
 
-def _group_members(attrs: str, devices: int) -> Optional[list[list[int]]]:
-    """The replica groups of a collective as lists of device ids, in any of XLA's forms."""
-    m = re.search(r"source_target_pairs=\{(\{[\d,]+\}(?:,\{[\d,]+\})*)\}", attrs)
-    if m:
-        return [[int(x) for x in p.split(",")] for p in re.findall(r"\{([\d,]+)\}", m.group(1))]
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=(\S+))?\s*\{([^}]*)\}", attrs)
-    if m:
-        import numpy as np
-
-        sizes = [(k.strip("'\" "), int(v)) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))]
-        names = [n for n, _ in sizes]
-        grid = np.arange(math.prod(s for _, s in sizes)).reshape([s for _, s in sizes])
-        if m.group(2):
-            ids = _iota_list(m.group(2).rstrip(","))
-            if ids is None or len(ids) != grid.size:
-                return None
-            grid = np.asarray(ids).reshape(grid.shape)
-        over = [names.index(a.strip("'\" ")) for a in m.group(3).split(",") if a.strip("'\" ") in names]
-        rest = [k for k in range(len(names)) if k not in over]
-        return grid.transpose(rest + over).reshape(-1, math.prod(grid.shape[k] for k in over) if over else 1).tolist()
-    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)+)\}", attrs)
-    if m:
-        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
-    m = re.search(r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", attrs)
-    if m:
-        shape = [int(x) for x in re.match(r"\[([\d,]+)\]", m.group(1)).group(1).split(",")]
-        ids = _iota_list(m.group(1))
-        return None if ids is None else [ids[i : i + shape[-1]] for i in range(0, len(ids), shape[-1])]
-    if re.search(r"replica_groups=\{\}", attrs):
-        return [list(range(devices))]
-    return None
-
-
-def _iota_list(text: str) -> Optional[list[int]]:
-    """``[2,4]<=[4,2]T(1,0)`` (an iota reshaped and transposed) or ``{0,1,...}`` as a flat list."""
-    import numpy as np
-
-    m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
-    if m:
-        dims = [int(x) for x in m.group(2).split(",")]
-        grid = np.arange(math.prod(dims)).reshape(dims)
-        if m.group(3):
-            grid = grid.transpose([int(x) for x in m.group(3).split(",")])
-        return grid.reshape(-1).tolist()
-    m = re.fullmatch(r"\{([\d,]+)\}", text.strip())
-    return [int(x) for x in m.group(1).split(",")] if m else None
-
-
 def _spanned_axes(attrs: str, mesh: dict, devices: int) -> Optional[list[str]]:
     """The axes of ``mesh`` (``{axis: size}`` in its order; device id = row-major position)
     along which a collective's group members differ."""
-    groups = _group_members(attrs, devices)
+    groups = hlo.group_members(attrs, devices)
     if not groups or math.prod(mesh.values()) != devices:
         return None
     names, sizes = list(mesh), list(mesh.values())
