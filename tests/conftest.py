@@ -92,9 +92,11 @@ def _select_extended(config, items) -> None:
     """Without ``-m``, the ``extended`` tests are deselected."""
     if config.option.markexpr:
         return
-    keep = [item for item in items if not item.get_closest_marker("extended")]
-    if len(keep) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("extended")])
+    keep, extended = [], []
+    for item in items:
+        (extended if item.get_closest_marker("extended") else keep).append(item)
+    if extended:
+        config.hook.pytest_deselected(items=extended)
         items[:] = keep
 
 

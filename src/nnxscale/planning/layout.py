@@ -83,11 +83,12 @@ def trained_rows(lay: dict) -> list:
     under LoRA the adapters alone (the frozen base has no gradient to reduce), else all."""
     import jax
 
+    from nnxscale.sharding.state import _path_str  # the rows' own paths
+
     rows = lay["rows"]
     if lay["model"].lora is None:
         return rows
-    leaves = jax.tree_util.tree_flatten_with_path(lay["setup"].abstract["params"])[0]
-    trained = {".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path) for path, _ in leaves}
+    trained = {_path_str(path) for path, _ in jax.tree_util.tree_flatten_with_path(lay["setup"].abstract["params"])[0]}
     return [r for r in rows if r.path in trained]
 
 
