@@ -272,3 +272,67 @@ def test_a_plan_on_this_machine_predicts_only_with_registered_cpu_figures(monkey
     assert st.hardware == "test chip" and {c.link for c in st.collectives} == {"memory"}
     assert st.tokens_per_s == pytest.approx(16 * 64 / st.seconds)
     assert st.mfu == pytest.approx(1e6 * 16 * 64 / (8 * 5e14 * st.seconds))  # float32 compute: float32's peak
+
+
+def test_buffers_mapped_anew_cost_time_only_where_the_runtime_maps_them():
+    """XLA:CPU maps a run's temporary buffer and new outputs afresh each step (the kernel
+    faults in every page): ``fresh_bytes`` over the chip's ``fresh_memory_bandwidth``, added to
+    the step; an accelerator (no such figure) keeps its buffers and pays nothing. What a
+    program maps anew is read from its memory analysis: a donated input's output is not."""
+    import jax
+    import jax.numpy as jnp
+
+    plain = _predict(OVERLAP, fresh_bytes=2e9)
+    assert plain.fresh_memory_s == 0 and plain.seconds == pytest.approx(_predict(OVERLAP).seconds)
+    cpu_like = dataclasses.replace(CHIP, fresh_memory_bandwidth=1e9)
+    st = _predict(OVERLAP, cpu_like, fresh_bytes=2e9)
+    assert st.fresh_memory_s == pytest.approx(2.0) and st.seconds == pytest.approx(plain.seconds + 2.0)
+    assert st.bottleneck.startswith("allocation-bound") and "1 GB/s" in st.bottleneck, st.bottleneck
+    assert any(line.strip().startswith("buffers mapped anew") for line in steptime.format_lines(st))
+
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32)
+    update = lambda a: jnp.tanh(a) * 0.9 + jnp.sin(a).sum(0)  # noqa: E731
+    kept, donated = (jax.jit(update, donate_argnums=d).lower(x).compile().memory_analysis() for d in ((), 0))
+    size = 256 * 1024 * 4
+    assert steptime.fresh_bytes_of(kept) == kept.temp_size_in_bytes + size
+    assert steptime.fresh_bytes_of(donated) == donated.temp_size_in_bytes  # written into its input
+    assert steptime.fresh_bytes_of(None) == 0
+
+
+def test_a_loop_to_a_count_the_data_decides_counts_at_its_most():
+    """A fori_loop to a computed count (Mixtral's expert tiles on XLA:CPU) has no trip count
+    to read: traced under ``expected_trips(n)`` it counts n turns; otherwise as many as the
+    buffer it fills a slice a turn holds, the same as the loop to that count written as a
+    constant; a loop writing where the data says (not at its counter) cannot be bounded so,
+    and counts once, with a note."""
+    import jax
+    import jax.numpy as jnp
+
+    def fill(n, xs, at_counter=True):
+        def body(t, buf):
+            row = jnp.tanh(xs[t] @ xs[t].T)
+            where = t if at_counter else n % 3
+            return jax.lax.dynamic_update_index_in_dim(buf, row, where, 0)
+
+        return jax.lax.fori_loop(0, n, body, jnp.zeros((12, 64, 64), xs.dtype))
+
+    xs = jax.ShapeDtypeStruct((12, 64, 32), jnp.float32)
+    n = jax.ShapeDtypeStruct((), jnp.int32)
+    text = lambda f, *a: jax.jit(f).lower(*a).compile().as_text()  # noqa: E731
+    data = _predict(text(fill, n, xs))
+    fixed = _predict(text(lambda xs: fill(12, xs), xs))
+    assert data.flops == pytest.approx(fixed.flops) and data.flops == pytest.approx(12 * 2 * 64 * 64 * 32)
+    assert any("data-dependent number of turns" in note for note in data.notes), data.notes
+    anywhere = _predict(text(lambda n, xs: fill(n, xs, at_counter=False), n, xs))
+    assert anywhere.flops == pytest.approx(2 * 64 * 64 * 32) and any("counted once" in note for note in anywhere.notes)
+
+    def expecting(turns, at_counter):
+        def f(n, xs):
+            with steptime.expected_trips(turns):
+                return fill(n, xs, at_counter)
+
+        return f
+
+    for at_counter in (True, False):  # what the code expects, bounded or not
+        st = _predict(text(expecting(5, at_counter), n, xs))
+        assert st.flops == pytest.approx(5 * 2 * 64 * 64 * 32) and any("its code expects" in note for note in st.notes)

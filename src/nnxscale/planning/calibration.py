@@ -5,16 +5,20 @@ XLA:CPU reaches here, with every local CPU device working at once as the devices
 training step do (XLA's simulated devices share the host's cores): an MLP's matrix products'
 FLOP/s, an elementwise update's bytes/s (with a tanh: XLA:CPU's elementwise fusions are bound
 by their arithmetic as much as by memory), the cost of one more op (a tiny product: the
-runtime's dispatch of an op), and an all-reduce's bandwidth and latency between the devices. Each figure is per
+runtime's dispatch of an op), the rate at which a run's newly mapped buffers are first
+written (XLA:CPU maps a program's temporary buffer and new outputs afresh each run, and the
+kernel faults in and zeroes every page: a fifth to a third of a small model's step), and an
+all-reduce's bandwidth and latency between the devices. Each figure is per
 device, for the number of devices measured with; :func:`cpu_hardware` rescales them to another
 count (the host's throughput shared out). About 2 seconds on an idle 2-core machine.
 
 The figures are cached per machine under the user's cache directory
 (``$XDG_CACHE_HOME/nnxscale/cpu-calibration.json``, else ``~/.cache/...``), keyed by the
 jaxlib version and the cores this process may use: a new jaxlib or another core count
-measures again. ``bench/steptime.py`` measures and predicts with them; nothing else does on
-its own: ``nnxscale plan`` without ``--target`` and the trainer predict no XLA:CPU step time,
-as those predictions are not yet within 30% of the measured step (docs/steptime.md). From
+measures again. ``bench/steptime.py`` measures and predicts with them (nine steps within 30%
+of the measured time, docs/steptime.md); nothing else does on its own: ``nnxscale plan``
+without ``--target`` and the trainer predict no XLA:CPU step time, as measuring takes seconds
+and the figures move with the host's load. From
 Python, :func:`register_cpu` makes them the ``"cpu"`` hardware of
 :func:`nnxscale.planning.steptime.hardware_for`, and :func:`nnxscale.planning.plan` then
 predicts a step time for this machine's XLA:CPU.
@@ -31,14 +35,15 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 #: Bump when what is measured changes: older cache entries are measured again.
-CALIBRATION_VERSION = 4
+CALIBRATION_VERSION = 5
 
 #: Sizes of the microbenchmarks, per device: an MLP's two float32 products of this many rows
 #: and this width (x 4 inside: the shapes of a small model's step per device), a streaming
 #: update of this many bytes, a chain of this many tiny dependent products, an all-reduce of
-#: this many bytes.
+#: this many bytes; buffers mapped anew of this many bytes over all the devices.
 MATMUL_ROWS, MATMUL_WIDTH = 512, 128
 STREAM_BYTES = 8 << 20
+FRESH_BYTES = 256 << 20
 CHAIN_OPS = 64
 ALLREDUCE_BYTES = 2 << 20
 
@@ -85,6 +90,19 @@ def cached_figures(path: Optional[Path] = None) -> Optional[dict]:
     if isinstance(cached, dict) and cached.get("key") == machine_key() and isinstance(cached.get("figures"), dict):
         return cached["figures"]
     return None
+
+
+def _median_in_place(fn: Callable, x, repeat: int = 5) -> float:
+    """The median time of ``x = fn(x)``, ``fn`` donating ``x``: no buffer is mapped anew."""
+    import jax
+
+    x = jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        x = jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def _median_seconds(fn: Callable, *args, repeat: int = 5) -> float:
@@ -152,13 +170,23 @@ def _programs(devices: tuple) -> dict:
         # fusions are bound by their arithmetic, a third of a plain copy's rate, as much as by memory)
         "stream": jax.jit(lambda x: jax.lax.fori_loop(0, _REPEATS, lambda _, c: jnp.tanh(c) * 0.9 + 0.01, x)),
         "chain": jax.jit(chain),
+        # the same update writing a new output each run (mapped anew) or its donated input
+        "fresh": jax.jit(lambda x: x * 0.5 + 1.0),
+        "in_place": jax.jit(lambda x: x * 0.5 + 1.0, donate_argnums=0),
         "allreduce": allreduce(_AR_LOOPS),
         "product": after_product(False),
         "product_allreduce": after_product(True),
         "square": put(width, width),
         "rows": put(rows, width), "w1": put(width, 4 * width), "w2": put(4 * width, width),
         "long": put(STREAM_BYTES // 4), "tiny": put(8, 8), "shard": put(ALLREDUCE_BYTES // 4), "few": put(8),
+        "big": put(_fresh_elements(n)),
     }  # fmt: skip
+
+
+def _fresh_elements(n: int) -> int:
+    """float32 elements per device of the fresh-buffer benchmark: :data:`FRESH_BYTES` shared
+    out, at least 4 MiB each."""
+    return max(FRESH_BYTES // n, 4 << 20) // 4
 
 
 def measure_host() -> dict:
@@ -179,6 +207,8 @@ def measure_host() -> dict:
         t_mm = _median_seconds(p["products"], *mlp)
         t_stream = _median_seconds(p["stream"], p["long"])
         t_chain = _median_seconds(p["chain"], p["tiny"], p["tiny"])
+        t_fresh = _median_seconds(p["fresh"], p["big"])
+        t_in_place = _median_in_place(p["in_place"], p["fresh"](p["big"]))
         t_ar = _median_seconds(p["allreduce"], p["shard"]) / _AR_LOOPS
         one = (p["few"], p["rows"], p["square"])
         t_small = (_median_seconds(p["product_allreduce"], *one) - _median_seconds(p["product"], *one)) / _SMALL_LOOPS
@@ -189,6 +219,7 @@ def measure_host() -> dict:
         "matmul_flops": flops / t_mm,
         "stream_bytes": 2 * STREAM_BYTES * _REPEATS / t_stream,
         "op_seconds": t_chain / CHAIN_OPS,
+        "fresh_bytes": 4 * _fresh_elements(n) / max(t_fresh - t_in_place, 1e-9),
         "allreduce_bytes": ring * ALLREDUCE_BYTES / t_ar,
         "allreduce_latency": max(t_small, 0.0),
         "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -213,7 +244,8 @@ def cpu_hardware(n_devices: int, figures: Optional[dict] = None):
         matmul_efficiency=1.0,
         memory_efficiency=1.0,
         op_overhead=f["op_seconds"] / share,
-        sources={k: source for k in ("peak_flops", "hbm_bandwidth", "op_overhead")},
+        fresh_memory_bandwidth=f["fresh_bytes"] * share if f.get("fresh_bytes") else None,
+        sources={k: source for k in ("peak_flops", "hbm_bandwidth", "op_overhead", "fresh_memory_bandwidth")},
     )  # fmt: skip
 
 
@@ -232,10 +264,11 @@ def local_hardware(mesh):
     or TPU nnxscale knows by its ``device_kind`` (:data:`nnxscale.sharding.devices.DEVICE_KINDS`);
     else ``None``.
 
-    Never XLA:CPU's, calibrated or not: ``bench/steptime.py`` measured its predictions at
-    0.34-0.69 of the measured step time (2026-11-26, a loaded 2-core machine; docs/steptime.md),
-    outside the 30% a prediction shown beside a measured step should be within. Until it is,
-    XLA:CPU predictions are ``bench/steptime.py``'s, asked for explicitly."""
+    Never XLA:CPU's, calibrated or not: its figures are measured on the machine (seconds) and
+    move with the host's load, 2-4x under other jobs (docs/steptime.md), so a CPU prediction
+    beside a run's measured step would say as much about the load as about the step. XLA:CPU
+    predictions are ``bench/steptime.py``'s, asked for explicitly, its figures measured around
+    the timed steps."""
     from nnxscale.planning import steptime
     from nnxscale.sharding.devices import device_kind
 

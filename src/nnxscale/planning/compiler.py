@@ -75,9 +75,12 @@ def measure(compiled, platform: str = "cpu") -> dict[str, Any]:
     buffers and one block of ``temp_size_in_bytes`` (the buffer assignment's): the peak is
     their sum. XLA:TPU reports the program's ``peak_memory_in_bytes`` (its temp may read 0,
     and the sum above is not its peak): that is the peak, and temporaries are what it holds
-    beyond the arguments. FLOPs: :func:`compiled_flops`.
+    beyond the arguments. ``fresh_bytes``: the temporary block and the new outputs, which a
+    runtime that maps them anew each run (XLA:CPU) faults in every step
+    (:func:`nnxscale.planning.steptime.fresh_bytes_of`). FLOPs: :func:`compiled_flops`.
     """
     from nnxscale.planning import hlo as hlo
+    from nnxscale.planning.steptime import fresh_bytes_of
 
     ma = compiled.memory_analysis()
     allocated = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
@@ -89,6 +92,7 @@ def measure(compiled, platform: str = "cpu") -> dict[str, Any]:
         "argument_bytes": ma.argument_size_in_bytes,
         "temp_bytes": temp,
         "peak_bytes": peak,
+        "fresh_bytes": fresh_bytes_of(ma),
         "collective_bytes": hlo.collective_bytes(compiled.as_text()),
         "flops": compiled_flops(compiled),
         "flops_uncounted": uncounted_kernels(compiled.as_text()),

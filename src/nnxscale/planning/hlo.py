@@ -354,8 +354,9 @@ def _counter(comp: _Comp, name: str) -> int | None:
 _FLIPPED = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
 
 
-def _compare(comps: dict[str, _Comp], comp: _Comp) -> tuple[int, str, int] | None:
-    """``(index, direction, bound)`` when loop condition ``comp`` is ``param[index] <direction> bound``."""
+def _compare(comps: dict[str, _Comp], comp: _Comp, constant_bound: bool = True) -> tuple[int, str, int | None] | None:
+    """``(index, direction, bound)`` when loop condition ``comp`` is ``param[index] <direction> bound``;
+    ``constant_bound=False``: also where the bound is not a constant (``None`` then)."""
     root, where, outside = comp.instrs.get(comp.root), comp, None
     if root is not None and root.opcode == "fusion" and _called(root):  # the compare fused: read it inside
         where, outside = comps.get(_called(root)[0]), root
@@ -372,7 +373,7 @@ def _compare(comps: dict[str, _Comp], comp: _Comp) -> tuple[int, str, int] | Non
         k = int(param.args) if param is not None and param.opcode == "parameter" and param.args.strip().isdigit() else -1
         counter = outside.operands[k] if 0 <= k < len(outside.operands) else ""
     index = _counter(comp, counter)
-    return None if bound is None or index is None or not direction else (index, direction, bound)
+    return None if (bound is None and constant_bound) or index is None or not direction else (index, direction, bound)
 
 
 def _trip_count(comps: dict[str, _Comp], caller: _Comp, loop: _Instr) -> int | None:
@@ -402,6 +403,71 @@ def _trip_count(comps: dict[str, _Comp], caller: _Comp, loop: _Instr) -> int | N
         return None
     stop = bound + 1 if direction == "LE" else bound
     return max(0, -(-(stop - start) // step))
+
+
+def _trip_bound(comps: dict[str, _Comp], caller: _Comp, loop: _Instr) -> int | None:
+    """At most how often a ``while`` turns whose bound is data (a ``fori_loop`` to a computed
+    count, such as the expert tiles in use): the extent of the carried buffers its body fills
+    a slice per turn, in place (a dynamic-update-slice of the carried buffer), where the counter
+    starts at 0 and steps by 1 below the bound. ``None`` where the loop is not of that form."""
+    cond = comps.get(_attr_comp(loop.attrs, "condition") or "")
+    body = comps.get(_attr_comp(loop.attrs, "body") or "")
+    test = _compare(comps, cond, constant_bound=False) if cond is not None else None
+    init_tuple = _through(caller, loop.operands[0]) if loop.operands else None
+    root = body.instrs.get(body.root) if body is not None else None
+    if test is None or test[1] not in ("LT", "NE") or init_tuple is None or root is None:
+        return None
+    index = test[0]
+    if init_tuple.opcode != "tuple" or root.opcode != "tuple" or index >= min(len(init_tuple.operands), len(root.operands)):
+        return None
+    if _constant(caller, init_tuple.operands[index]) != 0:
+        return None
+    update = _through(body, root.operands[index])  # counter + 1, the add fused or not
+    inner = comps.get(_called(update)[0]) if update is not None and update.opcode == "fusion" and _called(update) else None
+    add = _through(inner, inner.root) if inner is not None else update
+    if add is None or add.opcode != "add" or not any(_counter(body, o) == index for o in update.operands):
+        return None
+    ones = [_constant(inner or body, o) for o in add.operands] + [_constant(body, o) for o in update.operands]
+    if 1 not in ones:
+        return None
+    extents = []
+    for k, name in enumerate(root.operands):
+        if k == index:
+            continue
+        writer = _through(body, name)
+        where = comps.get(_called(writer)[0]) if writer is not None and writer.opcode == "fusion" and _called(writer) else body
+        dus = _through(where, where.root if where is not body else name) if where is not None else None
+        if dus is None or dus.opcode != "dynamic-update-slice" or len(dus.operands) < 2:
+            continue
+        target, piece = where.instrs.get(dus.operands[0]), where.instrs.get(dus.operands[1])
+        if target is None or piece is None or isinstance(target.type, list) or isinstance(piece.type, list):
+            continue
+        full, part = target.type[1], piece.type[1]
+        dims = [d for d, (a, b) in enumerate(zip(full, part)) if b == 1 and a > 1]
+        if len(full) != len(part) or not dims or len(dus.operands) <= 2 + dims[0]:
+            continue
+        at = dus.operands[2 + dims[0]]  # the start index along the sliced dimension
+        if where is not body:  # a parameter of the fusion: the operand the body gave it
+            param = _through(where, at)
+            k = int(param.args) if param is not None and param.opcode == "parameter" and param.args.strip().isdigit() else -1
+            at = writer.operands[k] if 0 <= k < len(writer.operands) else ""
+        if _from_counter(comps, body, at, index):
+            extents.append(full[dims[0]])
+    return min(extents) if extents else None
+
+
+def _from_counter(comps: dict[str, _Comp], body: _Comp, name: str, index: int, depth: int = 0) -> bool:
+    """Whether scalar ``name`` of a loop body is computed from the counter (tuple element
+    ``index``) and constants alone (the counter itself, or it wrapped or offset)."""
+    if _counter(body, name) == index:
+        return True
+    instr = _through(body, name)
+    if instr is None or depth > 8 or instr.opcode not in ("fusion", "add", "subtract", "select", "compare", "clamp"):
+        return False
+    return any(_counter(body, o) == index or _from_counter(comps, body, o, index, depth + 1) for o in instr.operands) and all(
+        _constant(body, o) is not None or _counter(body, o) == index or _from_counter(comps, body, o, index, depth + 1)
+        for o in instr.operands
+    )
 
 
 def _attr_comp(attrs: str, key: str) -> str | None:

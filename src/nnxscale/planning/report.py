@@ -406,15 +406,17 @@ def plan(
         notes=notes,
         pipeline=pipeline_figures(cfg, lay, compiled["collective_bytes"]),
         context=context_figures(cfg, lay, compiled["collective_bytes"]),
-        step_time=predict_step(cfg, lay, sizes, target, hlo_text, where),
+        step_time=predict_step(cfg, lay, sizes, target, hlo_text, where, compiled.get("fresh_bytes", 0.0)),
     )
 
 
-def predict_step(cfg: TrainConfig, lay: dict, sizes: dict, target, hlo_text: Optional[str], where: Optional[dict] = None):
+def predict_step(cfg: TrainConfig, lay: dict, sizes: dict, target, hlo_text: Optional[str], where: Optional[dict] = None,
+                 fresh_bytes: float = 0.0):  # fmt: skip
     """The step time of the compiled program on the target's chips (:func:`nnxscale.planning.steptime.predict`;
     ``where``: the child compile's :func:`~nnxscale.planning.targets.placement` of the devices), or on this
     machine's XLA:CPU where its figures are registered (``register_hardware("cpu", ...)``); ``None``
-    without a program or figures."""
+    without a program or figures. ``fresh_bytes``: what the program maps anew each run, per device
+    (:func:`nnxscale.planning.compiler.measure`'s)."""
     from nnxscale.planning import steptime
 
     if not hlo_text:
@@ -429,7 +431,8 @@ def predict_step(cfg: TrainConfig, lay: dict, sizes: dict, target, hlo_text: Opt
     links = steptime.axis_links_for(sizes, target) if target is not None else None
     placement = None if where is None else steptime.Placement.from_json(where)
     return steptime.predict(hlo_text, hw, axis_links=links, mesh=sizes, placement=placement, n_devices=n,
-                            tokens_per_step=tokens, model_flops_per_step=model_flops, compute_dtype=cfg.model.dtype)  # fmt: skip
+                            tokens_per_step=tokens, model_flops_per_step=model_flops, compute_dtype=cfg.model.dtype,
+                            fresh_bytes=fresh_bytes)  # fmt: skip
 
 
 def compiler_platform(target=None) -> str:

@@ -1,13 +1,15 @@
 """How long a step takes on a chip: a roofline walk over the compiled, scheduled program.
 
 Pure arithmetic over the text of an optimized, scheduled XLA module (``compiled.as_text()``,
-``is_scheduled=true``) and one chip's published figures (:class:`Hardware`); no jax.
+``is_scheduled=true``) and one chip's published figures (:class:`Hardware`); no jax (but
+:func:`expected_trips`, which model code traces with).
 
 The model, in the order the program runs:
 
 - Every op of the entry computation, in schedule order; a ``while`` body as many times as
-  the loop turns (:mod:`nnxscale.planning.hlo` reads the trip counts), nested loops
-  multiplied; a ``call`` as its callee; a ``conditional`` as its slowest branch.
+  the loop turns (:mod:`nnxscale.planning.hlo` reads the trip counts; a loop to a count the
+  data decides, as often as its code expects, :func:`expected_trips`, else at its most),
+  nested loops multiplied; a ``call`` as its callee; a ``conditional`` as its slowest branch.
 - An op that computes (a fusion, a custom call, a copy, ...): ``max(compute, memory) +
   overhead``. Compute = its matrix products' FLOPs (``dot``/``convolution`` inside it, read
   as :func:`nnxscale.planning.hlo.matmuls` reads them; an attention kernel's from its
@@ -25,8 +27,13 @@ The model, in the order the program runs:
   schedule starts it and hides behind the ops scheduled before its ``done``; only what is
   left when the ``done`` is reached is *exposed*. A synchronous collective is all exposed.
 
+- Fresh memory: a runtime that maps a run's buffers anew each time (XLA:CPU: the kernel faults
+  in and zeroes every page of the step's temporary buffer and its new outputs, each step)
+  spends ``fresh_bytes / Hardware.fresh_memory_bandwidth`` on them; ``None`` where the
+  runtime keeps its buffers from one run to the next (GPU and TPU allocators pool them).
+
 Step time = the compute stream's time (compute-bound ops + memory-bound ops + overheads)
-+ the exposed collective time. The chips' figures and the few efficiency constants, each
++ fresh memory + the exposed collective time. The chips' figures and the few efficiency constants, each
 with its published source, are :mod:`nnxscale.planning.hardware`'s.
 """
 
@@ -70,8 +77,9 @@ class Hardware:
     ``memory_efficiency`` (a streaming kernel's achieved over the HBM bandwidth),
     ``op_overhead`` (seconds per op launched), ``kernel_efficiency`` (by custom-call target:
     target name or its prefix: an attention kernel's achieved over peak, where it differs from
-    a GEMM's). ``sources``:
-    where each figure is published.
+    a GEMM's). ``fresh_memory_bandwidth``: bytes/s at which a run's newly mapped buffers are
+    first written (page faults), where the runtime maps them anew each run (XLA:CPU); ``None``
+    where it keeps them. ``sources``: where each figure is published.
     """
 
     name: str
@@ -83,6 +91,7 @@ class Hardware:
     op_overhead: float
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
     kernel_efficiency: dict = dataclasses.field(default_factory=dict)
+    fresh_memory_bandwidth: Optional[float] = None
 
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s at ``dtype`` (a name or an HLO element type); bfloat16's where unknown."""
@@ -202,7 +211,8 @@ class StepTime:
     """A step's predicted time on one chip kind, and where it goes (seconds per step).
 
     ``seconds`` = ``compute_s`` (ops bound by their matrix products) + ``memory_s`` (ops bound
-    by HBM traffic) + ``overhead_s`` (op launches) + ``exposed_collective_s``.
+    by HBM traffic) + ``overhead_s`` (op launches) + ``fresh_memory_s`` (first writes of the
+    buffers a run maps anew: XLA:CPU's page faults) + ``exposed_collective_s``.
     ``collective_s`` is every collective's time on its link, hidden or not. ``flops``: the
     FLOPs per device the walk counted (kernels' estimated included); ``mfu``: the model's
     FLOPs per step (as the run's metrics count them) over ``n_devices x peak x seconds``.
@@ -225,6 +235,7 @@ class StepTime:
     ops: int = 0
     kernel_flops: float = 0.0
     notes: list = dataclasses.field(default_factory=list)
+    fresh_memory_s: float = 0.0
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -264,6 +275,7 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "afte
 _FREE_CALLS = ("AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked", "Sharding", "SPMDFullToShardShape",
                "SPMDShardToFullShape", "MoveToHost", "MoveToDevice")  # fmt: skip
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_EXPECTED = re.compile(r"\bexpected_trips_(\d+)\b")
 _FLOATS = {"bf16", "f16", "f32", "f8e4m3fn", "f8e5m2"}
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 
@@ -536,6 +548,15 @@ class _Walk:
                 continue
             if op == "while":
                 trip = hlo._trip_count(self.comps, comp, instr)
+                if trip is None and (expected := _EXPECTED.findall(instr.attrs)):
+                    trip = int(expected[-1])  # the innermost scope's
+                    self.notes.add("a loop runs a data-dependent number of turns (a fori_loop to a computed count): "
+                                   "counted as the turns its code expects (expected_trips)")  # fmt: skip
+                if trip is None:
+                    trip = hlo._trip_bound(self.comps, comp, instr)
+                    if trip is not None:
+                        self.notes.add("a loop runs a data-dependent number of turns (a fori_loop to a computed count): "
+                                       "counted at its most, the extent of the buffers it fills a slice a turn")  # fmt: skip
                 if trip is None:
                     self.notes.add("a loop's trip count could not be read: counted once")
                     trip = 1
@@ -615,6 +636,20 @@ class _Walk:
         out.seconds = t
         self.memo[name] = out
         return out
+
+
+def expected_trips(turns: int):
+    """A context to trace a loop in whose number of turns the data decides (a ``fori_loop`` to
+    a computed count): ``turns``, what the code expects it to run, is kept in the compiled
+    program's metadata (a name scope), and :func:`predict` counts the loop so many times.
+    Without it such a loop counts at its most where that can be read, else once.
+
+    >>> with expected_trips(20):
+    ...     y = jax.lax.fori_loop(0, used, body, init)  # doctest: +SKIP
+    """
+    import jax
+
+    return jax.named_scope(f"expected_trips_{max(int(turns), 0)}")
 
 
 def _carried_start(comp: _Comp, done: _Instr) -> str:
@@ -722,6 +757,7 @@ def predict(
     mesh: Optional[dict] = None,
     placement: Optional[Placement] = None,
     compute_dtype: str = "bfloat16",
+    fresh_bytes: float = 0.0,
 ) -> StepTime:
     """The step time of a compiled, scheduled program on ``hw`` (see the module docstring).
 
@@ -733,7 +769,9 @@ def predict(
     collective goes over the first of ``hw.links``. ``tokens_per_step``: the global batch's
     tokens; ``model_flops_per_step``: all devices' training FLOPs as the run's metrics count
     them (6N + attention per token x tokens), for ``mfu``; ``compute_dtype``: whose peak the
-    MFU is over.
+    MFU is over. ``fresh_bytes``: per device, what the step maps anew each run, its temporary
+    buffer and the outputs not aliased to inputs (:func:`fresh_bytes_of` a compiled program's
+    memory analysis); it costs time only on a ``hw`` with a ``fresh_memory_bandwidth``.
     """
     for axis, link in (axis_links or {}).items():
         if link not in hw.links:
@@ -741,7 +779,8 @@ def predict(
     walk = _Walk(hlo_text, hw, axis_links, mesh, n_devices, placement)
     s = walk.span(walk.entry)
     collectives = sorted(s.colls.values(), key=lambda c: (KINDS.index(c.kind) if c.kind in KINDS else 99, c.link))
-    seconds = max(s.seconds, 1e-12)
+    fresh = fresh_bytes / hw.fresh_memory_bandwidth if hw.fresh_memory_bandwidth and fresh_bytes > 0 else 0.0
+    seconds = max(s.seconds + fresh, 1e-12)
     exposed = sum(c.exposed for c in collectives)
     peak = hw.peak(compute_dtype)
     mfu = model_flops_per_step / (n_devices * peak * seconds) if model_flops_per_step and peak else None
@@ -750,7 +789,7 @@ def predict(
         collective_s=sum(c.seconds for c in collectives), exposed_collective_s=exposed, collectives=collectives,
         tokens_per_s=tokens_per_step / seconds, tokens_per_s_per_device=tokens_per_step / seconds / max(n_devices, 1),
         mfu=mfu, bottleneck="", flops=s.flops, hbm_bytes=s.bytes, ops=int(round(s.ops)), kernel_flops=s.kernel_flops,
-        notes=sorted(walk.notes),
+        notes=sorted(walk.notes), fresh_memory_s=fresh,
     )  # fmt: skip
     result.bottleneck = bottleneck(result, hw)
     return result
@@ -758,7 +797,8 @@ def predict(
 
 def bottleneck(st: StepTime, hw: Hardware) -> str:
     """One line naming what the step waits on most."""
-    parts = {"compute": st.compute_s, "memory": st.memory_s, "overhead": st.overhead_s, "communication": st.exposed_collective_s}
+    parts = {"compute": st.compute_s, "memory": st.memory_s, "overhead": st.overhead_s, "communication": st.exposed_collective_s,
+             "fresh": st.fresh_memory_s}  # fmt: skip
     what = max(parts, key=parts.get)
     share = parts[what] / st.seconds
     if what == "communication":
@@ -772,6 +812,9 @@ def bottleneck(st: StepTime, hw: Hardware) -> str:
     if what == "memory":
         return (f"memory-bound: {share:.0%} of the step in ops limited by HBM ({format_si(hw.hbm_bandwidth * hw.memory_efficiency, 'B/s')} "
                 "effective): elementwise work, copies, small matmuls")
+    if what == "fresh":
+        return (f"allocation-bound: {share:.0%} of the step writes the buffers the runtime maps anew each step "
+                f"(page faults, {format_si(hw.fresh_memory_bandwidth or 0.0, 'B/s')})")
     return f"launch-bound: {share:.0%} of the step is {st.ops:,} op launches x {format_seconds(hw.op_overhead)}"
 
 
@@ -806,6 +849,8 @@ def format_lines(st: StepTime, target_name: str = "") -> list[str]:
         f"  {'memory-bound ops':<34}{format_seconds(st.memory_s):>11}",
         f"  {'op launches':<34}{format_seconds(st.overhead_s):>11}  {st.ops:,} ops",
     ]
+    if st.fresh_memory_s:
+        lines.append(f"  {'buffers mapped anew (page faults)':<34}{format_seconds(st.fresh_memory_s):>11}")
     for c in st.collectives:
         if c.seconds:
             lines.append(f"  {c.kind + ' over ' + c.link:<34}{format_seconds(c.seconds):>11}  {format_seconds(c.exposed)} exposed, "
@@ -813,6 +858,16 @@ def format_lines(st: StepTime, target_name: str = "") -> list[str]:
     lines.append(f"  bottleneck: {st.bottleneck}")
     lines += [f"  note: {n}" for n in st.notes]
     return lines
+
+
+def fresh_bytes_of(memory_analysis) -> float:
+    """Per device, the bytes a compiled program maps anew each run: its temporary buffer and
+    its outputs not aliased to (donated) inputs, from ``compiled.memory_analysis()``; 0 where
+    there is none."""
+    if memory_analysis is None:
+        return 0.0
+    get = lambda name: float(getattr(memory_analysis, name, 0) or 0)  # noqa: E731
+    return get("temp_size_in_bytes") + max(get("output_size_in_bytes") - get("alias_size_in_bytes"), 0.0)
 
 
 def rank_by_time(plans: list) -> list:

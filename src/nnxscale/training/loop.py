@@ -433,9 +433,10 @@ class _Run:
         tokens = d.batch_size * d.seq_len
         try:
             with jax.set_mesh(s.mesh):
-                program = self.step_fn.lower(*args).compile().as_text()
-            return steptime.predict(program, hw, n_devices=s.mesh.size, tokens_per_step=tokens,
-                                    model_flops_per_step=s.flops_per_token() * tokens, compute_dtype=self.cfg.model.dtype)  # fmt: skip
+                compiled = self.step_fn.lower(*args).compile()
+            return steptime.predict(compiled.as_text(), hw, n_devices=s.mesh.size, tokens_per_step=tokens,
+                                    model_flops_per_step=s.flops_per_token() * tokens, compute_dtype=self.cfg.model.dtype,
+                                    fresh_bytes=steptime.fresh_bytes_of(compiled.memory_analysis()))  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a diagnostic: it never stops the run
             self.log(f"note: the step-time prediction failed ({type(e).__name__}: {e}); training goes on")
             return None
