@@ -5,7 +5,8 @@ For each (model, mesh), the trainer's own step (``setup`` -> ``init_state`` ->
 default level) is run on this machine's simulated CPU devices, and its median step time is
 set beside :func:`nnxscale.planning.steptime.predict` of the same compiled program (its
 ``as_text()``) with this machine's XLA:CPU figures (:mod:`nnxscale.planning.calibration`),
-measured again just before each configuration so both see the same load from other jobs.
+measured again just before and just after each configuration's timed steps (their mean) so
+both see the same load from other jobs.
 One JSON line per configuration (predicted, measured, predicted / measured, where the
 predicted time goes, the load average), then one line: the mean ratio, the mean and worst
 absolute error. The issue's bar: each within 30%.
@@ -67,7 +68,7 @@ def measure(model: str, mesh: str, args) -> dict:
             state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
     load_before = os.getloadavg()[0]
-    figures = calibration.measure_host()  # now, under the load the steps will see
+    before = calibration.measure_host()  # now, under the load the steps will see
     times = []
     with jax.set_mesh(s.mesh):
         for _ in range(args.steps):
@@ -75,17 +76,23 @@ def measure(model: str, mesh: str, args) -> dict:
             state, metrics = step(state, batch)
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - t)
+    after = calibration.measure_host()
+    # Each figure moves by up to a fifth from one measurement to the next on a shared host: the
+    # mean of the two around the timed steps.
+    figures = {k: (v + after[k]) / 2 if isinstance(v, float) else v for k, v in before.items()}
     n = s.mesh.devices.size
     hw = calibration.cpu_hardware(n, figures)
     st = steptime.predict(compiled.as_text(), hw, n_devices=n, tokens_per_step=B * T,
-                          model_flops_per_step=s.flops_per_token() * B * T, compute_dtype=cfg.model.dtype)  # fmt: skip
+                          model_flops_per_step=s.flops_per_token() * B * T, compute_dtype=cfg.model.dtype,
+                          fresh_bytes=steptime.fresh_bytes_of(compiled.memory_analysis()))  # fmt: skip
     measured = statistics.median(times)
     return {
         "model": model, "mesh": mesh, "batch": f"{B}x{T}", "devices": n,
         "predicted_s": round(st.seconds, 4), "measured_s": round(measured, 4), "ratio": round(st.seconds / measured, 3),
         "measured_min_max_s": [round(min(times), 4), round(max(times), 4)],
         "predicted": {"compute_s": round(st.compute_s, 4), "memory_s": round(st.memory_s, 4), "overhead_s": round(st.overhead_s, 4),
-                      "exposed_collective_s": round(st.exposed_collective_s, 4), "ops": st.ops},
+                      "exposed_collective_s": round(st.exposed_collective_s, 4), "fresh_memory_s": round(st.fresh_memory_s, 4),
+                      "ops": st.ops, "notes": st.notes},
         "figures": {k: (round(v, 7) if isinstance(v, float) else v) for k, v in figures.items()},
         "first_step_s": round(first, 1), "load_avg": [round(load_before, 1), round(os.getloadavg()[0], 1)],
     }  # fmt: skip
