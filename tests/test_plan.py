@@ -105,6 +105,22 @@ def test_beyond_the_compile_limit_the_estimate_answers():
     assert p.to_dict()["sources"]["param_bytes"] == "layout"
 
 
+def test_the_estimate_counts_accumulated_gradients_reduced_as_the_step_reduces_them():
+    """With --grad-accum, the estimate's collectives follow the compiled step: a family's own
+    loss sums the replicated weights' gradients unreduced and all-reduces them once per step
+    (data=8: as many bytes as one micro-batch's), FSDP reduces per micro-batch (4x), and a
+    mixture, whose router losses couple a batch's tokens, all-reduces per micro-batch (4x)."""
+    from nnxscale.planning import estimate
+
+    def coll(model, mesh, accum):
+        cfg = tiny(mesh, model=model, **{"data.batch_size": 32, "optim.grad_accum": accum})
+        return estimate.estimate(cfg)["collective_bytes_by_kind"]["all (estimate)"]
+
+    assert coll("gpt2-tiny", "data=8", 4) == pytest.approx(coll("gpt2-tiny", "data=8", 1))
+    assert coll("gpt2-tiny", "fsdp=8", 4) == pytest.approx(4 * coll("gpt2-tiny", "fsdp=8", 1))
+    assert coll("mixtral-tiny", "data=8", 4) == pytest.approx(4 * coll("mixtral-tiny", "data=8", 1))
+
+
 def test_the_verdict_and_device_memory():
     assert report.parse_bytes("16GiB") == 16 << 30
     assert report.parse_bytes("80 GB") == 80 * 10**9

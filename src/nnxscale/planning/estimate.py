@@ -10,7 +10,7 @@ from typing import Any, Optional
 import jax
 
 from nnxscale.planning.layout import layout_figures, mesh_sizes, split_params, trained_rows
-from nnxscale.sharding.axes import EXPERT, STAGE
+from nnxscale.sharding.axes import EXPERT, STAGE, entry_axes
 from nnxscale.training.config import TrainConfig
 
 
@@ -309,37 +309,38 @@ ESTIMATE_FAMILY = "gpt2"
 
 #: Coefficients of :func:`estimate`, fitted to the compiler's figures on 8 simulated CPU
 #: devices (gpt2-mini, gpt2 and gpt2-medium on data, fsdp and tensor-parallel meshes, each
-#: remat policy) by ``python bench/plan_accuracy.py --fit``. Each multiplies a feature of
-#: :func:`features`, in bytes; ``shared`` applies under every remat policy. The features
+#: remat policy) by ``python bench/plan_accuracy.py --fit`` (refitted 2026-11-26 after the
+#: chunked loss began keeping its logits and accumulation began reducing once per step; no
+#: constant term, which a fit to the mini models takes up and the tiny ones then overshoot).
+#: Each multiplies a feature of :func:`features`, in bytes; ``shared`` applies under every remat policy. The features
 #: come from any family's dimensions (:class:`~nnxscale.models.ModelDims`).
 COEFFICIENTS: dict[str, dict[str, float]] = {
     "shared": {
-        "work_res": 12.46,
-        "work_tp": 9.896,
-        "work_att": 2.189,
-        "logits": 1.621,
-        "grads": 2.257,
-        "grads_sum": 0.8634,
-        "gathered": 1.205,
+        "work_res": 12.05,
+        "work_tp": 9.912,
+        "work_att": 2.137,
+        "logits": 2.477,
+        "grads": 2.182,
+        "grads_sum": 0.9409,
     },
     "none": {
-        "saved_res": 7.546,
-        "saved_tp": 24.0,
-        "saved_att": 2.158,
+        "saved_res": 7.796,
+        "saved_tp": 22.97,
+        "saved_att": 2.202,
     },
     "full": {
-        "saved_res": 1.154,
+        "saved_res": 1.214,
     },
     "dots": {
-        "saved_res": 1.971,
-        "saved_tp": 5.435,
-        "saved_att": 0.09378,
+        "saved_res": 2.165,
+        "saved_tp": 4.332,
+        "saved_att": 0.1497,
     },
     "collectives": {
-        "coll_replicated": 1.129,
+        "coll_replicated": 1.125,
         "coll_fsdp": 2.816,
-        "coll_tp": 1.053,
-        "coll_vocab": 0.5313,
+        "coll_tp": 1.054,
+        "coll_vocab": 0.527,
     },
 }
 
@@ -349,7 +350,7 @@ SAVED_FEATURES = ("saved_res", "saved_tp", "saved_att")
 
 
 #: Features of the working set, the logits, the gradients and gathered weights (shared).
-SHARED_FEATURES = ("work_res", "work_tp", "work_att", "logits", "grads", "grads_sum", "gathered", "one")
+SHARED_FEATURES = ("work_res", "work_tp", "work_att", "logits", "grads", "grads_sum", "gathered")
 
 
 #: Collective features: what data parallelism, FSDP and tensor parallelism move.
@@ -367,14 +368,17 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
       sized), ``saved_tp`` (L b T C / tp: head and MLP sized), ``saved_att`` (L b N T^2 /
       tph: attention scores); ``work_*`` the same for the one layer being recomputed or
       differentiated;
-    - ``logits`` (b T V / tpv, float32), ``grads`` (the gradients), ``grads_sum`` (with
+    - ``logits`` (b T V / tpv: one slice of the chunked loss in float32, or every slice in the
+      compute dtype where the loss keeps them), ``grads`` (the gradients), ``grads_sum`` (with
       gradient accumulation: the running sum, the gradients' size again), ``gathered`` (the
       weights FSDP gathers for one layer, plus the embedding);
     - collectives: the gradients of parameters replicated over the batch axes and of those
       FSDP splits, the tensor-parallel all-reduces of ``(b, T, C)`` activations (after
       attention and after the MLP, forward and backward, and the attention's again when
-      full remat recomputes it), and the embedding's when the vocabulary is split. XLA reduces gradients once per
-      micro-batch, so all of them scale with the accumulation steps.
+      full remat recomputes it), and the embedding's when the vocabulary is split. With
+      gradient accumulation they move once per micro-batch, but for the replicated weights'
+      gradients where the replicas sum them unreduced and all-reduce them once per step
+      (:func:`nnxscale.training.step.sums_unreduced`: a family's own loss, no pipeline).
 
     Activations count 4 bytes an element whatever the compute dtype: the coefficients are
     fitted to XLA:CPU, which computes bfloat16 in float32 (and keeps slightly more).
@@ -390,14 +394,28 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
     # Scores per query: every key (xla), or one tile of keys at a time (blockwise, the
     # ring, the accelerators' fused kernels), which the kernel's backward recomputes instead of keeping.
     from nnxscale.layers.attention import BLOCK
-    from nnxscale.layers.loss import chunk_count
+    from nnxscale.layers.loss import KEEP_BYTES, chunk_count
 
     tiled = attention_figures(cfg, lay["model"], rules)["attention"] not in ("xla", None)
     keys = min(BLOCK, T) if tiled else d.seq_len
     shards = rules.batch_shard_count * rules.length_shard_count  # as the families' chunked loss counts them
-    logit_chunks = chunk_count(d.batch_size // accum, d.seq_len, V, shards) if lay["model"].family is not None else 1
+    # As the families' chunked loss decides (layers.loss): slices of the vocabulary, and all of
+    # them kept for the backward where they fit KEEP_BYTES per device in the compute dtype.
+    rows_micro = d.batch_size // accum
+    logit_chunks = chunk_count(rows_micro, d.seq_len, V, shards * tpv) if lay["model"].family is not None else 1
+    compute_itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
+    kept = logit_chunks > 1 and rows_micro * d.seq_len * V * compute_itemsize / (shards * tpv) <= KEEP_BYTES
+    logit_bytes = b * T * V / tpv * (compute_itemsize if kept else 4 / logit_chunks)  # all slices kept, or one in float32
+    from nnxscale.training.step import sums_unreduced
+
     parts = split_params(lay["rows"], rules)
     replicated = parts["replicated"] if rules.batch_shard_count > 1 else 0.0
+    # The replicated weights' gradients: summed unreduced over the batch axes no weight is split
+    # over (training.step.replica_axes) and reduced once per step, else once per micro-batch.
+    split_axes = {a for row in lay["rows"] for e in row.spec for a in entry_axes(e)}
+    replica_axes = [a for a in rules.batch_axes if rules.sizes[a] > 1 and a not in split_axes]
+    once = accum > 1 and replica_axes and sums_unreduced(lay["model"], lay.get("pipeline"))
+    reductions = 1 if once else accum
     act = b * T * C * s
     # All-reduces of (b, T, C) per layer: after attention (heads split) and after the MLP,
     # forward and backward; full remat recomputes the attention's, whose output the MLP needs.
@@ -409,12 +427,11 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
         "work_res": act,
         "work_tp": act / tp,
         "work_att": b * N * T * keys * s / tph,
-        "logits": b * T * V * 4 / tpv / logit_chunks,
+        "logits": logit_bytes,
         "grads": lay["gradient_bytes"],
         "grads_sum": lay["gradient_bytes"] if accum > 1 else 0.0,
         "gathered": (parts["fsdp"] / max(L, 1) + V * C * 4 / tpv) if parts["fsdp"] else 0.0,
-        "one": 1.0,
-        "coll_replicated": replicated * accum,
+        "coll_replicated": replicated * reductions,
         "coll_fsdp": parts["fsdp"] * accum,
         "coll_tp": L * act * tp_reductions * accum,
         "coll_vocab": 2 * act * accum if tpv > 1 else 0.0,
