@@ -93,16 +93,14 @@ def cached_figures(path: Optional[Path] = None) -> Optional[dict]:
 
 
 def _median_in_place(fn: Callable, x, repeat: int = 5) -> float:
-    """The median time of ``x = fn(x)``, ``fn`` donating ``x``: no buffer is mapped anew."""
-    import jax
+    """:func:`_median_seconds` of ``x = fn(x)``, ``fn`` donating ``x``: no buffer is mapped anew."""
+    box = [x]
 
-    x = jax.block_until_ready(fn(x))
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        x = jax.block_until_ready(fn(x))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    def again():
+        box[0] = fn(box[0])
+        return box[0]
+
+    return _median_seconds(again, repeat=repeat)
 
 
 def _median_seconds(fn: Callable, *args, repeat: int = 5) -> float:

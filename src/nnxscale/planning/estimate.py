@@ -10,7 +10,7 @@ from typing import Any, Optional
 import jax
 
 from nnxscale.planning.layout import layout_figures, mesh_sizes, split_params, trained_rows
-from nnxscale.sharding.axes import EXPERT, STAGE, entry_axes
+from nnxscale.sharding.axes import EXPERT, STAGE
 from nnxscale.training.config import TrainConfig
 
 
@@ -312,8 +312,8 @@ ESTIMATE_FAMILY = "gpt2"
 #: remat policy) by ``python bench/plan_accuracy.py --fit`` (refitted 2026-11-26 after the
 #: chunked loss began keeping its logits and accumulation began reducing once per step; no
 #: constant term, which a fit to the mini models takes up and the tiny ones then overshoot).
-#: Each multiplies a feature of :func:`features`, in bytes; ``shared`` applies under every remat policy. The features
-#: come from any family's dimensions (:class:`~nnxscale.models.ModelDims`).
+#: Each multiplies a feature of :func:`features`, in bytes; ``shared`` applies under every
+#: remat policy. The features come from any family's dimensions (:class:`~nnxscale.models.ModelDims`).
 COEFFICIENTS: dict[str, dict[str, float]] = {
     "shared": {
         "work_res": 12.05,
@@ -378,7 +378,7 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
       full remat recomputes it), and the embedding's when the vocabulary is split. With
       gradient accumulation they move once per micro-batch, but for the replicated weights'
       gradients where the replicas sum them unreduced and all-reduce them once per step
-      (:func:`nnxscale.training.step.sums_unreduced`: a family's own loss, no pipeline).
+      (:func:`nnxscale.training.step.replica_axes`: a family's own loss, no pipeline).
 
     Activations count 4 bytes an element whatever the compute dtype: the coefficients are
     fitted to XLA:CPU, which computes bfloat16 in float32 (and keeps slightly more).
@@ -406,16 +406,13 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
     compute_itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
     kept = logit_chunks > 1 and rows_micro * d.seq_len * V * compute_itemsize / (shards * tpv) <= KEEP_BYTES
     logit_bytes = b * T * V / tpv * (compute_itemsize if kept else 4 / logit_chunks)  # all slices kept, or one in float32
-    from nnxscale.training.step import sums_unreduced
+    from nnxscale.training.step import replica_axes
 
     parts = split_params(lay["rows"], rules)
     replicated = parts["replicated"] if rules.batch_shard_count > 1 else 0.0
-    # The replicated weights' gradients: summed unreduced over the batch axes no weight is split
-    # over (training.step.replica_axes) and reduced once per step, else once per micro-batch.
-    split_axes = {a for row in lay["rows"] for e in row.spec for a in entry_axes(e)}
-    replica_axes = [a for a in rules.batch_axes if rules.sizes[a] > 1 and a not in split_axes]
-    once = accum > 1 and replica_axes and sums_unreduced(lay["model"], lay.get("pipeline"))
-    reductions = 1 if once else accum
+    # The replicated weights' gradients: summed unreduced over the replica axes and reduced
+    # once per step where the step does so, else once per micro-batch.
+    reductions = 1 if accum > 1 and replica_axes(lay["setup"]) else accum
     act = b * T * C * s
     # All-reduces of (b, T, C) per layer: after attention (heads split) and after the MLP,
     # forward and backward; full remat recomputes the attention's, whose output the MLP needs.

@@ -354,6 +354,14 @@ def _counter(comp: _Comp, name: str) -> int | None:
 _FLIPPED = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
 
 
+def _given(fused: _Comp, fusion: _Instr, name: str) -> str:
+    """The operand ``fusion`` passes for ``name``, a parameter of its computation ``fused``
+    (``""`` where ``name`` is no parameter)."""
+    param = _through(fused, name)
+    k = int(param.args) if param is not None and param.opcode == "parameter" and param.args.strip().isdigit() else -1
+    return fusion.operands[k] if 0 <= k < len(fusion.operands) else ""
+
+
 def _compare(comps: dict[str, _Comp], comp: _Comp, constant_bound: bool = True) -> tuple[int, str, int | None] | None:
     """``(index, direction, bound)`` when loop condition ``comp`` is ``param[index] <direction> bound``;
     ``constant_bound=False``: also where the bound is not a constant (``None`` then)."""
@@ -369,23 +377,22 @@ def _compare(comps: dict[str, _Comp], comp: _Comp, constant_bound: bool = True) 
         counter, bound, direction = bound, counter, _FLIPPED.get(direction, "")
     bound = _constant(where, bound)
     if outside is not None:  # a parameter of the fusion: the operand it was given
-        param = _through(where, counter)
-        k = int(param.args) if param is not None and param.opcode == "parameter" and param.args.strip().isdigit() else -1
-        counter = outside.operands[k] if 0 <= k < len(outside.operands) else ""
+        counter = _given(where, outside, counter)
     index = _counter(comp, counter)
     return None if (bound is None and constant_bound) or index is None or not direction else (index, direction, bound)
 
 
-def _trip_count(comps: dict[str, _Comp], caller: _Comp, loop: _Instr) -> int | None:
-    """How often a ``while`` turns: recorded by the compiler, or read from the loop."""
-    m = _TRIP.search(loop.attrs)
-    if m:
-        return int(m.group(1))
+def _loop_counter(comps: dict[str, _Comp], caller: _Comp, loop: _Instr, constant_bound: bool = True, fused_step: bool = True):
+    """``(index, direction, bound, start, step, body, root)`` of a ``while`` whose condition
+    compares a tuple element (its counter) with a bound (a constant, or anything with
+    ``constant_bound=False``: ``None`` then) and whose body adds a constant ``step`` to it
+    (the add fused too where ``fused_step``); ``start``: the counter's first value where it
+    is a constant."""
     cond = comps.get(_attr_comp(loop.attrs, "condition") or "")
     body = comps.get(_attr_comp(loop.attrs, "body") or "")
     if cond is None or body is None or not loop.operands:
         return None
-    test = _compare(comps, cond)
+    test = _compare(comps, cond, constant_bound)
     init_tuple = _through(caller, loop.operands[0])
     root = body.instrs.get(body.root)
     if test is None or init_tuple is None or init_tuple.opcode != "tuple" or root is None or root.opcode != "tuple":
@@ -393,13 +400,32 @@ def _trip_count(comps: dict[str, _Comp], caller: _Comp, loop: _Instr) -> int | N
     index, direction, bound = test
     if index >= len(init_tuple.operands) or index >= len(root.operands):
         return None
-    start = _constant(caller, init_tuple.operands[index])
     update = _through(body, root.operands[index])
-    if start is None or update is None or update.opcode != "add" or len(update.operands) != 2:
+    inner = comps.get(_called(update)[0]) if update is not None and update.opcode == "fusion" and _called(update) else None
+    add = _through(inner, inner.root) if inner is not None else update
+    if add is None or add.opcode != "add" or len(add.operands) != 2 or (inner is not None and not fused_step):
         return None
-    a, b = update.operands
-    step = _constant(body, b) if _counter(body, a) == index else _constant(body, a) if _counter(body, b) == index else None
-    if not step or step <= 0 or direction not in ("LT", "LE", "NE"):
+    if inner is None:
+        a, b = add.operands
+        step = _constant(body, b) if _counter(body, a) == index else _constant(body, a) if _counter(body, b) == index else None
+    else:  # the add fused: the counter passed in, the step a constant inside or passed in
+        if not any(_counter(body, o) == index for o in update.operands):
+            return None
+        steps = [_constant(inner, o) for o in add.operands] + [_constant(body, o) for o in update.operands]
+        step = 1 if 1 in steps else next((x for x in steps if x is not None), None)
+    return index, direction, bound, _constant(caller, init_tuple.operands[index]), step, body, root
+
+
+def _trip_count(comps: dict[str, _Comp], caller: _Comp, loop: _Instr) -> int | None:
+    """How often a ``while`` turns: recorded by the compiler, or read from the loop."""
+    m = _TRIP.search(loop.attrs)
+    if m:
+        return int(m.group(1))
+    counter = _loop_counter(comps, caller, loop, fused_step=False)
+    if counter is None:
+        return None
+    _, direction, bound, start, step, _, _ = counter
+    if start is None or not step or step <= 0 or direction not in ("LT", "LE", "NE"):
         return None
     stop = bound + 1 if direction == "LE" else bound
     return max(0, -(-(stop - start) // step))
@@ -410,25 +436,11 @@ def _trip_bound(comps: dict[str, _Comp], caller: _Comp, loop: _Instr) -> int | N
     count, such as the expert tiles in use): the extent of the carried buffers its body fills
     a slice per turn, in place (a dynamic-update-slice of the carried buffer), where the counter
     starts at 0 and steps by 1 below the bound. ``None`` where the loop is not of that form."""
-    cond = comps.get(_attr_comp(loop.attrs, "condition") or "")
-    body = comps.get(_attr_comp(loop.attrs, "body") or "")
-    test = _compare(comps, cond, constant_bound=False) if cond is not None else None
-    init_tuple = _through(caller, loop.operands[0]) if loop.operands else None
-    root = body.instrs.get(body.root) if body is not None else None
-    if test is None or test[1] not in ("LT", "NE") or init_tuple is None or root is None:
+    counter = _loop_counter(comps, caller, loop, constant_bound=False)
+    if counter is None:
         return None
-    index = test[0]
-    if init_tuple.opcode != "tuple" or root.opcode != "tuple" or index >= min(len(init_tuple.operands), len(root.operands)):
-        return None
-    if _constant(caller, init_tuple.operands[index]) != 0:
-        return None
-    update = _through(body, root.operands[index])  # counter + 1, the add fused or not
-    inner = comps.get(_called(update)[0]) if update is not None and update.opcode == "fusion" and _called(update) else None
-    add = _through(inner, inner.root) if inner is not None else update
-    if add is None or add.opcode != "add" or not any(_counter(body, o) == index for o in update.operands):
-        return None
-    ones = [_constant(inner or body, o) for o in add.operands] + [_constant(body, o) for o in update.operands]
-    if 1 not in ones:
+    index, direction, _, start, step, body, root = counter
+    if direction not in ("LT", "NE") or start != 0 or step != 1:
         return None
     extents = []
     for k, name in enumerate(root.operands):
@@ -448,9 +460,7 @@ def _trip_bound(comps: dict[str, _Comp], caller: _Comp, loop: _Instr) -> int | N
             continue
         at = dus.operands[2 + dims[0]]  # the start index along the sliced dimension
         if where is not body:  # a parameter of the fusion: the operand the body gave it
-            param = _through(where, at)
-            k = int(param.args) if param is not None and param.opcode == "parameter" and param.args.strip().isdigit() else -1
-            at = writer.operands[k] if 0 <= k < len(writer.operands) else ""
+            at = _given(where, writer, at)
         if _from_counter(comps, body, at, index):
             extents.append(full[dims[0]])
     return min(extents) if extents else None
