@@ -4,7 +4,7 @@ Compiles nnxscale's real train step ahead of time on 8 simulated CPU devices for
 models, meshes, remat policies and batch shapes, and compares ``nnxscale.planning.estimate.estimate``
 (the baseline being the compiler's own memory analysis and collectives) config by config.
 The grid has two parts: the configs the coefficients are fitted to (gpt2-mini at two batch
-shapes and with gradient accumulation, gpt2, gpt2-medium; six meshes; three remat
+shapes and with gradient accumulation, gpt2, gpt2-medium; six meshes; four remat
 policies), and held-out ones (gpt2-large, other batch shapes, gpt2 with gradient
 accumulation, bfloat16) that test the fit.
 
@@ -32,7 +32,7 @@ from nnxscale.planning import compiler, estimate, layout  # noqa: E402
 from nnxscale.training.config import TrainConfig  # noqa: E402
 
 MESHES = ["data=8", "fsdp=8", "data=2,model=4", "data=4,model=2", "fsdp=4,model=2", "model=8"]
-REMATS = ["none", "full", "dots"]
+REMATS = ["none", "full", "dots", "dots-except-mlp-in"]
 
 
 def grid() -> list[tuple[dict, bool]]:

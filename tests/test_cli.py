@@ -156,7 +156,7 @@ BAD_CONFIG_FILES = [
     ("run.toml", "steps = 1e400\n", ["run.toml", "--steps", "whole number", "inf"]),
     ("run.toml", "[optim]\nlr = inf\n", ["run.toml", "--lr (optim.lr)", "finite"]),
     ("run.toml", "[optim]\nmin_lr_ratio = -0.5\n", ["--min-lr-ratio (optim.min_lr_ratio)", "[0, 1]"]),
-    ("run.toml", '[model]\nremat = "yes"\n', ["--remat", "none, full or dots", "'yes'"]),
+    ("run.toml", '[model]\nremat = "yes"\n', ["--remat", "none, full, dots, dots-except-mlp-in", "'yes'"]),
     ("run.toml", "[model]\nremat = 3\n", ["run.toml", "--remat", "a string", "3"]),
     ("run.toml", "optim = 3\n", ["run.toml", "[optim]", "table"]),
     ("run.toml", "steps = \n", ["run.toml", "not valid TOML"]),
@@ -476,6 +476,7 @@ def test_remat_takes_a_policy_and_a_bare_flag_means_full():
     parse = build_parser().parse_args
     assert getattr(parse(train_args("r", "d", "--remat")), "model.remat") == "full"
     assert getattr(parse(train_args("r", "d", "--remat", "dots")), "model.remat") == "dots"
+    assert getattr(parse(train_args("r", "d", "--remat", "dots-except-mlp-in")), "model.remat") == "dots-except-mlp-in"
     assert getattr(parse(train_args("r", "d", "--remat", "--seed", "3")), "model.remat") == "full"  # a bare flag before another
     assert getattr(parse(train_args("r", "d")), "model.remat") is None  # the config's own (none) unless given
     assert ModelSettings(remat=True).remat == "full" and ModelSettings(remat=False).remat == "none"

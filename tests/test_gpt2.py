@@ -331,7 +331,7 @@ def _long_loss_and_grads(cfg):
     return compiled(state), compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("policy, at_most", [("full", 0.5), ("dots", 0.8), (True, 0.5)])
+@pytest.mark.parametrize("policy, at_most", [("full", 0.5), ("dots", 0.8), ("dots-except-mlp-in", 0.8), (True, 0.5)])
 def test_remat_same_loss_and_gradients_less_memory(policy, at_most):
     (loss, grads), temp = _long_loss_and_grads(dataclasses.replace(TINY, n_layer=4))
     cfg = dataclasses.replace(TINY, n_layer=4, remat=policy)
@@ -342,6 +342,20 @@ def test_remat_same_loss_and_gradients_less_memory(policy, at_most):
         np.testing.assert_allclose(g_r, g, rtol=1e-5, atol=1e-7)
     # the compiler's own figures: rematerialization really keeps less for the backward pass
     assert temp_r < at_most * temp, (policy, temp_r, temp)
+
+
+def test_dots_except_mlp_in_keeps_what_dots_keeps_but_the_mlp_input_projection():
+    # Per layer more (4 -> 8 layers), from the compiler's temporaries: dots keeps each layer's
+    # c_fc output (B, T, 4C) beyond what dots-except-mlp-in keeps, which keeps the attention's
+    # qkv (3C) and output (C) beyond what full keeps (the layer's input). float32, B x T = 8 x 128.
+    def per_layer(policy):
+        deep, shallow = (_long_loss_and_grads(dataclasses.replace(TINY, n_layer=n, remat=policy))[1] for n in (8, 4))
+        return (deep - shallow) / 4
+
+    width = 8 * 128 * TINY.n_embd * 4  # one (B, T, C) float32
+    dots, lean, full = per_layer("dots"), per_layer("dots-except-mlp-in"), per_layer("full")
+    assert dots - lean == pytest.approx(4 * width, rel=0.05), (dots, lean, width)
+    assert lean - full == pytest.approx(4 * width, rel=0.05), (lean, full, width)
 
 
 def test_the_blocks_run_as_one_scan():
@@ -376,7 +390,7 @@ def test_errors():
         preset("gpt2-tiny", n_layer=0)
     with pytest.raises(ValueError, match="unknown GPT2Config fields"):
         preset("gpt2-tiny", n_embed=64)
-    with pytest.raises(ValueError, match="remat must be one of none, full, dots"):
+    with pytest.raises(ValueError, match="remat must be one of none, full, dots, dots-except-mlp-in"):
         preset("gpt2-tiny", remat="some")
 
 

@@ -425,7 +425,7 @@ def _assert_same(a, b):
         np.testing.assert_allclose(g_b, g, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("policy", ["full", "dots"])
+@pytest.mark.parametrize("policy", ["full", "dots", "dots-except-mlp-in"])
 def test_remat_same_loss_and_gradients(policy, tokens, reference_grads):
     _assert_same(reference_grads, _loss_and_grads(dataclasses.replace(GQA, remat=policy), tokens))
 
@@ -460,7 +460,7 @@ def test_errors():
         preset("llama-tiny", num_hidden_layers=0)
     with pytest.raises(ValueError, match="unknown LlamaConfig fields"):
         preset("llama-tiny", n_layer=2)
-    with pytest.raises(ValueError, match="remat must be one of none, full, dots"):
+    with pytest.raises(ValueError, match="remat must be one of none, full, dots, dots-except-mlp-in"):
         preset("llama-tiny", remat="some")
     with pytest.raises(ValueError, match="low_freq_factor=4.0 must be below high_freq_factor=1.0"):
         RopeScaling(factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0, original_max_position_embeddings=8192)

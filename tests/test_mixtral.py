@@ -36,6 +36,29 @@ def test_one_expert_of_one_is_a_llama_plus_its_router():
     assert moe.flops_per_token(128) < 6 * moe.num_params()  # MFU counts the experts a token uses
 
 
+def test_the_remat_policies_keep_the_loss_and_gradients():
+    """Under --remat dots-except-mlp-in a mixture keeps its attention's projections and its
+    experts' combined output and recomputes the rest (the router too): the same loss and
+    gradients as keeping everything, and as full."""
+    tokens = np.asarray(jax.random.randint(jax.random.key(1), (4, 17), 0, 256), np.int32)
+
+    def loss_and_grads(remat):
+        graphdef, state = nnx.split(randomize(mixtral.Mixtral(preset("mixtral-tiny", remat=remat), rngs=nnx.Rngs(0))))
+
+        def loss_fn(state):
+            logp = jax.nn.log_softmax(nnx.merge(graphdef, state)(tokens[:, :-1]))
+            return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+
+        return jax.jit(jax.value_and_grad(loss_fn))(state)
+
+    loss, grads = loss_and_grads("none")
+    for remat in ("dots-except-mlp-in", "full"):
+        loss_r, grads_r = loss_and_grads(remat)
+        np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
+        for g, g_r in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_r)):
+            np.testing.assert_allclose(g_r, g, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "overrides, words",
     [

@@ -21,6 +21,8 @@ _EXPORTS = {
     "to_layer_order": "nnxscale.layers.pipeline",
     "to_stage_order": "nnxscale.layers.pipeline",
     "use_pipeline": "nnxscale.layers.pipeline",
+    "KEPT_NAMES": "nnxscale.layers.remat",
+    "kept": "nnxscale.layers.stack",
     "LAYERS": "nnxscale.layers.stack",
     "REMAT_NAMES": "nnxscale.layers.remat",
     "remat_name": "nnxscale.layers.remat",

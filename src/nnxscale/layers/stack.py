@@ -28,10 +28,11 @@ from typing import Any, Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from nnxscale.errors import ConfigError
-from nnxscale.layers.remat import remat_name
+from nnxscale.layers.remat import KEPT_NAMES, remat_name
 from nnxscale.sharding.rules import LOGICAL_KEY
 
 #: Logical name of the stacked layers' leading axis.
@@ -41,12 +42,26 @@ LAYERS = "layers"
 #: backward pass. ``none`` keeps every intermediate; ``full`` keeps only each layer's input
 #: (the scan carry) and recomputes the layer in the backward pass; ``dots`` keeps the
 #: outputs of the weight matmuls and recomputes the rest (elementwise ops, attention
-#: scores, whose dots have batch dimensions).
+#: scores, whose dots have batch dimensions); ``dots-except-mlp-in`` keeps the values the
+#: models tag with :func:`kept` (the attention's projections, its output projection, the
+#: MLP's output) and recomputes the MLP's input projections, the widest products, with the
+#: rest (MaxText's ``save_dot_except_mlpwi``). A module without the tags keeps nothing under
+#: it but the layer's input, as with ``full``.
 REMAT_POLICIES: dict[str, Optional[Callable]] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots-except-mlp-in": jax.checkpoint_policies.save_only_these_names(*KEPT_NAMES),
 }
+
+
+def kept(x, what: str):
+    """``x``, tagged for the ``dots-except-mlp-in`` remat policy as one of
+    :data:`~nnxscale.layers.remat.KEPT_NAMES` (``jax.ad_checkpoint.checkpoint_name``): a
+    layer of your own keeps what it tags so under that policy. No effect under the others."""
+    if what not in KEPT_NAMES:
+        raise ValueError(f"kept(..., {what!r}): the names the policy keeps are {', '.join(KEPT_NAMES)}")
+    return checkpoint_name(x, what)
 
 
 def remat_policy(value: Union[str, bool, None]) -> str:

@@ -130,6 +130,7 @@ class ModelDims:
     vocab_size: int
     context: int  # the longest sequence it takes
     head_dim: int = 0  # the width of one attention head (0: width // heads)
+    mlp_inputs: int = 1  # the MLP's input projections (mlp_width wide each): 2 for a gated MLP (SwiGLU)
 
     @property
     def head_width(self) -> int:
@@ -217,7 +218,7 @@ def _gpt2_dims(c: gpt2.GPT2Config) -> ModelDims:
 def _llama_dims(c: llama.LlamaConfig) -> ModelDims:
     return ModelDims(layers=c.num_hidden_layers, width=c.hidden_size, heads=c.num_attention_heads,
                      kv_heads=c.num_key_value_heads, mlp_width=c.intermediate_size, vocab_size=c.vocab_size,
-                     context=c.max_position_embeddings, head_dim=c.head_size)  # fmt: skip
+                     context=c.max_position_embeddings, head_dim=c.head_size, mlp_inputs=2)  # fmt: skip
 
 
 def _mixtral_dims(c: mixtral.MixtralConfig) -> ModelDims:

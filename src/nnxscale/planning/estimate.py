@@ -129,7 +129,8 @@ def formula_flops(cfg: TrainConfig, lay: dict, n: int) -> dict[str, Optional[flo
     token, :meth:`~nnxscale.training.Setup.flops_per_token`): ``expected``; ``recompute``: that
     plus what rematerialization runs again in the backward pass (with ``remat full`` each
     layer's forward, a third of the formula less the output head's ``6 x vocab x width``;
-    with ``remat dots`` the attention's products, a third of its term); ``attention``: the
+    with ``remat dots`` the attention's products, a third of its term; with ``remat
+    dots-except-mlp-in`` those and the MLP's input projections' forward); ``attention``: the
     attention term with its share of the recompute (what a fused kernel does). ``None`` where
     the model's shape is not known (your own module) or nothing is recomputed. Under LoRA
     (``frozen``) the base's weights take ``4N`` (no weight gradients) and the adapters ``6N``."""
@@ -139,7 +140,9 @@ def formula_flops(cfg: TrainConfig, lay: dict, n: int) -> dict[str, Optional[flo
     if dims is None:
         return {"expected": per_token * tokens, "recompute": None, "attention": None, "frozen": False}
     attention = 12 * dims.layers * dims.heads * dims.head_width * cfg.data.seq_len
-    again = {"none": None, "full": (per_token - 6 * dims.vocab_size * dims.width) / 3, "dots": attention / 3}[remat]
+    mlp_in = 2 * dims.layers * dims.mlp_inputs * dims.width * dims.mlp_width  # the MLP's input projections, forward
+    again = {"none": None, "full": (per_token - 6 * dims.vocab_size * dims.width) / 3, "dots": attention / 3,
+             "dots-except-mlp-in": attention / 3 + mlp_in}[remat]  # fmt: skip
     frozen = lay["model"].lora is not None
     if frozen:  # a frozen weight has no gradient: its products run forward and for the input's gradient, 4N not 6N
         adapters = sum(a.size for a in jax.tree.leaves(lay["setup"].abstract["params"]))  # the trainable ones: 6N
@@ -310,37 +313,42 @@ ESTIMATE_FAMILY = "gpt2"
 #: Coefficients of :func:`estimate`, fitted to the compiler's figures on 8 simulated CPU
 #: devices (gpt2-mini, gpt2 and gpt2-medium on data, fsdp and tensor-parallel meshes, each
 #: remat policy) by ``python bench/plan_accuracy.py --fit`` (refitted 2026-11-26 after the
-#: chunked loss began keeping its logits and accumulation began reducing once per step; no
-#: constant term, which a fit to the mini models takes up and the tiny ones then overshoot).
+#: chunked loss began keeping its logits and accumulation began reducing once per step, and
+#: again with the ``dots-except-mlp-in`` policy's configurations added; no constant term, which a fit to the mini models takes up and the tiny ones then overshoot).
 #: Each multiplies a feature of :func:`features`, in bytes; ``shared`` applies under every
 #: remat policy. The features come from any family's dimensions (:class:`~nnxscale.models.ModelDims`).
 COEFFICIENTS: dict[str, dict[str, float]] = {
     "shared": {
-        "work_res": 12.05,
-        "work_tp": 9.912,
-        "work_att": 2.137,
-        "logits": 2.477,
-        "grads": 2.182,
-        "grads_sum": 0.9409,
+        "work_res": 12.2,
+        "work_tp": 9.959,
+        "work_att": 2.285,
+        "logits": 2.451,
+        "grads": 2.155,
+        "grads_sum": 0.5034,
     },
     "none": {
-        "saved_res": 7.796,
-        "saved_tp": 22.97,
-        "saved_att": 2.202,
+        "saved_res": 7.755,
+        "saved_tp": 22.77,
+        "saved_att": 2.205,
     },
     "full": {
-        "saved_res": 1.214,
+        "saved_res": 1.122,
     },
     "dots": {
-        "saved_res": 2.165,
-        "saved_tp": 4.332,
-        "saved_att": 0.1497,
+        "saved_res": 2.14,
+        "saved_tp": 4.153,
+        "saved_att": 0.1474,
+    },
+    "dots-except-mlp-in": {
+        "saved_res": 2.425,
+        "saved_tp": 1.838,
+        "saved_att": 0.08599,
     },
     "collectives": {
-        "coll_replicated": 1.125,
-        "coll_fsdp": 2.816,
+        "coll_replicated": 1.128,
+        "coll_fsdp": 2.814,
         "coll_tp": 1.054,
-        "coll_vocab": 0.527,
+        "coll_vocab": 0.533,
     },
 }
 

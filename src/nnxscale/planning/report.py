@@ -255,8 +255,9 @@ class StepPlan:
                 lines.append(f"  {label:<34}{self.flops_expected:>11.3g}  per token x tokens / devices"
                              f"{self._versus(self.flops_expected) if self.flops_recompute is None else ''}")  # fmt: skip
             if self.flops_recompute is not None:
-                again = ("each layer's forward again, less its last matmul (an output the backward does not need)"
-                         if self.remat == "full" else "attention's products again")  # fmt: skip
+                again = {"full": "each layer's forward again, less its last matmul (an output the backward does not need)",
+                         "dots-except-mlp-in": "attention's products and the MLP's input projections again"}.get(
+                             self.remat, "attention's products again")  # fmt: skip
                 versus = "" if self.flops_uncounted and self.flops_attention else self._versus(self.flops_recompute)
                 lines.append(f"  {'formula + remat ' + self.remat + ' recompute':<34}{self.flops_recompute:>11.3g}  {again}{versus}")
             if self.flops_uncounted:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 from nnxscale.errors import ConfigError
 from nnxscale.layers.attention_names import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
-from nnxscale.layers.remat import remat_name
+from nnxscale.layers.remat import REMAT_NAMES, remat_name
 
 #: Most steps a run can have: the train state counts steps in an int32.
 MAX_STEPS = 2**31 - 1
@@ -49,8 +49,8 @@ class ModelSettings:
     dtype: str = setting("float32", "--dtype", "compute dtype: float32 or bfloat16 (parameters stay float32)")
     dropout: float = setting(0.0, "--dropout", "dropout rate")
     remat: str = setting("none", "--remat", "rematerialize in the backward pass: none; full (keep only each block's "
-                         "input; a bare --remat); dots (keep the weight matmuls' outputs)", const="full",
-                         choices=("none", "full", "dots"))  # fmt: skip
+                         "input; a bare --remat); dots (keep the weight matmuls' outputs); dots-except-mlp-in (those but the "
+                         "MLP's input projections, the widest)", const="full", choices=REMAT_NAMES)  # fmt: skip
     attention: str = setting("auto", "--attention", "attention implementation: auto (by the mesh's devices: splash on "
                              "TPUs; cudnn on NVIDIA GPUs in bfloat16 without --document-mask, else pallas-gpu (neither "
                              "Pallas kernel in a pipeline's stages); elsewhere "
@@ -310,8 +310,8 @@ class TrainConfig:
             split = f"--grad-accum {self.optim.grad_accum}" if self.optim.grad_accum > 1 else "--microbatches (a pipeline)"
             raise ConfigError(f"--objective dpo with {split} is not implemented yet: micro-batches would split the "
                               "preference pairs; use a larger mesh or a smaller --batch-size")  # fmt: skip
-        if self.model.remat not in ("none", "full", "dots"):
-            raise ConfigError(f"{_label('model.remat')} must be none, full or dots, got {self.model.remat!r}")
+        if self.model.remat not in REMAT_NAMES:
+            raise ConfigError(f"{_label('model.remat')} must be one of {', '.join(REMAT_NAMES)}, got {self.model.remat!r}")
         if self.model.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ConfigError(
                 f"{_label('model.attention')} must be one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, got {self.model.attention!r}"

@@ -13,7 +13,7 @@ from flax import nnx
 from nnxscale.errors import ModelError
 from nnxscale.layers import kv_cache, lora
 from nnxscale.layers.attention import attention as attend
-from nnxscale.layers.stack import scan_layers, stack_layers
+from nnxscale.layers.stack import kept, scan_layers, stack_layers
 from nnxscale.models.common.documents import layer_args
 from nnxscale.models.common.dropout import dropout, dropout_keys
 from nnxscale.models.gpt2.config import GPT2Config
@@ -49,7 +49,7 @@ class CausalSelfAttention(nnx.Module):
         )  # fmt: skip
 
     def __call__(self, x, positions=None, segments=None, cache=None):  # (B, T, C); see GPT2.hidden_states
-        qkv = self.c_attn(x)  # (B, T, 3, N, H)
+        qkv = kept(self.c_attn(x), "attention_projection")  # (B, T, 3, N, H); kept: for --remat dots-except-mlp-in
         q, k, v = (constrain(qkv[:, :, i], "batch", "length", "heads", "kv") for i in range(3))  # each (B, T, N, H)
         if cache is not None:  # decoding: positions (B, T) index the cache (nnxscale.layers.kv_cache)
             k, v, cache = kv_cache.write(cache, k, v, positions)
@@ -58,7 +58,7 @@ class CausalSelfAttention(nnx.Module):
         y = attend(q, k, v, causal=True, q_positions=positions, k_positions=positions, q_segments=segments,
                    k_segments=segments, impl=self.impl)  # fmt: skip  (B, T, N, H)
         y = constrain(y, "batch", "length", "heads", "kv")
-        return self.c_proj(y)  # (B, T, C)
+        return kept(self.c_proj(y), "attention_output")  # (B, T, C)
 
 
 class MLP(nnx.Module):
@@ -75,7 +75,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x):  # (B, T, C)
         h = constrain(self.c_fc(x), "batch", "length", "mlp")  # (B, T, 4C)
-        return self.c_proj(jax.nn.gelu(h, approximate=True))  # tanh GELU = HF gelu_new
+        return kept(self.c_proj(jax.nn.gelu(h, approximate=True)), "mlp_output")  # tanh GELU = HF gelu_new
 
 
 class Block(nnx.Module):

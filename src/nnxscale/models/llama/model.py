@@ -13,7 +13,7 @@ from flax import nnx
 from nnxscale.errors import ModelError
 from nnxscale.layers import kv_cache, lora
 from nnxscale.layers.attention import attention as attend
-from nnxscale.layers.stack import Rows, scan_layers, stack_layers
+from nnxscale.layers.stack import Rows, kept, scan_layers, stack_layers
 from nnxscale.layers.mlp_chunks import chunked_mlp
 from nnxscale.models.common.documents import layer_args
 from nnxscale.models.common.dropout import dropout, dropout_keys
@@ -66,9 +66,11 @@ class LlamaAttention(nnx.Module):
         self.o_proj = nnx.Einsum("btnh,nhc->btc", (N, H, C), kernel_init=logical(_normal, "heads", "kv", "embed"), **kw)
 
     def __call__(self, x, cos, sin, positions=None, segments=None, cache=None):  # x (B, T, C); cos, sin ([B,] T, H); see Llama.hidden_states
-        q = constrain(_rotate(self.q_proj(x), cos, sin), "batch", "length", "heads", "kv")  # (B, T, N, H)
-        k = constrain(_rotate(self.k_proj(x), cos, sin), "batch", "length", "kv_heads", "kv")  # (B, T, K, H)
-        v = constrain(self.v_proj(x), "batch", "length", "kv_heads", "kv")  # (B, T, K, H)
+        # kept(...): what --remat dots-except-mlp-in keeps for the backward pass (nnxscale.layers.stack)
+        q, k, v = (kept(p(x), "attention_projection") for p in (self.q_proj, self.k_proj, self.v_proj))
+        q = constrain(_rotate(q, cos, sin), "batch", "length", "heads", "kv")  # (B, T, N, H)
+        k = constrain(_rotate(k, cos, sin), "batch", "length", "kv_heads", "kv")  # (B, T, K, H)
+        v = constrain(v, "batch", "length", "kv_heads", "kv")  # (B, T, K, H)
         if cache is not None:  # decoding: positions (B, T) index the cache (nnxscale.layers.kv_cache)
             k, v, cache = kv_cache.write(cache, k, v, positions)
             y = constrain(kv_cache.attend(q, k, v, positions, impl=self.impl), "batch", "length", "heads", "kv")
@@ -77,7 +79,7 @@ class LlamaAttention(nnx.Module):
         y = attend(q, k, v, causal=True, q_positions=positions, k_positions=positions, q_segments=segments,
                    k_segments=segments, impl=self.impl)  # fmt: skip  (B, T, N, H)
         y = constrain(y, "batch", "length", "heads", "kv")
-        return self.o_proj(y)  # (B, T, C)
+        return kept(self.o_proj(y), "attention_output")  # (B, T, C)
 
 
 class LlamaMLP(nnx.Module):
@@ -109,7 +111,8 @@ class LlamaMLP(nnx.Module):
             return dense(down, adapters[2], constrain(h, "batch", "length", "mlp"), w_down)  # (B, T, F) -> (B, T, C)
 
         weights = [(gate.kernel[...], 1), (up.kernel[...], 1), (down.kernel[...], 0)]  # each with its intermediate axis
-        return chunked_mlp(mlp, x, weights + parts, up.out_features)  # long sequences: in slices of the intermediate
+        y = chunked_mlp(mlp, x, weights + parts, up.out_features)  # long sequences: in slices of the intermediate
+        return kept(y, "mlp_output")
 
 
 def _dense(layer: nnx.Linear, x, w):

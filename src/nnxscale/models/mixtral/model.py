@@ -8,6 +8,7 @@ from flax import nnx
 
 from nnxscale.layers import lora
 from nnxscale.layers.moe import MoE
+from nnxscale.layers.stack import kept
 from nnxscale.models.common.dropout import dropout
 from nnxscale.models.llama.model import Llama, LlamaAttention, _rms_norm
 from nnxscale.models.mixtral.config import MixtralConfig
@@ -39,7 +40,7 @@ class MixtralDecoderLayer(nnx.Module):
         with lora.dropout_key(key):  # LoRA adapters' dropout (the attention's; the experts' are folded in: none)
             x = x + dropout(self.self_attn(self.input_layernorm(x), cos, sin, positions, segments), self.dropout, k1)
         y, stats = self.block_sparse_moe(self.post_attention_layernorm(x), positions=positions)
-        x = x + dropout(y, self.dropout, k2)
+        x = x + dropout(kept(y, "mlp_output"), self.dropout, k2)  # kept: for --remat dots-except-mlp-in
         return constrain(x, "batch", "length", "embed"), stats
 
 
