@@ -258,6 +258,38 @@ def test_the_mlp_in_slices_of_its_intermediate_equals_the_whole_and_holds_one_sl
     assert temp(wide // 8) <= whole / 8 + wide / 2, (temp(wide // 8) / wide, whole / wide)
 
 
+def test_the_mlp_slices_on_an_accelerator_are_an_eighth_of_its_memory():
+    """On XLA:CPU one slice's float32 intermediate stays under CHUNK_BYTES; on an accelerator
+    under an eighth of the chip's memory, as its runtime reports it or as its kind says
+    (a deviceless target's devices): MaxText's 16B on a v5e-256 (6 x 2,048 tokens per chip,
+    28,672 wide) runs its MLP whole there, in 14 slices on XLA:CPU's budget."""
+    from nnxscale.layers import mlp_chunks
+    from nnxscale.sharding.devices import GiB
+
+    class Device:
+        def __init__(self, platform, kind, limit=None):
+            self.platform, self.device_kind, self.limit = platform, kind, limit
+
+        def memory_stats(self):
+            if self.limit is None:
+                raise RuntimeError("MemoryStats is only supported for addressable PjRt devices")
+            return {"bytes_limit": self.limit}
+
+    class Mesh:
+        def __init__(self, device):
+            self.devices = np.array([device] * 8)
+
+    budget = lambda *device: mlp_chunks.chunk_budget(Mesh(Device(*device)))  # noqa: E731
+    assert budget("cpu", "cpu") == mlp_chunks.CHUNK_BYTES
+    assert budget("tpu", "TPU v5 lite") == 2 * GiB  # 16 GiB per chip
+    assert budget("tpu", "TPU v5") == 95 * GiB // 8
+    assert budget("gpu", "NVIDIA H100 80GB HBM3") == 10 * GiB
+    assert budget("gpu", "NVIDIA H100 80GB HBM3", 60 * GiB) == 60 * GiB // 8  # what the runtime gives
+    assert budget("gpu", "a GPU of no known kind") == mlp_chunks.CHUNK_BYTES
+    assert mlp_chunks.chunk_count(6 * 2048, 28672, 1, budget("tpu", "TPU v5 lite")) == 1
+    assert mlp_chunks.chunk_count(6 * 2048, 28672, 1, mlp_chunks.CHUNK_BYTES) == 14
+
+
 def optax_ce(logits, targets):
     import optax
 

@@ -9,9 +9,10 @@ Each weight slice, and its gradient, is touched once, so FSDP gathers and reduce
 what it does without chunks (chunks of tokens instead, tried first, gathered the weights or
 reduced their gradients once per chunk: 26% more all-reduce on llama-3.2-1b at 16k tokens).
 
-Chunks are counted so that one slice's intermediate stays under :data:`CHUNK_BYTES` per
-device; short sequences take one chunk, which is the plain computation, the same program
-as without chunking. Where the activation rules split the intermediate over a mesh axis
+Chunks are counted so that one slice's intermediate stays under a budget per device
+(:func:`chunk_budget`: :data:`CHUNK_BYTES` on XLA:CPU, an eighth of the chip's memory on an
+accelerator); short sequences take one chunk, which is the plain computation, the same
+program as without chunking. Where the activation rules split the intermediate over a mesh axis
 (tensor parallelism) there are no chunks: each slice's output would be all-reduced over
 that axis, once per chunk, and the split already divides the intermediate per device.
 """
@@ -23,17 +24,54 @@ from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nnxscale.layers.loss import fewest_chunks, token_shards
 from nnxscale.sharding.activations import current_rules
 
-#: One chunk's float32 intermediate activation, per device, stays under this.
+#: One chunk's float32 intermediate activation, per device, stays under this on XLA:CPU
+#: (and on an accelerator whose memory is not known).
 CHUNK_BYTES = 128 << 20
+
+#: On an accelerator, one chunk's float32 intermediate stays under this share of the chip's memory.
+ACCELERATOR_SHARE = 1 / 8
+
+
+def chunk_budget(mesh=None) -> int:
+    """Bytes one chunk's float32 intermediate may take per device on ``mesh``'s devices
+    (default: those of the activation rules in force).
+
+    Chunks cost time on an accelerator: each slice's weights are gathered (FSDP) and its
+    gradients reduced on their own, in a loop too short to hide them, and the slices' outputs
+    are summed in float32. MaxText's 16B model on a v5e-256 (``fsdp=256``, 6 x 2,048 tokens per
+    chip, intermediate 28,672): 14 chunks of 128 MiB predicted 12.11 s per step (2.60 s of
+    memory-bound ops, 0.88 s of exposed collectives), one chunk 10.24 s (1.24 s and 0.38 s) at
+    8.4 GiB per chip instead of 6.3 of 16 (2026-11-26, ``nnxscale plan --target v5e-256``;
+    MaxText's published run: 10.06 s). So on an accelerator the budget is
+    :data:`ACCELERATOR_SHARE` of its memory (one intermediate of 1/8; the backward holds a few
+    in the compute dtype), never below :data:`CHUNK_BYTES`; on XLA:CPU, whose plans of long
+    sequences it was sized for, :data:`CHUNK_BYTES`.
+    """
+    from nnxscale.layers.attention import platform_of
+    from nnxscale.sharding.devices import device_memory
+
+    if mesh is None:
+        rules = current_rules()
+        mesh = None if rules is None else rules.mesh
+    if platform_of(mesh) == "cpu":
+        return CHUNK_BYTES
+    try:
+        devices = getattr(mesh, "devices", None)
+    except ValueError:  # an AbstractMesh has no devices
+        devices = None
+    device = np.ravel(devices)[0] if devices is not None and np.size(devices) else jax.devices()[0]
+    memory = device_memory(device)
+    return CHUNK_BYTES if memory is None else max(CHUNK_BYTES, int(memory * ACCELERATOR_SHARE))
 
 
 def chunk_count(tokens: int, width: int, shards: int = 1, budget: Optional[int] = None) -> int:
     """The fewest chunks (a divisor of ``width``) for which ``tokens x width / chunks`` float32
-    values, split ``shards`` ways, fit ``budget`` bytes."""
+    values, split ``shards`` ways, fit ``budget`` bytes (default :data:`CHUNK_BYTES`)."""
     budget = CHUNK_BYTES if budget is None else budget
     return fewest_chunks(width, tokens * width * 4 / max(shards, 1), budget)
 
@@ -50,10 +88,13 @@ def chunked_mlp(fn: Callable, x, weights: Sequence[tuple], width: int, *, budget
     ``weights``: ``(array, axis)`` pairs, ``axis`` the array's intermediate dimension; slice
     ``j`` of ``n`` takes indices ``j, j + n, ...`` of it. ``fn`` must be a sum over that
     dimension (an MLP: its activation acts on each intermediate unit alone). The result has
-    ``fn``'s dtype; the slices are summed in float32. ``budget``: default :data:`CHUNK_BYTES`.
+    ``fn``'s dtype; the slices are summed in float32. ``budget``: default :func:`chunk_budget`.
     """
     tokens = math.prod(x.shape[:-1])
-    chunks = 1 if _tensor_parallel(width) else chunk_count(tokens, width, token_shards(), budget)
+    if _tensor_parallel(width):
+        chunks = 1
+    else:
+        chunks = chunk_count(tokens, width, token_shards(), chunk_budget() if budget is None else budget)
     if chunks == 1:
         return fn(x, *(w for w, _ in weights))
 

@@ -72,3 +72,30 @@ def peak_flops(device) -> Optional[float]:
     """Peak dense bf16 FLOP/s of one device, or ``None`` where unknown (CPU)."""
     row = device_kind(getattr(device, "device_kind", ""))
     return None if row is None else row.bf16_peak
+
+
+#: :data:`MEMORY`'s key of each chip of :data:`DEVICE_KINDS`.
+_CHIP_MEMORY = {"b200": "b200", "h200": "h200", "h100": "h100", "a100": "a100", "v6e": "tpu-v6e", "v5e": "tpu-v5e",
+                "v5p": "tpu-v5p", "v4": "tpu-v4"}  # fmt: skip
+
+
+def device_memory(device) -> Optional[int]:
+    """Bytes of memory of one accelerator: what its runtime says where it can (an addressable
+    device's ``memory_stats()["bytes_limit"]``), else its kind's (the size in a GPU's name,
+    ``"NVIDIA H100 80GB HBM3"``; a chip of :data:`DEVICE_KINDS` by :data:`MEMORY`: a deviceless
+    target's devices); ``None`` where unknown (a CPU)."""
+    import re
+
+    try:
+        stats = device.memory_stats()
+    except Exception:  # a deviceless target's devices are not addressable
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    kind = getattr(device, "device_kind", "")
+    m = re.search(r"(\d+)\s*GB\b", kind)
+    if m and "TPU" not in kind:
+        return int(m.group(1)) * GiB
+    row = device_kind(kind)
+    return MEMORY.get(_CHIP_MEMORY.get(row.chip, "")) if row is not None and row.chip else None
+
