@@ -36,6 +36,7 @@ def test_one_expert_of_one_is_a_llama_plus_its_router():
     assert moe.flops_per_token(128) < 6 * moe.num_params()  # MFU counts the experts a token uses
 
 
+@pytest.mark.extended  # test_gpt2's and test_llama's remat tests: the suite's witnesses that every policy keeps the loss
 def test_the_remat_policies_keep_the_loss_and_gradients():
     """Under --remat dots-except-mlp-in a mixture keeps its attention's projections and its
     experts' combined output and recomputes the rest (the router too): the same loss and
