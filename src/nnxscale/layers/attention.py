@@ -79,22 +79,30 @@ def check_impl(impl: str) -> str:
     return impl
 
 
-def platform_of(mesh=None) -> str:
-    """The platform family of ``mesh``'s devices: ``"tpu"``, ``"nvidia"``, or the platform's
-    own name (``"cpu"``, ...). A ``jax.sharding.Mesh`` of a deviceless target's devices
-    (``jax.experimental.topologies``) names that target; an abstract mesh, a ``{axis: size}``
-    mapping or None names this process's devices."""
+def device_of(mesh=None):
+    """One device of ``mesh``: the first of a ``jax.sharding.Mesh`` (a deviceless target's
+    devices too); for an abstract mesh, a ``{axis: size}`` mapping or None, this process's
+    first device; ``None`` where this process has no backend."""
     try:
         devices = getattr(mesh, "devices", None)
     except ValueError:  # an AbstractMesh has no devices
         devices = None
     if devices is not None and np.size(devices):
-        device = np.ravel(devices)[0]
-    else:
-        try:
-            device = jax.devices()[0]
-        except RuntimeError:
-            return "cpu"
+        return np.ravel(devices)[0]
+    try:
+        return jax.devices()[0]
+    except RuntimeError:
+        return None
+
+
+def platform_of(mesh=None) -> str:
+    """The platform family of ``mesh``'s devices (:func:`device_of`): ``"tpu"``, ``"nvidia"``,
+    or the platform's own name (``"cpu"``, ...). A ``jax.sharding.Mesh`` of a deviceless
+    target's devices (``jax.experimental.topologies``) names that target; an abstract mesh, a
+    ``{axis: size}`` mapping or None names this process's devices."""
+    device = device_of(mesh)
+    if device is None:
+        return "cpu"
     if device.platform in ("gpu", "cuda") and "nvidia" in device.device_kind.lower():
         return "nvidia"
     return device.platform

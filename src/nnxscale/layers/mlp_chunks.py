@@ -24,7 +24,6 @@ from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from nnxscale.layers.loss import fewest_chunks, token_shards
 from nnxscale.sharding.activations import current_rules
@@ -52,20 +51,15 @@ def chunk_budget(mesh=None) -> int:
     in the compute dtype), never below :data:`CHUNK_BYTES`; on XLA:CPU, whose plans of long
     sequences it was sized for, :data:`CHUNK_BYTES`.
     """
-    from nnxscale.layers.attention import platform_of
-    from nnxscale.sharding.devices import device_memory
+    from nnxscale.layers.attention import device_of, platform_of
+    from nnxscale.sharding.devices import memory_of
 
     if mesh is None:
         rules = current_rules()
         mesh = None if rules is None else rules.mesh
     if platform_of(mesh) == "cpu":
         return CHUNK_BYTES
-    try:
-        devices = getattr(mesh, "devices", None)
-    except ValueError:  # an AbstractMesh has no devices
-        devices = None
-    device = np.ravel(devices)[0] if devices is not None and np.size(devices) else jax.devices()[0]
-    memory = device_memory(device)
+    memory = memory_of(device_of(mesh))
     return CHUNK_BYTES if memory is None else max(CHUNK_BYTES, int(memory * ACCELERATOR_SHARE))
 
 

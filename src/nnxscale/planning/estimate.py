@@ -314,7 +314,8 @@ ESTIMATE_FAMILY = "gpt2"
 #: devices (gpt2-mini, gpt2 and gpt2-medium on data, fsdp and tensor-parallel meshes, each
 #: remat policy) by ``python bench/plan_accuracy.py --fit`` (refitted 2026-11-26 after the
 #: chunked loss began keeping its logits and accumulation began reducing once per step, and
-#: again with the ``dots-except-mlp-in`` policy's configurations added; no constant term, which a fit to the mini models takes up and the tiny ones then overshoot).
+#: again with the ``dots-except-mlp-in`` policy's configurations added; no constant term,
+#: which a fit to the mini models takes up and the tiny ones then overshoot).
 #: Each multiplies a feature of :func:`features`, in bytes; ``shared`` applies under every
 #: remat policy. The features come from any family's dimensions (:class:`~nnxscale.models.ModelDims`).
 COEFFICIENTS: dict[str, dict[str, float]] = {

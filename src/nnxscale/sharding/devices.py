@@ -5,6 +5,7 @@ Plain data, no jax import, so the command line can list it before jax starts.
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple, Optional
 
 GiB = 1 << 30
@@ -79,13 +80,11 @@ _CHIP_MEMORY = {"b200": "b200", "h200": "h200", "h100": "h100", "a100": "a100", 
                 "v5p": "tpu-v5p", "v4": "tpu-v4"}  # fmt: skip
 
 
-def device_memory(device) -> Optional[int]:
+def memory_of(device) -> Optional[int]:
     """Bytes of memory of one accelerator: what its runtime says where it can (an addressable
     device's ``memory_stats()["bytes_limit"]``), else its kind's (the size in a GPU's name,
     ``"NVIDIA H100 80GB HBM3"``; a chip of :data:`DEVICE_KINDS` by :data:`MEMORY`: a deviceless
     target's devices); ``None`` where unknown (a CPU)."""
-    import re
-
     try:
         stats = device.memory_stats()
     except Exception:  # a deviceless target's devices are not addressable
@@ -98,4 +97,3 @@ def device_memory(device) -> Optional[int]:
         return int(m.group(1)) * GiB
     row = device_kind(kind)
     return MEMORY.get(_CHIP_MEMORY.get(row.chip, "")) if row is not None and row.chip else None
-

@@ -23,9 +23,9 @@ class GPT2Config(ModelConfig):
     embeddings and residual branches, and only when ``GPT2.__call__`` gets ``rngs``.
     ``remat`` is a policy of :data:`nnxscale.layers.stack.REMAT_POLICIES` (``"none"``,
     ``"full"``: keep each block's input only, ``"dots"``: keep the weight matmuls'
-    outputs, ``"dots-except-mlp-in"``: those but ``c_fc``'s); ``True`` means ``"full"``. ``attention`` is an implementation of
-    :func:`nnxscale.layers.attention.attention` (``"auto"``, ``"xla"``, ``"blockwise"``,
-    ``"cudnn"``).
+    outputs, ``"dots-except-mlp-in"``: those but ``c_fc``'s); ``True`` means ``"full"``.
+    ``attention`` is an implementation of :func:`nnxscale.layers.attention.attention`
+    (``"auto"``, ``"xla"``, ``"blockwise"``, ``"cudnn"``).
     """
 
     vocab_size: int
