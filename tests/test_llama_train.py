@@ -54,6 +54,7 @@ def test_llama_logs_the_same_losses_on_every_mesh(tmp_path, text_data, llama_ref
     assert_same_run(read_metrics(tmp_path / "run"), want, mesh)
 
 
+@pytest.mark.extended  # the suite's: test_train's resume on another mesh (gpt2), test_llama's tensor-parallel step
 def test_llama_resumes_on_another_mesh(tmp_path, text_data, llama_ref):
     _, want = llama_ref
     run_dir = tmp_path / "run"
@@ -64,6 +65,7 @@ def test_llama_resumes_on_another_mesh(tmp_path, text_data, llama_ref):
     assert_same_run(read_metrics(run_dir), want, "resumed on data=2,model=4")
 
 
+@pytest.mark.extended  # the suite's: test_train's seed checkpoint (gpt2), the Hugging Face Llama run's sample below
 def test_llama_seed_checkpoint_from_init_and_sample(tmp_path, text_data, llama_ref, capsys):
     """`nnxscale init --model llama-tiny` writes the parameters a fresh run starts from;
     `sample` continues a prompt from a Llama run."""
