@@ -92,12 +92,13 @@ def pytest_configure(config):
     pytest's hook sees them; every other unraisable exception still reaches it."""
     import sys
 
+    from nnxscale.checkpoint.checkpointer import closed_loop_echo
+
     inner = sys.unraisablehook
 
     def hook(info):
-        if isinstance(info.exc_value, RuntimeError) and str(info.exc_value) == "Event loop is closed":
-            return
-        inner(info)
+        if not closed_loop_echo(info.exc_value):
+            inner(info)
 
     sys.unraisablehook = hook
 

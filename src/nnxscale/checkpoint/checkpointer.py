@@ -644,6 +644,12 @@ _SAVE_FAILURE_ECHOES = (
 )
 
 
+def closed_loop_echo(error) -> bool:
+    """Whether ``error`` is the echo of an abandoned Orbax write or read: its done-callback
+    raising into the event loop its failed save or restore has closed."""
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
 class _QuietOrbaxErrors(logging.Filter):
     """Hold back the echoes of a failed save while a save is in flight (and of a failed restore).
 
@@ -666,8 +672,7 @@ class _QuietOrbaxErrors(logging.Filter):
         if record.levelno < logging.ERROR or os.environ.get("NNXSCALE_DEBUG"):
             return True
         if record.name == "concurrent.futures":  # a done-callback into the loop of an abandoned write
-            error = record.exc_info[1] if record.exc_info else None
-            return not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed")
+            return not closed_loop_echo(record.exc_info[1] if record.exc_info else None)
         if record.name == "asyncio":  # an abandoned write: its future names orbax's coroutine
             return "orbax" not in record.getMessage()
         if f"{os.sep}orbax{os.sep}" not in record.pathname:
@@ -675,8 +680,7 @@ class _QuietOrbaxErrors(logging.Filter):
         return not any(echo in record.getMessage() for echo in _SAVE_FAILURE_ECHOES)  # other orbax errors: shown
 
     def _unraisable(self, info) -> None:
-        closed = isinstance(info.exc_value, RuntimeError) and str(info.exc_value) == "Event loop is closed"
-        if not closed or os.environ.get("NNXSCALE_DEBUG"):
+        if not closed_loop_echo(info.exc_value) or os.environ.get("NNXSCALE_DEBUG"):
             self._previous_hook(info)
 
     def acquire(self) -> None:
