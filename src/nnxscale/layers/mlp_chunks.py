@@ -51,15 +51,14 @@ def chunk_budget(mesh=None) -> int:
     in the compute dtype), never below :data:`CHUNK_BYTES`; on XLA:CPU, whose plans of long
     sequences it was sized for, :data:`CHUNK_BYTES`.
     """
-    from nnxscale.layers.attention import device_of, platform_of
+    from nnxscale.layers.attention import device_of
     from nnxscale.sharding.devices import memory_of
 
     if mesh is None:
         rules = current_rules()
         mesh = None if rules is None else rules.mesh
-    if platform_of(mesh) == "cpu":
-        return CHUNK_BYTES
-    memory = memory_of(device_of(mesh))
+    device = device_of(mesh)
+    memory = None if device is None or device.platform == "cpu" else memory_of(device)
     return CHUNK_BYTES if memory is None else max(CHUNK_BYTES, int(memory * ACCELERATOR_SHARE))
 
 

@@ -75,11 +75,6 @@ def peak_flops(device) -> Optional[float]:
     return None if row is None else row.bf16_peak
 
 
-#: :data:`MEMORY`'s key of each chip of :data:`DEVICE_KINDS`.
-_CHIP_MEMORY = {"b200": "b200", "h200": "h200", "h100": "h100", "a100": "a100", "v6e": "tpu-v6e", "v5e": "tpu-v5e",
-                "v5p": "tpu-v5p", "v4": "tpu-v4"}  # fmt: skip
-
-
 def memory_of(device) -> Optional[int]:
     """Bytes of memory of one accelerator: what its runtime says where it can (an addressable
     device's ``memory_stats()["bytes_limit"]``), else its kind's (the size in a GPU's name,
@@ -96,4 +91,6 @@ def memory_of(device) -> Optional[int]:
     if m and "TPU" not in kind:
         return int(m.group(1)) * GiB
     row = device_kind(kind)
-    return MEMORY.get(_CHIP_MEMORY.get(row.chip, "")) if row is not None and row.chip else None
+    if row is None or row.chip is None:
+        return None
+    return MEMORY.get(row.chip, MEMORY.get(f"tpu-{row.chip}"))  # a GPU's chip key is its name; a TPU's is tpu-<chip>
