@@ -280,6 +280,23 @@ def lora_memory() -> dict:
     return result
 
 
+def print_schedule_times(sched: dict) -> None:
+    for (remat, schedule), seconds in sched.items():
+        print(f"  remat {remat:<5} {schedule:<6}{seconds * 1e3:>9.1f} ms  {seconds / sched[(remat, 'gpipe')]:5.2f}x GPipe")
+
+
+def schedule_result(memory: dict, sched: dict) -> dict:
+    """Part 3's figures: ``schedule_memory``'s growth and ratio, ``schedule_times``'s ratios."""
+    lo, mid, hi = SCHEDULE_MS
+    return {
+        "gpipe_temp_growth": round(memory[("gpipe", hi)] / memory[("gpipe", lo)], 3),
+        "1f1b_temp_growth": round(memory[("1f1b", hi)] / memory[("1f1b", lo)], 3),
+        "1f1b_over_gpipe_temp": round(memory[("1f1b", mid)] / memory[("gpipe", mid)], 3),
+        "1f1b_over_gpipe_step_time": round(sched[("none", "1f1b")] / sched[("none", "gpipe")], 3),
+        "1f1b_over_gpipe_step_time_remat_full": round(sched[("full", "1f1b")] / sched[("full", "gpipe")], 3),
+    }
+
+
 def main() -> None:
     if "--lora" in os.sys.argv:  # part 5 alone
         lora_memory()
@@ -287,12 +304,12 @@ def main() -> None:
     if "--interleaved" in os.sys.argv:  # part 4 alone
         interleaved()
         return
-    if "--schedules" in os.sys.argv:  # part 3 alone (about 5 minutes)
-        schedule_memory()
+    if "--schedules" in os.sys.argv:  # part 3 alone (about 2 minutes on 2 idle cores)
+        memory = schedule_memory()
         print()
         sched = schedule_times()
-        for (remat, schedule), seconds in sched.items():
-            print(f"  remat {remat:<5} {schedule:<6}{seconds * 1e3:>9.1f} ms  {seconds / sched[(remat, 'gpipe')]:5.2f}x GPipe")
+        print_schedule_times(sched)
+        print(json.dumps(schedule_result(memory, sched)))
         return
     rows = compiled_rows()
     print("permute/dev: collective-permute bytes per device per step in the compiled HLO; pipeline_cost: the")
@@ -311,18 +328,12 @@ def main() -> None:
     print(f"gpt2-mini train step on stage=2,data=4, M=8, global batch {TIMED_BATCH} x {TIMED_SEQ}, measured (median of "
           f"{STEPS} steps, timed in turns)")  # fmt: skip
     sched = schedule_times()
-    for (remat, schedule), seconds in sched.items():
-        print(f"  remat {remat:<5} {schedule:<6}{seconds * 1e3:>9.1f} ms  {seconds / sched[(remat, 'gpipe')]:5.2f}x GPipe")
-    lo, mid, hi = SCHEDULE_MS
+    print_schedule_times(sched)
     result = {
         "gpipe_bubble": round(rows[name("stage=2,data=4", 8, 1)]["bubble"], 4),
         "circular_bubble": round(rows[name("stage=2,data=4", 8, 2)]["bubble"], 4),
         "pp_over_dp_step_time": round(gpipe, 3),
-        "gpipe_temp_growth": round(memory[("gpipe", hi)] / memory[("gpipe", lo)], 3),
-        "1f1b_temp_growth": round(memory[("1f1b", hi)] / memory[("1f1b", lo)], 3),
-        "1f1b_over_gpipe_temp": round(memory[("1f1b", mid)] / memory[("gpipe", mid)], 3),
-        "1f1b_over_gpipe_step_time": round(sched[("none", "1f1b")] / sched[("none", "gpipe")], 3),
-        "1f1b_over_gpipe_step_time_remat_full": round(sched[("full", "1f1b")] / sched[("full", "gpipe")], 3),
+        **schedule_result(memory, sched),
     }
     print(json.dumps(result))
 
