@@ -155,6 +155,26 @@ def test_a_group_across_nodes_runs_hierarchically():
     assert c.link == "nvlink"
 
 
+def test_each_collective_is_named_by_the_mesh_axes_its_groups_span():
+    """The groups [8,2]<=[2,8]T(1,0) pair device i with i + 8: on mesh data=2,fsdp=8 (device =
+    8 x data + fsdp) they differ in data only; [2,8]<=[16] in fsdp only; one group of 16 in
+    both. The bottleneck line names them; a mesh the groups do not fit names none."""
+    text = OVERLAP.replace("num_partitions=8", "num_partitions=16")
+    mesh = {"data": 2, "fsdp": 8}
+    slow = dataclasses.replace(CHIP, links={"network": Link("network", 1e9, 0.0, 1.0)})  # the gather exposes most of the step
+    for groups, axes in (("[8,2]<=[2,8]T(1,0)", "data"), ("[2,8]<=[16]", "fsdp"), ("[1,16]<=[16]", "data,fsdp")):
+        st = _predict(text.replace("{{0,1,2,3,4,5,6,7}}", groups), slow, mesh=mesh)
+        (c,) = st.collectives
+        assert c.axes == axes and steptime.worst_collective(st) is c
+        assert st.bottleneck.startswith(f"communication-bound: ") and f"the {axes} all-gathers cross network at 1 GB/s" in st.bottleneck
+        line = next(x for x in steptime.format_lines(st) if "all-gather" in x and "bottleneck" not in x)
+        assert line.lstrip().startswith(f"all-gather over network ({axes})")
+    (c,) = _predict(text.replace("{{0,1,2,3,4,5,6,7}}", "[2,8]<=[16]"), slow, mesh={"fsdp": 8}).collectives  # 8 devices, 16 in the groups
+    assert c.axes == ""
+    (c,) = _predict(OVERLAP).collectives  # no mesh given
+    assert c.axes == ""
+
+
 def test_a_torus_ring_uses_both_directions_where_it_wraps():
     torus = Placement("ici", "dcn", (0,) * 8, tuple((x, y) for y in range(2) for x in range(4)), (4, 2), (True, False))
     assert torus.ways([0, 1, 2, 3]) == 2  # along x: all 4, wrapped
@@ -336,3 +356,36 @@ def test_a_loop_to_a_count_the_data_decides_counts_at_its_most():
     for at_counter in (True, False):  # what the code expects, bounded or not
         st = _predict(text(expecting(5, at_counter), n, xs))
         assert st.flops == pytest.approx(5 * 2 * 64 * 64 * 32) and any("its code expects" in note for note in st.notes)
+
+
+def test_a_plan_that_waits_on_collectives_names_the_mesh_that_moves_them(monkeypatch):
+    """plan(compare=True) on this machine's 8 devices, on made-up figures whose one link is
+    slow enough that fsdp=8's gathers hold up the step: it plans data=8 (the fsdp axis's
+    alternative), whose prediction is the one a plan of data=8 gives; where data=8 needs more
+    memory than the verdict's, the line says it does not fit."""
+    from nnxscale.planning import report
+    from nnxscale.training.config import TrainConfig, with_overrides
+
+    monkeypatch.setattr(steptime, "_REGISTERED", {})
+    steptime.register_hardware("cpu", dataclasses.replace(CHIP, links={"memory": Link("memory", 1e7, 0.0, 1.0)}))
+    cfg = with_overrides(TrainConfig(), {"model.name": "gpt2-tiny", "parallel.mesh": "fsdp=8", "parallel.min_shard_bytes": 0,
+                                         "data.batch_size": 16, "data.seq_len": 32})  # fmt: skip
+    p = report.plan(cfg)
+    other = report.plan(with_overrides(cfg, {"parallel.mesh": "data=8"}), compare=False)
+    st = p.step_time
+    assert st.bottleneck.startswith("communication-bound") and steptime.worst_collective(st).axes == "fsdp"
+    assert p.alternative == {"mesh": "data=8", "why": "data instead of fsdp: parameters replicated", "fits": None,
+                             "peak_bytes": other.peak_bytes, "seconds": pytest.approx(other.step_time.seconds),
+                             "speedup": pytest.approx(st.seconds / other.step_time.seconds)}  # fmt: skip
+    ratio = st.seconds / other.step_time.seconds
+    said = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+    assert st.bottleneck.endswith(f"; data=8 (data instead of fsdp: parameters replicated) is predicted {said}: "
+                                  f"{steptime.format_seconds(other.step_time.seconds)} per step")  # fmt: skip
+    assert json.loads(json.dumps(p.to_dict()))["alternative"]["mesh"] == "data=8"
+    assert report.plan(cfg, compare=False).alternative is None
+    assert other.peak_bytes > p.peak_bytes  # replicated parameters and optimizer state
+    between = (other.peak_bytes + p.peak_bytes) // 2
+    tight = report.plan(cfg, device_memory=between)
+    assert tight.fits and tight.alternative["fits"] is False
+    assert tight.step_time.bottleneck.endswith(f"; data=8 (data instead of fsdp: parameters replicated) does not fit: needs "
+                                               f"{report.format_bytes(other.peak_bytes)} of {report.format_bytes(between)} per device")  # fmt: skip

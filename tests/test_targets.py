@@ -110,6 +110,30 @@ def test_a_sweep_for_a_target_keeps_model_and_context_inside_a_node():
     assert "context=16" not in candidates  # it would cross the nodes
 
 
+def test_the_mesh_compared_with_a_step_that_waits_on_collectives():
+    """targets.alternative_mesh: the axes whose collectives expose the most, moved: inside a
+    node with data across, else a per-layer axis into fsdp, fsdp into data, data into fsdp;
+    the same devices, each proposal laid onto the target's nodes as a plan of it would be."""
+    h16, h8, v5e = targets.get("h100x16"), targets.get("h100x8"), targets.get("2xv5e-256")
+    alt = targets.alternative_mesh
+    assert alt({"fsdp": 16}, ["fsdp"], True, h16) == ({"data": 2, "fsdp": 8}, "fsdp inside each node, data across nodes")
+    assert alt({"data": 2, "fsdp": 16}, ["fsdp"], True, targets.get("h100x32"))[0] == {"data": 4, "fsdp": 8}
+    assert alt({"fsdp": 512}, ["fsdp"], True, v5e) == ({"data": 2, "fsdp": 256}, "fsdp inside each slice, data across slices")
+    assert alt({"data": 2, "model": 8}, ["model"], False, h16) == ({"data": 2, "fsdp": 8}, "fsdp instead of model")
+    assert alt({"fsdp": 2, "context": 8}, ["context"], False, h16)[0] == {"fsdp": 16}  # fsdp keeps its place
+    assert alt({"fsdp": 8}, ["fsdp"], False, h8) == ({"data": 8}, "data instead of fsdp: parameters replicated")
+    assert alt({"data": 8}, ["data"], False, h8)[0] == {"fsdp": 8}
+    assert alt({"data": 2, "fsdp": 8}, ["data"], True, h16)[0] == {"fsdp": 16}  # data's all-reduce across: fsdp's instead
+    assert alt({"data": 8}, ["data"], False, None)[0] == {"fsdp": 8}  # no target (XLA:CPU): the same rules but the first
+    assert alt({"stage": 2, "data": 4}, ["stage"], False, h8) is None  # a pipeline's permutes: its own sweep
+    assert alt({"fsdp": 8}, [], False, h8) is None  # groups not placed on the mesh: nothing to move
+    for sizes, axes, across, target in (({"fsdp": 16}, ["fsdp"], True, h16), ({"data": 2, "model": 8}, ["model"], False, h16)):
+        proposed, _ = alt(sizes, axes, across, target)
+        assert math.prod(proposed.values()) == target.chips
+        spans = targets.split_over_domains(proposed, target)
+        assert all(spans.get(a, 1) == 1 for a in axes if a in proposed and a != "data")  # the moved axis stays inside
+
+
 def test_target_names_and_the_list(capsys):
     assert main(["plan", "--list-targets"]) == 0
     out = capsys.readouterr().out

@@ -249,6 +249,10 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--compile", choices=("auto", "never", "always"), default=None,
                     help="auto: compile up to --max-compile-devices, estimate beyond (default; --sweep: never)")  # fmt: skip
     pl.add_argument("--max-compile-devices", type=int, default=None, help="largest mesh to compile; larger ones are estimated (default: 1024)")
+    pl.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                    help="where the predicted step waits on collectives for a fifth of its time or more, also plan the mesh "
+                         "that moves them (inside a node, or another kind of axis: one more compile) and say in the "
+                         "bottleneck line how much faster or slower it is predicted")  # fmt: skip
     pl.add_argument("--table", action="store_true", help="also print the per-Variable sharding table")
     pl.add_argument("--json", action="store_true", help="end with one JSON line: the plan (with --sweep: the plans, and the meshes not planned with the reason)")
     _add_common(pl)
@@ -478,7 +482,8 @@ def _plan(args) -> int:
             print(json.dumps({"plans": [p.to_dict() for p in plans], "not_planned": not_planned}))
         return 0
     sizes = mesh_sizes(cfg.parallel.mesh) if target is None else targets.mesh_sizes(cfg.parallel.mesh, target)
-    step = report.plan(cfg, device_memory=memory, compile=args.compile or "auto", max_compile_devices=max_devices, target=target)
+    step = report.plan(cfg, device_memory=memory, compile=args.compile or "auto", max_compile_devices=max_devices, target=target,
+                       compare=args.compare)  # fmt: skip
     print(step)
     if step.activations:
         print("\nactivations (logical names -> the activation rules' layout, per call):")

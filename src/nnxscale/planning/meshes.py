@@ -82,8 +82,8 @@ def sweep(
             for remat in remats:
                 c = with_overrides(cfg, {"parallel.mesh": mesh, "model.remat": remat})
                 try:
-                    plans.append(plan(c, device_memory=device_memory, compile=compile,
-                                      max_compile_devices=max_compile_devices, target=target))  # fmt: skip
+                    plans.append(plan(c, device_memory=device_memory, compile=compile, max_compile_devices=max_compile_devices,
+                                      target=target, compare=False))  # fmt: skip  (the sweep compares them all)
                 except ConfigError as e:  # e.g. a batch the mesh cannot split: the same for every remat
                     skipped.setdefault(mesh, str(e))
     from nnxscale.planning.steptime import rank_by_time
@@ -254,7 +254,7 @@ def _pipeline_plan(c: TrainConfig, **kw) -> StepPlan:
     """The plan of pipelined configuration ``c`` as :func:`nnxscale.planning.plan` gives it
     (``kw``): compiled where it compiles, else estimated with its schedule's activations
     (:func:`scheduled_estimate`); with its proxy time."""
-    p = plan(c, **kw)
+    p = plan(c, compare=False, **kw)
     if p.source == "estimate":
         p = scheduled_estimate(c, p)
     p.pipeline["proxy_seconds"] = pipeline_proxy_seconds(_step_flops(p), p.pipeline, c.model.remat)

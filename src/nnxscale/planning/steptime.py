@@ -191,12 +191,14 @@ class Placement:
 
 @dataclasses.dataclass
 class CollectiveTime:
-    """The collectives of one kind over one link, per device per step: ``bytes`` as
-    :mod:`nnxscale.planning.hlo` counts them, ``count`` executions, ``seconds`` on the link,
-    ``exposed`` of them not hidden behind compute."""
+    """The collectives of one kind over one link and mesh axes, per device per step:
+    ``axes`` the mesh axes their groups span (``"data,fsdp"``; ``""`` where the groups could
+    not be placed on the mesh), ``bytes`` as :mod:`nnxscale.planning.hlo` counts them,
+    ``count`` executions, ``seconds`` on the link, ``exposed`` of them not hidden behind compute."""
 
     kind: str
     link: str
+    axes: str = ""
     bytes: float = 0.0
     count: int = 0
     seconds: float = 0.0
@@ -255,7 +257,7 @@ class _Span:
     kernel_flops: float = 0.0
     bytes: float = 0.0
     ops: float = 0.0
-    colls: dict = dataclasses.field(default_factory=dict)  # (kind, link) -> CollectiveTime
+    colls: dict = dataclasses.field(default_factory=dict)  # (kind, link, axes) -> CollectiveTime
 
     def add(self, other: "_Span", times: float = 1.0) -> None:
         for f in ("seconds", "compute", "memory", "overhead", "flops", "kernel_flops", "bytes", "ops"):
@@ -433,8 +435,9 @@ class _Walk:
 
     # ---- collectives --------------------------------------------------------------
 
-    def collective(self, comp: _Comp, instr: _Instr) -> Optional[tuple[hlo.Collective, str, float]]:
-        """``(record, link, seconds)`` of a collective op (or a fusion that is one), else None."""
+    def collective(self, comp: _Comp, instr: _Instr) -> Optional[tuple[hlo.Collective, str, str, float]]:
+        """``(record, link, axes, seconds)`` of a collective op (or a fusion that is one), else
+        None; ``axes``: the mesh axes its groups span, comma-joined (``""``: not placed)."""
         rec = hlo._collective(comp, instr, self.devices)
         where = comp, instr
         if rec is None and instr.opcode in ("fusion", "async-start") and hlo._called(instr):
@@ -447,7 +450,8 @@ class _Walk:
         if rec is None:
             return None
         link, seconds = self.collective_seconds(rec, where[1].attrs)
-        return rec, link, seconds
+        axes = _spanned_axes(where[1].attrs, self.mesh, self.devices) if self.mesh else None
+        return rec, link, ",".join(axes or ()), seconds
 
     def collective_seconds(self, rec: hlo.Collective, attrs: str) -> tuple[str, float]:
         """``(link, seconds)``: a collective's time on the links its group crosses.
@@ -523,11 +527,11 @@ class _Walk:
         if comp is None or depth > 64:
             return out
         t = net = 0.0  # the compute stream's clock; when the collective stream is free
-        pending: dict[str, tuple[float, CollectiveTime]] = {}
+        pending: dict[str, tuple[float, tuple]] = {}  # a started collective: when it ends, its (kind, link, axes)
         by_channel: dict[str, str] = {}
         early: dict[str, float] = {}  # a loop body's done of a collective its previous turn started: when it waits
 
-        issued: list = []  # (begin, end, (kind, link)) of this computation's collectives, one at a time on their stream
+        issued: list = []  # (begin, end, (kind, link, axes)) of this computation's collectives, one at a time on their stream
 
         def expose(until: float) -> None:
             """The compute stream waits from ``t`` to ``until``: the collectives running then are exposed."""
@@ -591,17 +595,18 @@ class _Walk:
                 continue
             coll = self.collective(comp, instr)
             if coll is not None:
-                rec, link, seconds = coll
-                c = out.colls.setdefault((rec.kind, link), CollectiveTime(rec.kind, link))
+                rec, link, axes, seconds = coll
+                key = (rec.kind, link, axes)
+                c = out.colls.setdefault(key, CollectiveTime(*key))
                 c.bytes += rec.bytes
                 c.count += 1
                 c.seconds += seconds
                 begin = max(t, net)
                 net = begin + seconds
-                issued.append((begin, net, (rec.kind, link)))
+                issued.append((begin, net, key))
                 asynchronous = op.endswith("-start") or op == "async-start" or _calls_target(self, instr, "AsyncCollectiveStart")
                 if asynchronous:
-                    pending[instr.name] = (net, CollectiveTime(rec.kind, link))
+                    pending[instr.name] = (net, key)
                     ch = _channel(self, instr)
                     if ch:
                         by_channel[ch] = instr.name
@@ -629,9 +634,9 @@ class _Walk:
                 wait(key)
                 continue
             # Awaited in the next turn: hidden by the rest of this turn and the next one's ops before its done.
-            end, c = pending.pop(key)
+            end, ckey = pending.pop(key)
             waits = max(end - end_of_turn - done_at, 0.0)
-            out.colls[(c.kind, c.link)].exposed += waits
+            out.colls[ckey].exposed += waits
             t += waits
         out.seconds = t
         self.memo[name] = out
@@ -778,7 +783,7 @@ def predict(
             raise ValueError(f"axis {axis!r} is said to cross link {link!r}; {hw.name} has {', '.join(hw.links)}")
     walk = _Walk(hlo_text, hw, axis_links, mesh, n_devices, placement)
     s = walk.span(walk.entry)
-    collectives = sorted(s.colls.values(), key=lambda c: (KINDS.index(c.kind) if c.kind in KINDS else 99, c.link))
+    collectives = sorted(s.colls.values(), key=lambda c: (KINDS.index(c.kind) if c.kind in KINDS else 99, c.link, c.axes))
     fresh = fresh_bytes / hw.fresh_memory_bandwidth if hw.fresh_memory_bandwidth and fresh_bytes > 0 else 0.0
     seconds = max(s.seconds + fresh, 1e-12)
     exposed = sum(c.exposed for c in collectives)
@@ -795,6 +800,11 @@ def predict(
     return result
 
 
+def worst_collective(st: StepTime) -> Optional[CollectiveTime]:
+    """The collectives (of one kind, link and mesh axes) that expose the most time; None without any."""
+    return max(st.collectives, key=lambda c: c.exposed, default=None)
+
+
 def bottleneck(st: StepTime, hw: Hardware) -> str:
     """One line naming what the step waits on most."""
     parts = {"compute": st.compute_s, "memory": st.memory_s, "overhead": st.overhead_s, "communication": st.exposed_collective_s,
@@ -802,10 +812,12 @@ def bottleneck(st: StepTime, hw: Hardware) -> str:
     what = max(parts, key=parts.get)
     share = parts[what] / st.seconds
     if what == "communication":
-        worst = max(st.collectives, key=lambda c: c.exposed)
+        worst = worst_collective(st)
         link = hw.links[worst.link]
-        return (f"communication-bound: {share:.0%} of the step waits on collectives; the {worst.kind}s over {worst.link} "
-                f"({link.effective / 1e9:.0f} GB/s effective) expose {format_seconds(worst.exposed)} of {format_seconds(worst.seconds)}")  # fmt: skip
+        axes = f"{worst.axes} " if worst.axes else ""
+        return (f"communication-bound: {share:.0%} of the step waits on collectives; the {axes}{worst.kind}s cross "
+                f"{worst.link} at {format_si(link.effective, 'B/s')} effective and expose {format_seconds(worst.exposed)} "
+                f"of {format_seconds(worst.seconds)}")  # fmt: skip
     if what == "compute":
         return (f"compute-bound: {share:.0%} of the step in matrix products ({format_si(st.flops, 'FLOP')} per device; GEMMs "
                 f"at {hw.matmul_efficiency:.0%} of the peak); collectives hidden but {format_seconds(st.exposed_collective_s)}")
@@ -842,19 +854,20 @@ def format_lines(st: StepTime, target_name: str = "") -> list[str]:
     """The plan's step-time section."""
     where = f" on {target_name}" if target_name else ""
     mfu = f", MFU {st.mfu:.1%}" if st.mfu is not None else ""
+    colls = [(f"{c.kind} over {c.link}" + (f" ({c.axes})" if c.axes else ""), c) for c in st.collectives if c.seconds]
+    w = max([34] + [len(label) + 1 for label, _ in colls])
     lines = [
         f"step time{where} (predicted: roofline over the compiled schedule, {st.hardware})",
         f"  {format_seconds(st.seconds)} per step; {st.tokens_per_s:,.0f} tokens/s, {st.tokens_per_s_per_device:,.0f} per device{mfu}",
-        f"  {'compute-bound ops':<34}{format_seconds(st.compute_s):>11}",
-        f"  {'memory-bound ops':<34}{format_seconds(st.memory_s):>11}",
-        f"  {'op launches':<34}{format_seconds(st.overhead_s):>11}  {st.ops:,} ops",
+        f"  {'compute-bound ops':<{w}}{format_seconds(st.compute_s):>11}",
+        f"  {'memory-bound ops':<{w}}{format_seconds(st.memory_s):>11}",
+        f"  {'op launches':<{w}}{format_seconds(st.overhead_s):>11}  {st.ops:,} ops",
     ]
     if st.fresh_memory_s:
-        lines.append(f"  {'buffers mapped anew (page faults)':<34}{format_seconds(st.fresh_memory_s):>11}")
-    for c in st.collectives:
-        if c.seconds:
-            lines.append(f"  {c.kind + ' over ' + c.link:<34}{format_seconds(c.seconds):>11}  {format_seconds(c.exposed)} exposed, "
-                         f"{format_seconds(max(c.seconds - c.exposed, 0.0))} hidden behind compute")  # fmt: skip
+        lines.append(f"  {'buffers mapped anew (page faults)':<{w}}{format_seconds(st.fresh_memory_s):>11}")
+    for label, c in colls:
+        lines.append(f"  {label:<{w}}{format_seconds(c.seconds):>11}  {format_seconds(c.exposed)} exposed, "
+                     f"{format_seconds(max(c.seconds - c.exposed, 0.0))} hidden behind compute")  # fmt: skip
     lines.append(f"  bottleneck: {st.bottleneck}")
     lines += [f"  note: {n}" for n in st.notes]
     return lines

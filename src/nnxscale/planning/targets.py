@@ -343,6 +343,53 @@ def placement_notes(sizes: dict[str, int], target: Target) -> list[str]:
     return notes
 
 
+def alternative_mesh(sizes: dict[str, int], axes, across: bool, target: "Target | None" = None) -> "tuple[dict[str, int], str] | None":
+    """The mesh of the same devices to compare when a step waits on the collectives over
+    ``axes`` (``across``: those cross ``target``'s nodes or slices), and why, in a phrase; None
+    where there is none to propose (a pipeline's ``stage``, or no axis of size above 1):
+
+    1. across domains, an axis other than ``data`` that spans several: that axis kept inside
+       a node (slice) and its outer factor moved to ``data``, outermost (HSDP for ``fsdp``):
+       one gradient all-reduce a step crosses the network instead of every layer's collectives;
+    2. a per-layer axis (``model``, ``context``, ``expert``): that axis turned into ``fsdp``
+       (each layer's weights gathered, behind the compute, instead of its activations moved);
+    3. ``fsdp``: ``data`` instead (parameters replicated: no gathers, one all-reduce);
+    4. ``data``: ``fsdp`` instead (gradients reduce-scattered layer by layer, behind the backward).
+
+    The devices' count and the other axes stay; whether the mesh runs the batch and fits is
+    for the plan of it to say."""
+    axes = [a for a in axes if sizes.get(a, 1) > 1]
+    if not axes or "stage" in axes:
+        return None
+    out = dict(sizes)
+    if across and target is not None and target.domains > 1:
+        spans = split_over_domains(sizes, target)
+        crossing = [a for a in axes if a != "data" and spans.get(a, 1) > 1]
+        if crossing:
+            a = max(crossing, key=lambda x: spans[x])
+            k = spans[a]
+            out = {"data": sizes.get("data", 1) * k, **{x: s for x, s in sizes.items() if x != "data"}}
+            out[a] = sizes[a] // k
+            out = {x: s for x, s in out.items() if s > 1}
+            return out, f"{a} inside each {target.domain}, data across {target.domain}s"
+    per_layer = [a for a in ("model", "context", "expert") if a in axes]
+    if per_layer:
+        return _fold(sizes, per_layer[0], "fsdp"), f"fsdp instead of {per_layer[0]}"
+    if "fsdp" in axes:
+        return _fold(sizes, "fsdp", "data"), "data instead of fsdp: parameters replicated"
+    if "data" in axes:
+        return _fold(sizes, "data", "fsdp"), "fsdp instead of data: gradients reduce-scattered layer by layer"
+    return None
+
+
+def _fold(sizes: dict[str, int], axis: str, into: str) -> dict[str, int]:
+    """``sizes`` with ``axis`` folded into ``into`` (multiplied by its size): ``into`` keeps
+    its place if the mesh has it, else takes ``axis``'s."""
+    if into in sizes:
+        return {x: s * sizes[axis] if x == into else s for x, s in sizes.items() if x != axis}
+    return {into if x == axis else x: s for x, s in sizes.items()}
+
+
 def mesh_sizes(spec, target: Target) -> dict[str, int]:
     """``{axis: size}`` of a mesh spec on ``target``: ``-1`` takes the chips left."""
     from nnxscale.sharding.mesh import parse_mesh_spec, resolve_mesh_shape
