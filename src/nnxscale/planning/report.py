@@ -465,7 +465,7 @@ def compare_alternative(p: StepPlan, cfg: TrainConfig, *, target=None, **kw) -> 
     elif alt.step_time is not None:
         ratio = st.seconds / alt.step_time.seconds
         p.alternative["speedup"] = ratio
-        faster = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+        faster = "as fast" if round(ratio, 2) == 1 else f"{ratio:.2f}x faster" if ratio > 1 else f"{1 / ratio:.2f}x slower"
         st.bottleneck += f"{lead}{mesh} ({why}) is predicted {faster}: {steptime.format_seconds(alt.step_time.seconds)} per step"
     return alt
 
