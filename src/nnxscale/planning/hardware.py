@@ -31,9 +31,20 @@ _BOOK = "How to Scale Your Model (the JAX scaling book, jax-ml.github.io/scaling
 #: as he finds the H100 is too). No comparable published H100 figure was found: taken for
 #: every NVIDIA chip.
 GPU_MATMUL_EFFICIENCY = 0.82
-#: A streaming kernel's achieved HBM bandwidth over the published one. An assumption (about
-#: 90% is what copy and STREAM-triad kernels typically reach on HBM), not a cited fit.
-GPU_MEMORY_EFFICIENCY = 0.90
+_AZURE = "Azure/AI-benchmarking-guide, Azure_Results"
+#: A streaming kernel's achieved HBM bandwidth over the published one, per chip: the GPU STREAM
+#: Copy kernel (one read, one write, as a fusion does) of Microsoft Azure's AI benchmarking
+#: guide, each VM's results page, over the datasheet's bandwidth. H100: 2.90 of 3.35 TB/s (ND
+#: H100 v5; the page is kept in forks of the repository, e.g. samuel-bohman/AI-benchmarking-guide
+#: at 26d18e9); H200: 4.01 of 4.80 (ND H200 v5); A100 80GB: 1.61 of 2.039 (ND A100 v4). No B200
+#: figure is published there: the H100's.
+GPU_MEMORY_EFFICIENCY = {"h100": 2.90 / 3.35, "h200": 4.01 / 4.80, "a100": 1.61 / 2.039, "b200": 2.90 / 3.35}
+_STREAM_SOURCES = {
+    "h100": f"{_AZURE}/ND_H100_v5_results.md (in forks, e.g. samuel-bohman/AI-benchmarking-guide 26d18e9): GPU STREAM Copy 2.90 of 3.35 TB/s",
+    "h200": f"{_AZURE}/ND_H200_v5_results.md: GPU STREAM Copy 4.01 of 4.80 TB/s",
+    "a100": f"{_AZURE}/ND_A100_v4_results.md: GPU STREAM Copy 1.61 of 2.039 TB/s (A100-SXM4-80GB)",
+    "b200": "no published B200 STREAM figure: the H100's 2.90 of 3.35 TB/s (Azure's ND H100 v5 results)",
+}
 #: The GPU-side gap between kernels launched back to back (XLA:GPU launches each fusion and
 #: GEMM as a kernel; asynchronous launches overlap the host's cost). An assumption, not fitted.
 GPU_OP_OVERHEAD = 2e-6
@@ -47,8 +58,7 @@ GPU_KERNEL_EFFICIENCY = {"__gpu$xla.gpu.triton": 0.35, "__cudnn$fmha": 0.75}
 
 _GPU_SOURCES = {
     "matmul_efficiency": "H. He, thonking.ai 2024: cuBLAS bf16 8192^3, random inputs, 257-258 of 312 TFLOP/s on A100 "
-                         "(83%); taken for every NVIDIA chip",
-    "memory_efficiency": "assumption: ~90% of the published HBM bandwidth for a streaming kernel (not a cited fit)",
+                         "(83%; Azure's ND A100 v4 results: cuBLASLt fp16 8192^3 253.7, 81%); taken for every NVIDIA chip",
     "op_overhead": "assumption: ~2 us between back-to-back kernels (not a cited fit)",
     "kernel_efficiency": "Shah et al., FlashAttention-3 (2024), abstract: FlashAttention-2 35% of the H100's peak (the "
                          "Pallas GPU kernel, Triton), FlashAttention-3 75% (cuDNN's fused attention)",
@@ -58,8 +68,17 @@ _GPU_SOURCES = {
 #: NVLink, it is difficult in practice to exceed 370 GB/s" (the scaling book, "How to Think
 #: About GPUs": nccl all-reduce bus bandwidth measured on 8 x H100, SHARP off): 370 / 450.
 NVLINK_EFFICIENCY = 370 / 450
-#: A small collective's time (NCCL's launch and a few hops). An assumption, not fitted.
-NVLINK_LATENCY = 10e-6
+#: A small collective's time inside a node: nccl-tests' all-reduce of 1 KiB over 8 GPUs,
+#: from its published bus bandwidth (time = 1 KiB x 2(n-1)/n / busbw) on Azure's VMs (the
+#: pages above): H100 0.07 GB/s, 26 us; H200 0.06, 30 us; A100 0.04, 45 us. B200: the H100's.
+NVLINK_LATENCY = {"h100": 1024 * 1.75 / 0.07e9, "h200": 1024 * 1.75 / 0.06e9, "a100": 1024 * 1.75 / 0.04e9,
+                  "b200": 1024 * 1.75 / 0.07e9}  # fmt: skip
+_LATENCY_SOURCES = {
+    "h100": f"{_AZURE}/ND_H100_v5_results.md: nccl-tests all-reduce of 1 KiB on 8 x H100, bus bandwidth 0.07 GB/s: 26 us",
+    "h200": f"{_AZURE}/ND_H200_v5_results.md: nccl-tests all-reduce of 1 KiB on 8 x H200, bus bandwidth 0.06 GB/s: 30 us",
+    "a100": f"{_AZURE}/ND_A100_v4_results.md: nccl-tests all-reduce of 1 KiB on 8 x A100, bus bandwidth 0.04 GB/s: 45 us",
+    "b200": "no published 8 x B200 figure: the H100's 26 us (Azure's ND H100 v5 results)",
+}
 #: InfiniBand across nodes, one 400 Gb/s NIC per GPU (8 per node: 400 GB/s node egress, the
 #: scaling book's DGX SuperPod figures). No published bus-bandwidth measurement was found: taken
 #: as NVLink's measured efficiency.
@@ -74,18 +93,18 @@ def _nvidia(key: str, peaks: dict, nvlink: float, nic: float, sources: dict) -> 
         peak_flops=peaks,
         hbm_bandwidth=chip["memory_bandwidth"],
         links={
-            "nvlink": Link("nvlink", nvlink, NVLINK_LATENCY, NVLINK_EFFICIENCY, {
-                "bandwidth": sources["nvlink"], "latency": "assumption: 10 us (not a cited fit)",
+            "nvlink": Link("nvlink", nvlink, NVLINK_LATENCY[key], NVLINK_EFFICIENCY, {
+                "bandwidth": sources["nvlink"], "latency": _LATENCY_SOURCES[key],
                 "efficiency": f"{_BOOK}, 'How to Think About GPUs': all-reduce bus bandwidth on 8 x H100 about 370 of 450 GB/s"}),
             "network": Link("network", nic, NETWORK_LATENCY, NETWORK_EFFICIENCY, {
                 "bandwidth": sources["network"], "latency": "assumption: 20 us (not a cited fit)",
                 "efficiency": "no published InfiniBand bus-bandwidth figure found: NVLink's measured 370/450"}),
         },
         matmul_efficiency=GPU_MATMUL_EFFICIENCY,
-        memory_efficiency=GPU_MEMORY_EFFICIENCY,
+        memory_efficiency=GPU_MEMORY_EFFICIENCY[key],
         op_overhead=GPU_OP_OVERHEAD,
         kernel_efficiency=GPU_KERNEL_EFFICIENCY,
-        sources={**_GPU_SOURCES, "hbm_bandwidth": "targets.GPU_CHIPS", **sources},
+        sources={**_GPU_SOURCES, "memory_efficiency": _STREAM_SOURCES[key], "hbm_bandwidth": "targets.GPU_CHIPS", **sources},
     )  # fmt: skip
 
 
