@@ -9,6 +9,12 @@ tokens per second per device. One JSON line per run: fits, peak GiB per chip, pr
 published seconds per step, the error (predicted / published - 1), where the predicted time
 goes, compile seconds; then one line with the mean and worst absolute errors.
 
+A run measured on parts other than its target's chip, whose authors describe them
+(``run_hardware`` in the registry: HBM bandwidth, and the bfloat16 peaks its clock lies
+between), is also planned on those figures (``on_run_hardware``: the chip's figures with
+that bandwidth and each peak, registered for the compile's prediction); the summary line
+counts the target's prediction.
+
     python bench/published_runs.py                                # every run (long: big deviceless compiles)
     python bench/published_runs.py --runs llmc-gpt2-1558m-h100x8 --lock /tmp/nnxscale-heavy.lock
 
@@ -114,6 +120,37 @@ def row(run: dict, lock) -> dict:
         bottleneck=st.bottleneck,
         notes=st.notes,
     )  # fmt: skip
+    if "run_hardware" in run:
+        out["on_run_hardware"] = on_run_hardware(run, cfg, target, published, lock)
+    return out
+
+
+def on_run_hardware(run: dict, cfg: TrainConfig, target, published: float, lock) -> list[dict]:
+    """The run planned on its own parts' figures (``run_hardware``): the target chip's, with the
+    run's HBM bandwidth and each of its bfloat16 peaks, registered for the prediction
+    (:func:`nnxscale.planning.steptime.register_hardware`) and taken back after."""
+    import dataclasses
+
+    from nnxscale.planning import steptime
+
+    figures, chip = run["run_hardware"], target.chip
+    base = steptime.hardware_for(chip)
+    saved = steptime._REGISTERED.get(chip)
+    out = []
+    try:
+        for peak in figures["bfloat16_peaks"]:
+            hw = dataclasses.replace(base, hbm_bandwidth=figures["hbm_bandwidth"], peak_flops={**base.peak_flops, "bfloat16": peak})
+            steptime.register_hardware(chip, hw)
+            with held(lock):
+                st = plan(cfg, target=target, compare=False).step_time
+            out.append({"hbm_bandwidth": figures["hbm_bandwidth"], "bfloat16_peak": peak, "predicted_s": round(st.seconds, 4),
+                        "error": round(st.seconds / published - 1, 4), "compute_s": round(st.compute_s, 4),
+                        "memory_s": round(st.memory_s, 4), "exposed_collective_s": round(st.exposed_collective_s, 4)})  # fmt: skip
+    finally:
+        if saved is None:
+            steptime._REGISTERED.pop(chip, None)
+        else:
+            steptime._REGISTERED[chip] = saved
     return out
 
 

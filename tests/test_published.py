@@ -57,6 +57,7 @@ def test_every_published_run_names_its_source_and_describes_a_plannable_run():
     quoted line it comes from."""
     from nnxscale.layers.remat import REMAT_NAMES
     from nnxscale.planning import targets
+    from nnxscale.planning.hardware import CHIPS
     from nnxscale.training.model import model_architecture
 
     runs = json.loads(REGISTRY.read_text())["runs"]
@@ -78,6 +79,10 @@ def test_every_published_run_names_its_source_and_describes_a_plannable_run():
         assert re.fullmatch(r"[\w.-]+/[\w.-]+", src["repo"]) and src["path"] and src["quote"], r["name"]
         assert re.fullmatch(r"[0-9a-f]{40}", src["commit"]) and re.fullmatch(r"\d{4}-\d{2}-\d{2}", src["date"]), r["name"]
         assert {"precision", "fp8", "attention", "remat_policy"} <= set(r["run"]), r["name"]
+        if "run_hardware" in r:  # the run's own parts, as its authors describe them: a bandwidth, the peaks its clock lies between
+            hw = r["run_hardware"]
+            assert hw["hbm_bandwidth"] > 0 and hw["source"] and len(hw["bfloat16_peaks"]) >= 1, r["name"]
+            assert all(0 < peak <= CHIPS[target.chip].peak_flops["bfloat16"] * 1.0001 for peak in hw["bfloat16_peaks"]), r["name"]
     assert {"h100", "v5e", "v5p", "v6e"} <= chips  # the issue's runs: NVIDIA and the three TPU generations
 
 

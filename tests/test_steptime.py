@@ -394,3 +394,8 @@ def test_a_plan_that_waits_on_collectives_names_the_mesh_that_moves_them(monkeyp
     assert tight.fits and tight.alternative["fits"] is False
     assert tight.step_time.bottleneck.endswith(f"; data=8 (data instead of fsdp: parameters replicated) does not fit: needs "
                                                f"{report.format_bytes(other.peak_bytes)} of {report.format_bytes(between)} per device")  # fmt: skip
+    # model=8's all-reduces hold the step up; fsdp instead would split the batch of 4 eight ways: the plan stands, and says why not
+    q = report.plan(with_overrides(cfg, {"parallel.mesh": "data=1,model=8", "data.batch_size": 4}))
+    assert steptime.worst_collective(q.step_time).axes == "model"
+    assert q.alternative["mesh"] == "data=1,fsdp=8" and "--batch-size 4 must be a multiple of 8" in q.alternative["error"]
+    assert "seconds" not in q.alternative and "fsdp=8" not in q.step_time.bottleneck
