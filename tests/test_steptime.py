@@ -399,3 +399,48 @@ def test_a_plan_that_waits_on_collectives_names_the_mesh_that_moves_them(monkeyp
     assert steptime.worst_collective(q.step_time).axes == "model"
     assert q.alternative["mesh"] == "data=1,fsdp=8" and "--batch-size 4 must be a multiple of 8" in q.alternative["error"]
     assert "seconds" not in q.alternative and "fsdp=8" not in q.step_time.bottleneck
+
+
+# Across TPU slices each slice runs its own program (here 4 devices) and a collective over DCN
+# is a host transfer: a send / recv pair that libtpu marks (as a 2-slice compile writes them).
+_MS = ('frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_host_transfer_rendezvous="all-gather.1_0",'
+       '_xla_megascale_target="{1,2}x{0:3}",_xla_megascale_transfer_type="ALL_GATHER"}')
+DCN = OVERLAP.replace("num_partitions=8", "num_partitions=4").replace(
+    "  %ag-start = (bf16[512,4096]{1,0}, bf16[4096,4096]{1,0}) all-gather-start(%a), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true\n",
+    '  %tok = token[] after-all(), frontend_attributes={MegascaleRendezvousKeyName="all-gather.1_0"}\n'
+    f"  %send = (bf16[2048,4096]{{1,0}}, u32[], token[]) send(%a2, %tok), channel_id=2, is_host_transfer=true, {_MS}\n"
+    f"  %recv = (bf16[4096,4096]{{1,0}}, u32[], token[]) recv(%tok), channel_id=1, is_host_transfer=true, {_MS}\n",
+).replace(
+    "  %ag-done = bf16[4096,4096]{1,0} all-gather-done(%ag-start)\n",
+    "  %send-done = token[] send-done(%send), channel_id=2, is_host_transfer=true\n"
+    "  %recv-done = (bf16[4096,4096]{1,0}, token[]) recv-done(%recv), channel_id=1, is_host_transfer=true\n"
+    "  %ag-done = bf16[4096,4096]{1,0} get-tuple-element(%recv-done), index=0\n",
+).replace("(a: bf16[512,4096],", "(a2: bf16[2048,4096],").replace("  %a = bf16[512,4096]{1,0} parameter(0)", "  %a2 = bf16[2048,4096]{1,0} parameter(0)")
+
+
+def test_a_collective_across_tpu_slices_is_a_host_transfer_priced_on_dcn():
+    """The send counts as an all-gather over the 2 slices of the gathered (4096, 4096), on the
+    link between domains: half of it over DCN; asynchronous, the matmul before its recv-done
+    hides part of it; named by the mesh axis that spans the slices."""
+    assert hlo.megascale_slices(_MS) == 2
+    assert hlo.megascale_slices('_xla_megascale_target={{100000,100001,200000,200001,300000,300001}}') == 3
+    assert hlo.megascale_slices('_xla_megascale_target="{0:7}x{0:255}"') == 8
+    (c,) = hlo.collectives(DCN)
+    assert (c.kind, c.group, c.bytes, c.shapes) == ("all-gather", 2, MATRIX, ((4096, 4096),))
+    chip = dataclasses.replace(CHIP, links={"ici": Link("ici", 1e11, 0.0, 1.0), "dcn": Link("dcn", 1e9, 0.0, 1.0)})
+    where = Placement("ici", "dcn", (0, 0, 0, 0, 1, 1, 1, 1))  # the whole mesh's 8 devices, two slices of 4
+    st = predict(DCN, chip, axis_links={"fsdp": "dcn"}, mesh={"fsdp": 8}, placement=where, n_devices=8, tokens_per_step=1024,
+                 model_flops_per_step=0.0)  # fmt: skip
+    (t,) = st.collectives
+    over_dcn = 1 / 2 * MATRIX / 1e9
+    matmul = 2 * 4096**3 / 1e15
+    assert (t.kind, t.link, t.axes, t.count) == ("all-gather", "dcn", "fsdp", 1)
+    assert t.seconds == pytest.approx(over_dcn) and t.exposed == pytest.approx(over_dcn - matmul)
+    assert st.seconds == pytest.approx(matmul + (over_dcn - matmul) + 3 * MATRIX / 1e12)  # the recv is not an HBM op
+    assert "the fsdp all-gathers cross dcn" in st.bottleneck
+    # Inside a slice, the per-slice program's groups are read against the mesh's inner factors:
+    # data=2 spans the slices (axis outermost), fsdp=4 lies inside each.
+    inside = OVERLAP.replace("num_partitions=8", "num_partitions=4").replace("{{0,1,2,3,4,5,6,7}}", "{{0,1,2,3}}")
+    (t,) = predict(inside, chip, axis_links={"data": "dcn", "fsdp": "ici"}, mesh={"data": 2, "fsdp": 4}, placement=where,
+                   n_devices=8, tokens_per_step=1024, model_flops_per_step=0.0).collectives  # fmt: skip
+    assert (t.link, t.axes) == ("ici", "fsdp")

@@ -35,6 +35,11 @@ How each backend writes the same things, all read here:
 - A ``conditional`` runs one branch: the branch moving the most bytes is counted (an upper
   bound), the others are listed with ``executions=0``; all say ``in_branch=True``.
 - Collective matmuls (windowed einsums) are collective-permutes in a loop: counted as such.
+- Across TPU slices (a multi-slice target, ``2xv6e-256``), each slice runs its own SPMD
+  program and the collectives over DCN are host transfers: a ``send`` / ``recv`` pair marked
+  ``_xla_megascale_transfer_type`` (``ALL_GATHER``, ``ALL_REDUCE``, ...) and
+  ``_xla_megascale_target="{slices}x{devices}"``; counted at the ``send`` as the collective
+  of that kind over the slices (an all-gather's bytes the send's buffer x the slices).
 """
 
 from __future__ import annotations
@@ -54,6 +59,28 @@ _DTYPE_BYTES = {
     "f8e8m0fnu": 1, "f4e2m1fn": 0.5,
 }  # fmt: skip
 _OPCODES = {"ragged-all-to-all": "all-to-all"}  # opcodes counted under another kind
+#: A collective across TPU slices (DCN), written as a host transfer ``send`` (see the module docstring).
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_MEGASCALE_SLICES = re.compile(r'_xla_megascale_target="\{([^}]*)\}x')  # "{slices}x{devices in a slice}"
+_MEGASCALE_DEVICES = re.compile(r"_xla_megascale_target=\{\{([\d,]+)\}")  # {{global ids}}: slice x 100000 + device
+_MEGASCALE_KINDS = {"ALL_GATHER": "all-gather", "ALL_REDUCE": "all-reduce", "REDUCE_SCATTER": "reduce-scatter",
+                    "ALL_TO_ALL": "all-to-all"}  # fmt: skip
+
+
+def megascale_slices(attrs: str) -> int | None:
+    """How many slices a DCN host transfer spans, or None where ``attrs`` names none:
+    ``_xla_megascale_target="{1,2,3,4}x{0:3}"`` (slices by id, ranges ``a:b`` counting
+    ``b - a + 1``, then the devices of each): 4; ``_xla_megascale_target={{100000,...,200015}}``
+    (an all-to-all's devices, slice x 100000 + device): the slices among them."""
+    m = _MEGASCALE_SLICES.search(attrs)
+    if m is None:
+        d = _MEGASCALE_DEVICES.search(attrs)
+        return len({int(x) // 100000 for x in d.group(1).split(",") if x}) if d else None
+    n = 0
+    for part in filter(None, (p.strip() for p in m.group(1).split(","))):
+        lo, _, hi = part.partition(":")
+        n += int(hi) - int(lo) + 1 if hi else 1
+    return n or None
 _HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
@@ -286,6 +313,8 @@ def _collective(comp: _Comp, instr: _Instr, devices: int) -> Collective | None:
     opcode = instr.opcode
     if opcode.endswith("-done"):
         return None
+    if opcode == "send" and (m := _MEGASCALE.search(instr.attrs)) and m.group(1) in _MEGASCALE_KINDS:
+        return _megascale(comp, instr, _MEGASCALE_KINDS[m.group(1)])
     asynchronous = opcode.endswith("-start")
     base = opcode.removesuffix("-start")
     kind = _OPCODES.get(base, base)
@@ -311,6 +340,25 @@ def _collective(comp: _Comp, instr: _Instr, devices: int) -> Collective | None:
     source = _OP_NAME.search(instr.attrs)
     shapes = tuple(dims for _, dims in leaves)
     return Collective(kind, instr.name, comp.name, nbytes, 1, group, dtype, shapes, source=source.group(1) if source else "")
+
+
+def _megascale(comp: _Comp, instr: _Instr, kind: str) -> Collective:
+    """A DCN host transfer ``send`` as the collective it is: its buffer (the first element of
+    ``(data, u32[], token[])``), for an all-gather times the slices (the gathered result)."""
+    n = megascale_slices(instr.attrs) or 1
+    t = instr.type[0] if isinstance(instr.type, list) and instr.type else instr.type
+    if kind == "all-gather":  # the gathered result: the matching recv's buffer (the same token)
+        token = instr.operands[1] if len(instr.operands) > 1 else None
+        recv = next((i for i in comp.instrs.values() if i.opcode == "recv" and i.operands[:1] == [token]), None)
+        if recv is not None and isinstance(recv.type, list) and recv.type:
+            t = recv.type[0]
+    leaves = [(dt, dims) for dt, dims in _leaves(t) if dt in _DTYPE_BYTES and dt != "token"]
+    if kind == "all-gather" and (recv is None or not isinstance(recv.type, list)):
+        leaves = [(dt, (*dims[:-1], dims[-1] * n) if dims else (n,)) for dt, dims in leaves]
+    nbytes = int(sum(math.prod(dims) * _DTYPE_BYTES[dt] for dt, dims in leaves))
+    source = _OP_NAME.search(instr.attrs)
+    return Collective(kind, instr.name, comp.name, nbytes, 1, n, "+".join(dict.fromkeys(dt for dt, _ in leaves)),
+                      tuple(dims for _, dims in leaves), source=source.group(1) if source else "")  # fmt: skip
 
 
 def _starts_async(comp: _Comp) -> bool:

@@ -290,6 +290,14 @@ class _Walk:
             raise ValueError("no ENTRY computation in this HLO text: pass compiled.as_text()")
         self.devices = devices if devices > 1 else n_devices
         self.hw, self.axis_links, self.mesh, self.placement = hw, dict(axis_links or {}), dict(mesh or {}), placement
+        # Across TPU slices each slice runs its own program: its devices are one slice's, laid
+        # out as the mesh's inner factors (the outer ones span the slices, create_hybrid_device_mesh's order).
+        total = math.prod(self.mesh.values()) if self.mesh else 0
+        if total > self.devices > 1 and total % self.devices == 0:
+            from nnxscale.sharding.mesh import process_split
+
+            spans = process_split(self.mesh, total // self.devices)[0]
+            self.mesh = {a: size // spans.get(a, 1) for a, size in self.mesh.items()}
         self.memo: dict[str, _Span] = {}
         self.flops_memo: dict[str, tuple[float, float]] = {}
         self.notes: set = set()
@@ -449,9 +457,24 @@ class _Walk:
                     break
         if rec is None:
             return None
-        link, seconds = self.collective_seconds(rec, where[1].attrs)
-        axes = _spanned_axes(where[1].attrs, self.mesh, self.devices) if self.mesh else None
+        attrs = where[1].attrs
+        if instr.opcode == "send":  # across TPU slices: a DCN host transfer (hlo._megascale)
+            link, seconds = self.dcn_seconds(rec)
+            return rec, link, ",".join(a for a, lk in self.axis_links.items() if lk == link), seconds
+        link, seconds = self.collective_seconds(rec, attrs)
+        axes = _spanned_axes(attrs, self.mesh, self.devices) if self.mesh else None
         return rec, link, ",".join(axes or ()), seconds
+
+    def dcn_seconds(self, rec: hlo.Collective) -> tuple[str, float]:
+        """``(link, seconds)`` of a collective across TPU slices: over the link between
+        domains (DCN), each chip's share at its own bandwidth (a host's DCN shared by its
+        chips): ``factor(slices) x bytes / link + latency``."""
+        outer = self.placement.outer if self.placement is not None else "dcn"
+        lk = self.hw.links.get(outer) or self.hw.links[self._link_names()[-1]]
+        n = max(rec.group, 1)
+        share = (n - 1) / n
+        factor = 2 * share if rec.kind == "all-reduce" else share
+        return lk.name, factor * rec.bytes / lk.effective + lk.latency
 
     def collective_seconds(self, rec: hlo.Collective, attrs: str) -> tuple[str, float]:
         """``(link, seconds)``: a collective's time on the links its group crosses.
@@ -546,8 +569,16 @@ class _Walk:
             end, _ = pending.pop(key)
             expose(end)
 
+        by_token: dict[str, str] = {}  # a DCN transfer's token: its send (started), awaited at its recv-done
         for instr in comp.instrs.values():
             op = instr.opcode
+            if op == "recv-done" and instr.operands and (recv := comp.instrs.get(instr.operands[0])) is not None:
+                key = by_token.get(recv.operands[0] if recv.operands else "", "")
+                if key in pending:
+                    wait(key)
+                continue
+            if op == "recv" and "_xla_megascale" in instr.attrs:
+                continue  # the receiving half of a DCN transfer: priced at its send
             if op in _FREE or (op == "custom-call" and (m := _TARGET.search(instr.attrs)) and m.group(1) in _FREE_CALLS):
                 continue
             if op == "while":
@@ -604,7 +635,10 @@ class _Walk:
                 begin = max(t, net)
                 net = begin + seconds
                 issued.append((begin, net, key))
-                asynchronous = op.endswith("-start") or op == "async-start" or _calls_target(self, instr, "AsyncCollectiveStart")
+                asynchronous = (op.endswith("-start") or op == "async-start" or op == "send"
+                                or _calls_target(self, instr, "AsyncCollectiveStart"))  # fmt: skip
+                if op == "send" and len(instr.operands) > 1:
+                    by_token[instr.operands[1]] = instr.name
                 if asynchronous:
                     pending[instr.name] = (net, key)
                     ch = _channel(self, instr)
