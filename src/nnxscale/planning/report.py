@@ -460,7 +460,9 @@ def compare_alternative(p: StepPlan, cfg: TrainConfig, *, target=None, **kw) -> 
     lead = "; " if st.bottleneck.startswith("communication-bound") else (
         f"; the {worst.axes} {worst.kind}s expose {steptime.format_seconds(worst.exposed)}: ")  # fmt: skip
     if alt.fits is False:
-        need = f"needs {format_bytes(alt.peak_bytes)} of {format_bytes(alt.device_memory)} per device"
+        refused_unsized = alt.refused is not None and not alt.refused.get("needs")
+        need = ("the compiler refuses it" if refused_unsized
+                else f"needs {format_bytes(alt.peak_bytes)} of {format_bytes(alt.device_memory)} per device")  # fmt: skip
         st.bottleneck += f"{lead}{mesh} ({why}) does not fit: {need}"
     elif alt.step_time is not None:
         ratio = st.seconds / alt.step_time.seconds
