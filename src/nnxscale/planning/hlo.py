@@ -81,6 +81,8 @@ def megascale_slices(attrs: str) -> int | None:
         lo, _, hi = part.partition(":")
         n += int(hi) - int(lo) + 1 if hi else 1
     return n or None
+
+
 _HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
@@ -347,14 +349,17 @@ def _megascale(comp: _Comp, instr: _Instr, kind: str) -> Collective:
     ``(data, u32[], token[])``), for an all-gather times the slices (the gathered result)."""
     n = megascale_slices(instr.attrs) or 1
     t = instr.type[0] if isinstance(instr.type, list) and instr.type else instr.type
-    if kind == "all-gather":  # the gathered result: the matching recv's buffer (the same token)
+    scale = 1  # an all-gather's result: the matching recv's buffer (the same token), else the send's x the slices
+    if kind == "all-gather":
         token = instr.operands[1] if len(instr.operands) > 1 else None
         recv = next((i for i in comp.instrs.values() if i.opcode == "recv" and i.operands[:1] == [token]), None)
         if recv is not None and isinstance(recv.type, list) and recv.type:
             t = recv.type[0]
+        else:
+            scale = n
     leaves = [(dt, dims) for dt, dims in _leaves(t) if dt in _DTYPE_BYTES and dt != "token"]
-    if kind == "all-gather" and (recv is None or not isinstance(recv.type, list)):
-        leaves = [(dt, (*dims[:-1], dims[-1] * n) if dims else (n,)) for dt, dims in leaves]
+    if scale > 1:
+        leaves = [(dt, (*dims[:-1], dims[-1] * scale) if dims else (scale,)) for dt, dims in leaves]
     nbytes = int(sum(math.prod(dims) * _DTYPE_BYTES[dt] for dt, dims in leaves))
     source = _OP_NAME.search(instr.attrs)
     return Collective(kind, instr.name, comp.name, nbytes, 1, n, "+".join(dict.fromkeys(dt for dt, _ in leaves)),

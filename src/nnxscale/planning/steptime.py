@@ -471,10 +471,7 @@ class _Walk:
         chips): ``factor(slices) x bytes / link + latency``."""
         outer = self.placement.outer if self.placement is not None else "dcn"
         lk = self.hw.links.get(outer) or self.hw.links[self._link_names()[-1]]
-        n = max(rec.group, 1)
-        share = (n - 1) / n
-        factor = 2 * share if rec.kind == "all-reduce" else share
-        return lk.name, factor * rec.bytes / lk.effective + lk.latency
+        return lk.name, _ring_factor(rec.kind, max(rec.group, 1)) * rec.bytes / lk.effective + lk.latency
 
     def collective_seconds(self, rec: hlo.Collective, attrs: str) -> tuple[str, float]:
         """``(link, seconds)``: a collective's time on the links its group crosses.
@@ -494,10 +491,7 @@ class _Walk:
         kind = rec.kind
 
         def factor(k: int) -> float:
-            if kind == "collective-permute" or kind == "collective-broadcast":
-                return 1.0 if k > 1 else 0.0
-            share = (k - 1) / k
-            return 2 * share if kind == "all-reduce" else share
+            return _ring_factor(kind, k)
 
         p = self.placement
         groups = hlo.group_members(attrs, self.devices) if p is not None else None
@@ -761,6 +755,16 @@ def _attention_flops(instr: _Instr, shapes: list, notes: set) -> float:
     else:
         products = 2 if len(acts) <= 3 else 2 + min(grads, 3)
     return products * per_product
+
+
+def _ring_factor(kind: str, k: int) -> float:
+    """The share of a collective's bytes each of ``k`` devices puts on the wire with ring
+    algorithms: ``(k-1)/k`` for a gather, a scatter or an all-to-all, twice that for an
+    all-reduce, the whole buffer for a permute or broadcast (none within one device)."""
+    if kind == "collective-permute" or kind == "collective-broadcast":
+        return 1.0 if k > 1 else 0.0
+    share = (k - 1) / k
+    return 2 * share if kind == "all-reduce" else share
 
 
 def _spanned_axes(attrs: str, mesh: dict, devices: int) -> Optional[list[str]]:

@@ -361,17 +361,14 @@ def alternative_mesh(sizes: dict[str, int], axes, across: bool, target: "Target 
     axes = [a for a in axes if sizes.get(a, 1) > 1]
     if not axes or "stage" in axes:
         return None
-    out = dict(sizes)
     if across and target is not None and target.domains > 1:
         spans = split_over_domains(sizes, target)
         crossing = [a for a in axes if a != "data" and spans.get(a, 1) > 1]
         if crossing:
             a = max(crossing, key=lambda x: spans[x])
-            k = spans[a]
-            out = {"data": sizes.get("data", 1) * k, **{x: s for x, s in sizes.items() if x != "data"}}
-            out[a] = sizes[a] // k
-            out = {x: s for x, s in out.items() if s > 1}
-            return out, f"{a} inside each {target.domain}, data across {target.domain}s"
+            k = spans[a]  # data outermost, across the domains; the axis keeps its inner factor
+            out = {"data": sizes.get("data", 1) * k, **{x: s // k if x == a else s for x, s in sizes.items() if x != "data"}}
+            return {x: s for x, s in out.items() if s > 1}, f"{a} inside each {target.domain}, data across {target.domain}s"
     per_layer = [a for a in ("model", "context", "expert") if a in axes]
     if per_layer:
         return _fold(sizes, per_layer[0], "fsdp"), f"fsdp instead of {per_layer[0]}"
