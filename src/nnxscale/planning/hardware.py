@@ -38,7 +38,9 @@ _AZURE = "Azure/AI-benchmarking-guide, Azure_Results"
 #: H100 v5; the page is kept in forks of the repository, e.g. samuel-bohman/AI-benchmarking-guide
 #: at 26d18e9); H200: 4.01 of 4.80 (ND H200 v5); A100 80GB: 1.61 of 2.039 (ND A100 v4). No B200
 #: figure is published there: the H100's.
-GPU_MEMORY_EFFICIENCY = {"h100": 2.90 / 3.35, "h200": 4.01 / 4.80, "a100": 1.61 / 2.039, "b200": 2.90 / 3.35}
+_STREAM_COPY = {"h100": 2.90e12, "h200": 4.01e12, "a100": 1.61e12}
+GPU_MEMORY_EFFICIENCY = {k: bw / GPU_CHIPS[k]["memory_bandwidth"] for k, bw in _STREAM_COPY.items()}
+GPU_MEMORY_EFFICIENCY["b200"] = GPU_MEMORY_EFFICIENCY["h100"]
 _STREAM_SOURCES = {
     "h100": f"{_AZURE}/ND_H100_v5_results.md (in forks, e.g. samuel-bohman/AI-benchmarking-guide 26d18e9): GPU STREAM Copy 2.90 of 3.35 TB/s",
     "h200": f"{_AZURE}/ND_H200_v5_results.md: GPU STREAM Copy 4.01 of 4.80 TB/s",
@@ -71,8 +73,9 @@ NVLINK_EFFICIENCY = 370 / 450
 #: A small collective's time inside a node: nccl-tests' all-reduce of 1 KiB over 8 GPUs,
 #: from its published bus bandwidth (time = 1 KiB x 2(n-1)/n / busbw) on Azure's VMs (the
 #: pages above): H100 0.07 GB/s, 26 us; H200 0.06, 30 us; A100 0.04, 45 us. B200: the H100's.
-NVLINK_LATENCY = {"h100": 1024 * 1.75 / 0.07e9, "h200": 1024 * 1.75 / 0.06e9, "a100": 1024 * 1.75 / 0.04e9,
-                  "b200": 1024 * 1.75 / 0.07e9}  # fmt: skip
+_SMALL_ALLREDUCE_BUSBW = {"h100": 0.07e9, "h200": 0.06e9, "a100": 0.04e9}  # 1 KiB over 8 GPUs
+NVLINK_LATENCY = {k: 1024 * 2 * 7 / 8 / busbw for k, busbw in _SMALL_ALLREDUCE_BUSBW.items()}
+NVLINK_LATENCY["b200"] = NVLINK_LATENCY["h100"]
 _LATENCY_SOURCES = {
     "h100": f"{_AZURE}/ND_H100_v5_results.md: nccl-tests all-reduce of 1 KiB on 8 x H100, bus bandwidth 0.07 GB/s: 26 us",
     "h200": f"{_AZURE}/ND_H200_v5_results.md: nccl-tests all-reduce of 1 KiB on 8 x H200, bus bandwidth 0.06 GB/s: 30 us",
