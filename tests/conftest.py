@@ -86,10 +86,11 @@ def pytest_configure(config):
     closed, through ``sys.unraisablehook`` (the tests of damaged checkpoints: 23 in one cold
     run, some after their test had ended). The command drops these echoes itself
     (``checkpointer._QuietOrbaxErrors``); a library call leaves them to the process, here
-    pytest's hook, which formats each one in that foreign thread. On Python 3.13.0 an xdist
-    worker died of a segmentation fault inside that hook twice (the last time in the test
-    after the damaged-checkpoint tests, 2026-11-26), so the suite drops exactly these before
-    pytest's hook sees them; every other unraisable exception still reaches it."""
+    pytest's hook, which formats each one in that foreign thread and warns of it. The suite
+    drops exactly these before pytest's hook sees them; every other unraisable exception
+    still reaches it. (This was first taken for the cause of a worker's segmentation fault
+    on Python 3.13.0; a worker crashed again with it in place: tests/test_docs.py's
+    ``fresh_process_state`` tells the likely cause.)"""
     import sys
 
     from nnxscale.checkpoint.checkpointer import closed_loop_echo
