@@ -73,6 +73,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # nnxscale's own per-machine cache (XLA:CPU's calibrated figures, nnxscale.planning.calibration)
 # under the same ignored build folder: the suite never writes to the user's home.
 os.environ["XDG_CACHE_HOME"] = os.path.join(os.path.dirname(_CACHE), "xdg-cache")
+# Defined before any thread starts; each test then sets it (pytest_runtest_setup below).
+os.environ["NNXSCALE_STEP_XLA_OPTIONS"] = ""
 
 import jax  # noqa: E402
 
@@ -183,10 +185,12 @@ def pytest_runtest_setup(item):
     """Before the test's fixtures: the step options of its mark (see STEP_XLA_OPTIONS)."""
     from nnxscale.training.step import ENV_STEP_XLA_OPTIONS
 
+    # Set, never added or removed while XLA's threads run (tests/test_docs.py's
+    # fresh_process_state says why); empty is unset to nnxscale.
     if item.get_closest_marker("many_steps") and _step_options_compile():
         os.environ[ENV_STEP_XLA_OPTIONS] = STEP_XLA_OPTIONS
     else:
-        os.environ.pop(ENV_STEP_XLA_OPTIONS, None)
+        os.environ[ENV_STEP_XLA_OPTIONS] = ""
 
 
 @pytest.fixture
