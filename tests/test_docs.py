@@ -96,13 +96,13 @@ def fresh_process_state(tmp_path, monkeypatch):
     """A block may set XLA_FLAGS and write files: keep both inside the test.
 
     Only the variables a block changed are put back, in place. Emptying the environment and
-    filling it again, as this fixture did until 2026-11-27, makes glibc (before 2.40) build a
-    new ``environ`` array name by name and free the old ones, while XLA's and tensorstore's
-    threads may be reading it with ``getenv``: a use after free, which no Python code can
-    catch. Setting a name that exists replaces one pointer in place. On Python 3.13.0 an
-    xdist worker died of a segmentation fault three times in about 15 cold runs; the two
-    whose test is known (2026-11-26 here, and CI on 2026-11-27) died in this file, the only
-    test that emptied the environment."""
+    filling it again, as this fixture did until 2026-11-27, makes glibc 2.36 (Debian 12's;
+    glibc's commit ce4122ff of late 2024 stopped it) build a new ``environ`` array name by
+    name and free the old ones, while XLA's and tensorstore's threads may be reading it with
+    ``getenv``: a use after free, which no Python code can catch. Setting a name that exists
+    replaces one pointer in place. On Python 3.13.0 an xdist worker died of a segmentation
+    fault three times in about 15 cold runs; the two whose test is known (2026-11-26 here,
+    and CI on 2026-11-27) died in this file, the only test that emptied the environment."""
     monkeypatch.chdir(tmp_path)
     saved = dict(os.environ)
     yield tmp_path
