@@ -41,12 +41,22 @@ _AZURE = "Azure/AI-benchmarking-guide, Azure_Results"
 _STREAM_COPY = {"h100": 2.90e12, "h200": 4.01e12, "a100": 1.61e12}
 GPU_MEMORY_EFFICIENCY = {k: bw / GPU_CHIPS[k]["memory_bandwidth"] for k, bw in _STREAM_COPY.items()}
 GPU_MEMORY_EFFICIENCY["b200"] = GPU_MEMORY_EFFICIENCY["h100"]
-_STREAM_SOURCES = {
-    "h100": f"{_AZURE}/ND_H100_v5_results.md (in forks, e.g. samuel-bohman/AI-benchmarking-guide 26d18e9): GPU STREAM Copy 2.90 of 3.35 TB/s",
-    "h200": f"{_AZURE}/ND_H200_v5_results.md: GPU STREAM Copy 4.01 of 4.80 TB/s",
-    "a100": f"{_AZURE}/ND_A100_v4_results.md: GPU STREAM Copy 1.61 of 2.039 TB/s (A100-SXM4-80GB)",
-    "b200": "no published B200 STREAM figure: the H100's 2.90 of 3.35 TB/s (Azure's ND H100 v5 results)",
+#: Each chip's results page of that guide (the H100's is kept only in forks).
+_AZURE_PAGES = {
+    "h100": "ND_H100_v5_results.md (in forks, e.g. samuel-bohman/AI-benchmarking-guide 26d18e9)",
+    "h200": "ND_H200_v5_results.md",
+    "a100": "ND_A100_v4_results.md (A100-SXM4-80GB)",
 }
+
+
+def _stream_figure(key: str) -> str:
+    """The STREAM Copy bandwidth of ``key`` over its datasheet's: "2.90 of 3.35 TB/s"."""
+    return f"{_STREAM_COPY[key] / 1e12:.2f} of {GPU_CHIPS[key]['memory_bandwidth'] / 1e12:g} TB/s"
+
+
+_STREAM_SOURCES = {k: f"{_AZURE}/{_AZURE_PAGES[k]}: GPU STREAM Copy {_stream_figure(k)}" for k in _STREAM_COPY}
+_STREAM_SOURCES["b200"] = (f"no published B200 STREAM figure: the H100's {_stream_figure('h100')} "
+                           "(Azure's ND H100 v5 results)")  # fmt: skip
 #: The GPU-side gap between kernels launched back to back (XLA:GPU launches each fusion and
 #: GEMM as a kernel; asynchronous launches overlap the host's cost). An assumption, not fitted.
 GPU_OP_OVERHEAD = 2e-6
@@ -77,11 +87,12 @@ _SMALL_ALLREDUCE_BUSBW = {"h100": 0.07e9, "h200": 0.06e9, "a100": 0.04e9}  # 1 K
 NVLINK_LATENCY = {k: 1024 * 2 * 7 / 8 / busbw for k, busbw in _SMALL_ALLREDUCE_BUSBW.items()}
 NVLINK_LATENCY["b200"] = NVLINK_LATENCY["h100"]
 _LATENCY_SOURCES = {
-    "h100": f"{_AZURE}/ND_H100_v5_results.md: nccl-tests all-reduce of 1 KiB on 8 x H100, bus bandwidth 0.07 GB/s: 26 us",
-    "h200": f"{_AZURE}/ND_H200_v5_results.md: nccl-tests all-reduce of 1 KiB on 8 x H200, bus bandwidth 0.06 GB/s: 30 us",
-    "a100": f"{_AZURE}/ND_A100_v4_results.md: nccl-tests all-reduce of 1 KiB on 8 x A100, bus bandwidth 0.04 GB/s: 45 us",
-    "b200": "no published 8 x B200 figure: the H100's 26 us (Azure's ND H100 v5 results)",
-}
+    k: f"{_AZURE}/{_AZURE_PAGES[k]}: nccl-tests all-reduce of 1 KiB on 8 x {k.upper()}, bus bandwidth "
+       f"{busbw / 1e9:.2f} GB/s: {NVLINK_LATENCY[k] * 1e6:.0f} us"
+    for k, busbw in _SMALL_ALLREDUCE_BUSBW.items()
+}  # fmt: skip
+_LATENCY_SOURCES["b200"] = (f"no published 8 x B200 figure: the H100's {NVLINK_LATENCY['h100'] * 1e6:.0f} us "
+                            "(Azure's ND H100 v5 results)")  # fmt: skip
 #: InfiniBand across nodes, one 400 Gb/s NIC per GPU (8 per node: 400 GB/s node egress, the
 #: scaling book's DGX SuperPod figures). No published bus-bandwidth measurement was found: taken
 #: as NVLink's measured efficiency.
