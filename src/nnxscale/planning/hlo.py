@@ -336,6 +336,12 @@ def _collective(comp: _Comp, instr: _Instr, devices: int) -> Collective | None:
         if kind == "reduce-scatter" and base == "reduce-scatter":  # the result: scale back
             dim = _dimension(instr.attrs)
             leaves = [(dt, tuple(d * group if k == dim else d for k, d in enumerate(dims))) for dt, dims in leaves]
+    return _record(comp, instr, kind, group, leaves)
+
+
+def _record(comp: _Comp, instr: _Instr, kind: str, group: int, leaves: list) -> Collective:
+    """The :class:`Collective` of ``instr`` moving ``leaves`` (``(dtype, dims)``; tokens and
+    other non-array leaves dropped), executed once."""
     leaves = [(dt, dims) for dt, dims in leaves if dt in _DTYPE_BYTES and dt != "token"]
     nbytes = int(sum(math.prod(dims) * _DTYPE_BYTES[dt] for dt, dims in leaves))
     dtype = "+".join(dict.fromkeys(dt for dt, _ in leaves))
@@ -357,13 +363,10 @@ def _megascale(comp: _Comp, instr: _Instr, kind: str) -> Collective:
             t = recv.type[0]
         else:
             scale = n
-    leaves = [(dt, dims) for dt, dims in _leaves(t) if dt in _DTYPE_BYTES and dt != "token"]
+    leaves = _leaves(t)
     if scale > 1:
         leaves = [(dt, (*dims[:-1], dims[-1] * scale) if dims else (scale,)) for dt, dims in leaves]
-    nbytes = int(sum(math.prod(dims) * _DTYPE_BYTES[dt] for dt, dims in leaves))
-    source = _OP_NAME.search(instr.attrs)
-    return Collective(kind, instr.name, comp.name, nbytes, 1, n, "+".join(dict.fromkeys(dt for dt, _ in leaves)),
-                      tuple(dims for _, dims in leaves), source=source.group(1) if source else "")  # fmt: skip
+    return _record(comp, instr, kind, n, leaves)
 
 
 def _starts_async(comp: _Comp) -> bool:
