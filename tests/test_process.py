@@ -8,18 +8,21 @@ its process: there a second signal ends it at once, and Orbax's echoes of an err
 reports are held back.
 """
 
+import gc
 import logging
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import jax.numpy as jnp
 
 from nnxscale.checkpoint.checkpointer import Checkpointer, _FILTERED_LOGGERS, _quiet_orbax_errors, checkpoint_dir
 from nnxscale.jobs.process import owned_by_command, owns_process
+from test_train import quiet_train, tiny_cfg
 
 
 
@@ -141,3 +144,42 @@ def test_a_second_signal_while_the_records_are_written_raises_after_them():
             raise AssertionError("no KeyboardInterrupt after the block")
     assert finished == [True]
     assert signal.getsignal(signal.SIGINT) is previous
+
+
+def test_a_second_signal_that_python_swallowed_still_ends_the_run_unsaved(tmp_path, text_data):
+    """Python runs a signal handler inside whatever the main thread executes, and prints (only)
+    an exception raised inside a garbage-collector callback: CI saw JAX's ``_xla_gc_callback``
+    swallow the second signal's KeyboardInterrupt, and the run saved and returned. Here both
+    signals arrive inside a gc callback, every time; the run must still end unsaved with
+    KeyboardInterrupt."""
+    run_dir = tmp_path / "run"
+    sent, swallowed = [], []
+
+    def dispatching() -> bool:  # a step: not the records, where the second signal waits (deferred)
+        frame = sys._getframe()
+        while frame is not None and frame.f_code.co_name != "dispatch":
+            frame = frame.f_back
+        return frame is not None and frame.f_code.co_filename.endswith(os.path.join("training", "loop.py"))
+
+    def signal_inside_gc(phase, _info):
+        if sent or phase != "start" or threading.current_thread() is not threading.main_thread():
+            return
+        if dispatching():
+            sent.append(True)
+            signal.raise_signal(signal.SIGINT)  # the first: a clean stop, asked for
+            signal.raise_signal(signal.SIGTERM)  # the second raises here, and gc only prints it
+
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda u: swallowed.append(u.exc_type)
+    gc.callbacks.append(signal_inside_gc)
+    try:
+        quiet_train(tiny_cfg(run_dir, text_data, steps=100000, save_every=0))
+    except KeyboardInterrupt as e:
+        assert str(e) == "SIGTERM while stopping: the run ended at once, without saving"
+    else:
+        raise AssertionError(f"the run returned after the second signal (swallowed: {swallowed})")
+    finally:
+        gc.callbacks.remove(signal_inside_gc)
+        sys.unraisablehook = hook
+    assert sent and KeyboardInterrupt in swallowed  # the case this test is for happened
+    assert not checkpoint_dir(run_dir).exists() or not any(checkpoint_dir(run_dir).iterdir())  # unsaved

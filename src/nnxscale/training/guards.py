@@ -25,10 +25,18 @@ class StopSignals:
     from the last complete checkpoint); a caller from Python gets ``KeyboardInterrupt``
     (:mod:`nnxscale.jobs.process`), at once unless the run is writing its records
     (:meth:`deferred`).
+
+    Python runs a signal handler at whatever Python code the main thread is executing, and an
+    exception raised inside a garbage-collector callback or a finalizer is only printed
+    ("Exception ignored in"): JAX's ``_xla_gc_callback`` swallowed the second signal's
+    ``KeyboardInterrupt`` in about 1 run in 30, and the run went on to save and return. So
+    the interrupt is also recorded, and :meth:`check` raises it again (``train`` checks each
+    step before its save, and once more as it returns).
     """
 
     def __init__(self):
         self.signal: Optional[int] = None
+        self.interrupted: Optional[int] = None  # the second signal, once its KeyboardInterrupt was raised
         self._previous = {}
         self._deferring = False
         self._pending: Optional[int] = None
@@ -46,6 +54,12 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         self._restore()
+
+    def check(self) -> None:
+        """Raise the second signal's ``KeyboardInterrupt`` again if the run is still going:
+        Python swallowed it (raised inside a garbage-collector callback or a finalizer)."""
+        if self.interrupted is not None:
+            raise _interrupt_error(self.interrupted)
 
     def _restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -84,8 +98,13 @@ class StopSignals:
 
     def _interrupt(self, signum: int) -> None:
         self._restore()  # the caller's handlers again, before its KeyboardInterrupt
-        name = signal.Signals(signum).name
-        raise KeyboardInterrupt(f"{name} while stopping: the run ended at once, without saving")
+        self.interrupted = signum
+        raise _interrupt_error(signum)
+
+
+def _interrupt_error(signum: int) -> KeyboardInterrupt:
+    name = signal.Signals(signum).name
+    return KeyboardInterrupt(f"{name} while stopping: the run ended at once, without saving")
 
 
 class SkipCounter:

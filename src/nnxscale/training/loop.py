@@ -131,6 +131,7 @@ def train(
             run.write_run_files()
             run.describe()
             run.loop(progress)
+        stop.check()  # a second signal whose KeyboardInterrupt Python swallowed during the last save
     if jax.process_index() == 0:
         plot_metrics(run_dir)
     return run.result(run_dir, time.perf_counter() - t_start)
@@ -336,6 +337,7 @@ class _Run:
                 else:
                     bar.update(step)
                 self.skips.check(self.latest_saved)  # nothing is saved, or run, once the run has diverged
+                self.stop.check()  # nor after a second signal whose KeyboardInterrupt Python swallowed
                 if self.stopping or step == cfg.steps or (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0):
                     self.save()
                     self.t_last = time.perf_counter()  # the host-side part of a save is not step time
