@@ -489,16 +489,12 @@ class _Walk:
         if not rec.bytes:
             return self._link_names()[0], 0.0
         kind = rec.kind
-
-        def factor(k: int) -> float:
-            return _ring_factor(kind, k)
-
         p = self.placement
         groups = hlo.group_members(attrs, self.devices) if p is not None else None
         if p is None or not groups or max(max(g) for g in groups) >= len(p.domains):
             link = self.link_of(attrs, n)
             lk = self.hw.links[link]
-            return link, factor(n) * rec.bytes / lk.effective + lk.latency
+            return link, _ring_factor(kind, n) * rec.bytes / lk.effective + lk.latency
         members = sorted({d for g in groups for d in g}) if kind == "collective-permute" else groups[0]
         domains = {p.domains[d] for d in members}
         m = len(domains)
@@ -508,10 +504,10 @@ class _Walk:
         if kind == "collective-permute":  # one hop each, one direction: over the slowest link a pair crosses
             lk = outer if any(len({p.domains[d] for d in pair}) > 1 for pair in groups) else inner
             return lk.name, rec.bytes / lk.effective + lk.latency
-        t_in = factor(g) * rec.bytes / (inner.effective * ways) if g > 1 else 0.0
+        t_in = _ring_factor(kind, g) * rec.bytes / (inner.effective * ways) if g > 1 else 0.0
         if m == 1:
             return inner.name, t_in + inner.latency
-        t_out = factor(m) * rec.bytes / (outer.effective * (1 if kind == "all-to-all" else g))
+        t_out = _ring_factor(kind, m) * rec.bytes / (outer.effective * (1 if kind == "all-to-all" else g))
         return outer.name, max(t_in, t_out) + outer.latency
 
     def _link_names(self) -> list:
