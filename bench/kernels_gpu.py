@@ -8,7 +8,8 @@ interpret mode instead, at 200 tokens, the same cases otherwise):
 
 - ``cudnn`` (``jax.nn.dot_product_attention(implementation="cudnn")``), bfloat16, causal;
 - ``pallas-gpu`` (the Pallas GPU flash kernel), bfloat16 and float32, causal, with and
-  without packed documents;
+  without packed documents: JAX's own kernel where the installed jax ships it (to 0.12.0),
+  else nnxscale's; where JAX's runs, ``nnxscale-triton`` (nnxscale's) runs the same cases;
 
 each against ``jax.nn.dot_product_attention`` computed by XLA in float32 at the highest
 matmul precision on the same (rounded) inputs, and XLA's own attention in the kernel's dtype
@@ -20,7 +21,7 @@ Prints one line per case and one JSON line ``{case: {"out": err, "dq": err, "dk"
 "dv": err, "xla_same_dtype": {...}}}``; the tests' tolerances are 2e-2 in bfloat16 and, on a
 CPU, 1e-5 in float32 (a GPU's float32 matmuls may use TF32: larger there).
 
-    python bench/kernels_gpu.py                 # needs an NVIDIA GPU, jax[cuda12]
+    python bench/kernels_gpu.py                 # needs an NVIDIA GPU, jax[cuda13] (or cuda12)
     python bench/kernels_gpu.py --interpret     # any machine: splash and pallas-gpu in interpret mode
 """
 
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nnxscale.layers import attention as attn
-from nnxscale.layers.kernels.gpu_flash import gpu_flash_attention
+from nnxscale.layers.kernels.gpu_flash import gpu_flash_attention, shipped_kernel
 from nnxscale.layers.kernels.splash import splash_attention
 
 B, N, K, H = 2, 16, 4, 64
@@ -82,6 +83,11 @@ def interpreted(impl: str):
     return lambda q, k, v, seg: kernel(q, k, v, seg, seg, causal=True, interpret=True)
 
 
+def own_triton(interpret: bool):
+    """nnxscale's Pallas GPU kernel where ``pallas-gpu`` runs JAX's."""
+    return lambda q, k, v, seg: gpu_flash_attention(q, k, v, seg, seg, causal=True, interpret=interpret, own=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--interpret", action="store_true", help="the Pallas kernels (splash and pallas-gpu) in Pallas "
@@ -94,6 +100,8 @@ def main() -> None:
     r = np.random.default_rng(0)
     results = {}
     impls = ("splash", "pallas-gpu") if interpret else ("cudnn", "pallas-gpu")
+    if shipped_kernel() is not None:
+        impls += ("nnxscale-triton",)
     cases = [(impl, dtype, docs) for impl in impls for dtype in (jnp.bfloat16, jnp.float32) for docs in (False, True)
              if impl != "cudnn" or (dtype == jnp.bfloat16 and not docs)]  # cuDNN: bfloat16, no document mask here
     for impl, dtype, docs in cases:
@@ -101,7 +109,7 @@ def main() -> None:
         seg = documents(T) if docs else None
         exact = functools.partial(reference, seg=seg)
         want = out_and_grads(exact, *(x.astype(jnp.float32) for x in (q, k, v, ct)))
-        kernel = (interpreted if interpret else on_the_gpu)(impl)
+        kernel = own_triton(interpret) if impl == "nnxscale-triton" else (interpreted if interpret else on_the_gpu)(impl)
         got = out_and_grads(lambda q, k, v: kernel(q, k, v, seg), q, k, v, ct)  # noqa: B023
         same = out_and_grads(exact, q, k, v, ct)
         name = f"{impl} {jnp.dtype(dtype).name}{' documents' if docs else ''}"

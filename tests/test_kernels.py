@@ -21,12 +21,15 @@ from nnxscale.errors import ConfigError
 from nnxscale.jobs import jax_private
 from nnxscale.layers import attention as attn
 from nnxscale.layers.kernels import per_device
+from nnxscale.layers.kernels import gpu_flash
 from nnxscale.layers.kernels.gpu_flash import gpu_flash_attention
 from nnxscale.layers.kernels.splash import splash_attention
 from nnxscale.sharding.activations import use_rules
 from nnxscale.sharding.mesh import make_mesh
 
 KERNELS = {"splash": splash_attention, "pallas-gpu": gpu_flash_attention}
+if gpu_flash.shipped_kernel() is not None:  # pallas-gpu runs JAX's kernel on this jax: nnxscale's as well
+    KERNELS["nnxscale-triton"] = functools.partial(gpu_flash_attention, own=True)
 # B, T, N, K, H: grouped queries (two per key/value head) and 100 tokens, in one tile of 128
 # with 28 padded
 SHAPE = (2, 100, 4, 2, 32)

@@ -24,10 +24,10 @@ Implementations (``impl``):
   attention does about half the work. Works on every backend.
 - ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, NVIDIA's fused
   kernel; needs an NVIDIA GPU (or an NVIDIA target compiled for here), the cuDNN library
-  (``nvidia-cudnn-cu12``), float16 or bfloat16, and no document mask.
+  (``nvidia-cudnn-cu13``, or ``-cu12`` with CUDA 12's plugin), float16 or bfloat16, and no document mask.
 - ``"splash"``: TPU, the Pallas splash attention kernel shipped in JAX
   (:mod:`nnxscale.layers.kernels.splash`): causal, grouped-query, document masks.
-- ``"pallas-gpu"``: NVIDIA, the Pallas GPU flash attention kernel shipped in JAX
+- ``"pallas-gpu"``: NVIDIA, a Pallas GPU flash attention kernel, JAX's own where jax ships it
   (:mod:`nnxscale.layers.kernels.gpu_flash`): causal, grouped-query, document masks.
 - ``"auto"``: chosen for the platform of the mesh's devices (a mesh of a deviceless target
   included): ``splash`` on TPU; ``cudnn`` on NVIDIA where it applies, else ``pallas-gpu``;
@@ -56,6 +56,7 @@ from nnxscale.layers.attention_names import IMPLEMENTATIONS
 from nnxscale.layers.kernels import pad_tokens, per_device
 from nnxscale.layers.kernels.gpu_flash import gpu_flash_attention
 from nnxscale.layers.kernels.splash import splash_attention
+from nnxscale.sharding.devices import installed_extra
 from nnxscale.sharding.mesh import context_mesh, varying_like
 
 #: ``auto`` uses the blockwise kernel from this many query tokens on (on CPU and other platforms without a kernel).
@@ -163,7 +164,7 @@ def resolve(impl: str, q_len: int, dtype, head_dim: int, documents: bool = False
         raise ConfigError("--attention cudnn takes plain causal attention here, not --document-mask: use auto or pallas-gpu")
     if impl == "cudnn" and not cudnn_applies(dtype, head_dim, platform):
         raise ConfigError(
-            f"--attention cudnn needs an NVIDIA GPU, the cuDNN library (pip install nvidia-cudnn-cu12) and float16 or "
+            f"--attention cudnn needs an NVIDIA GPU, the cuDNN library (pip install {cudnn_package()}) and float16 or "
             f"bfloat16 (head width a multiple of 8, at most 128); here: {platform}, {jnp.dtype(dtype).name}, head width "
             f"{head_dim}: use --attention auto, xla or blockwise"
         )
@@ -214,13 +215,18 @@ def describe(impl: str, q_len: int, dtype, head_dim: int, context: int = 1, docu
     return f"attention: {chosen} (auto: {why}){masked}"
 
 
+def cudnn_package() -> str:
+    """The pip package of the cuDNN library for the installed CUDA plugin (13 where none is)."""
+    return "nvidia-cudnn-cu12" if installed_extra("gpu") == "cuda12" else "nvidia-cudnn-cu13"
+
+
 def _why_not_cudnn(dtype, head_dim: int, documents: bool) -> str:
     from nnxscale.jobs.jax_private import cudnn_version
 
     if documents:
         return "cuDNN takes no document mask here"
     if cudnn_version() is None:
-        return "the cuDNN library is not installed (nvidia-cudnn-cu12)"
+        return f"the cuDNN library is not installed ({cudnn_package()})"
     return f"cuDNN takes float16 or bfloat16 and head widths up to 128 in multiples of 8 (here {head_dim})"
 
 

@@ -2,8 +2,9 @@
 
 - :mod:`.splash`: TPU, the Pallas splash attention shipped in JAX
   (``jax.experimental.pallas.ops.tpu.splash_attention``);
-- :mod:`.gpu_flash`: NVIDIA, the Pallas GPU flash attention shipped in JAX
-  (``jax.experimental.pallas.ops.gpu.attention``), for what cuDNN's fused attention
+- :mod:`.gpu_flash`: NVIDIA, a Pallas GPU flash attention: the one shipped in JAX
+  (``jax.experimental.pallas.ops.gpu.attention``) where jax has it (to 0.12.0), else
+  nnxscale's (:mod:`.triton_flash`), for what cuDNN's fused attention
   (``jax.nn.dot_product_attention(implementation="cudnn")``) does not take here.
 
 Both take the layout of :func:`~nnxscale.layers.attention.attention` (queries ``(B, T, N, H)``,

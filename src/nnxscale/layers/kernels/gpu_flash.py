@@ -1,12 +1,14 @@
-"""NVIDIA: the Pallas GPU flash attention kernel shipped in JAX, in nnxscale's layout.
+"""NVIDIA: a Pallas GPU flash attention kernel (FlashAttention-2, compiled through Triton), in
+nnxscale's layout.
 
-``jax.experimental.pallas.ops.gpu.attention.mha`` is FlashAttention-2 written in Pallas and
-compiled through Triton: the forward walks key/value tiles with an online softmax and keeps
-the log-sum-exp, the backward (its own kernels) recomputes the tiles from it. It takes one
-document id per token for queries and keys alike (self-attention: ``T == S``) and as many
-key/value heads as query heads, so grouped-query keys and values are repeated per query head
-here (their gradients summed back by the repeat's own gradient). nnxscale uses it on NVIDIA
-GPUs where cuDNN's fused attention does not apply here: document masks, float32.
+The kernel is JAX's own (``jax.experimental.pallas.ops.gpu.attention.mha``) where the
+installed jax ships it, up to 0.12.0, and nnxscale's (:mod:`.triton_flash`) from 0.12.1, which
+ships none. Both walk key/value tiles with an online softmax and keep the log-sum-exp, their
+backward recomputing the tiles from it; both take one document id per token for queries and
+keys alike (self-attention: ``T == S``) and as many key/value heads as query heads, so
+grouped-query keys and values are repeated per query head here (their gradients summed back by
+the repeat's own gradient). nnxscale uses it on NVIDIA GPUs where cuDNN's fused attention does
+not apply here: document masks, float32.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from nnxscale.layers.kernels import pad_tokens, padded
+from nnxscale.layers.kernels import pad_tokens, padded, triton_flash
 
 #: Tokens per forward tile of queries and of keys (the kernel's defaults), fewer for a shorter sequence.
 BLOCK = 128
@@ -31,18 +33,18 @@ def applies(T: int, S: int) -> bool:
 
 
 def gpu_flash_attention(q, k, v, q_segments=None, k_segments=None, *, causal: bool = True,
-                        block: Optional[int] = None, interpret: bool = False):  # fmt: skip
+                        block: Optional[int] = None, interpret: bool = False, own: bool = False):  # fmt: skip
     """Attention of ``q (B, T, N, H)`` over ``k, v (B, S, K, H)``, query ``i`` seeing key ``j``
     when ``j <= i`` (``causal``) and, with segments ``(B, T)`` (``k_segments`` the same
     array: self-attention), of its own document. Returns ``(B, T, N, H)`` in ``q``'s dtype.
-    ``interpret``: run the kernel's own code in Pallas interpret mode (any backend; for tests)."""
-    from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
-
+    ``interpret``: run the kernel's own code in Pallas interpret mode (any backend; for tests).
+    ``own``: nnxscale's kernel even where jax ships its own (to compare the two)."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     if not applies(T, S):
         raise ValueError(f"the Pallas GPU kernel takes self-attention only (as many keys as queries), got T={T}, S={S}")
-    b = min(block or BLOCK, padded(T, BACKWARD_BLOCK))  # whole backward tiles too
+    # Tiles of a power of two tokens (Triton's), whole backward tiles among them.
+    b = min(block or BLOCK, max(BACKWARD_BLOCK, 1 << (T - 1).bit_length()))
     n = padded(T, b)
     # Padded keys stay unseen: past every query under a causal mask, else by a document id of
     # their own (-1, which no real token has); padded queries see only them and are dropped.
@@ -54,10 +56,22 @@ def gpu_flash_attention(q, k, v, q_segments=None, k_segments=None, *, causal: bo
     if segments is not None:
         segments = pad_tokens(jnp.asarray(segments, jnp.int32), n, fill=-1)
     bb = min(BACKWARD_BLOCK, b)
-    out = pallas_gpu.mha(
-        pad_tokens(q, n), pad_tokens(k, n), pad_tokens(v, n), segments, sm_scale=1.0 / math.sqrt(H), causal=causal,
-        block_sizes=pallas_gpu.BlockSizes(block_q=b, block_k=b, block_q_dkv=bb, block_kv_dkv=bb, block_q_dq=bb,
-                                          block_kv_dq=bb),
-        interpret=interpret,
-    )  # fmt: skip
+    q, k, v, scale = pad_tokens(q, n), pad_tokens(k, n), pad_tokens(v, n), 1.0 / math.sqrt(H)
+    shipped = None if own else shipped_kernel()
+    if shipped is None:
+        out = triton_flash.flash_attention(q, k, v, segments, scale=scale, causal=causal, block=b, backward_block=bb,
+                                           interpret=interpret)  # fmt: skip
+    else:
+        sizes = shipped.BlockSizes(block_q=b, block_k=b, block_q_dkv=bb, block_kv_dkv=bb, block_q_dq=bb, block_kv_dq=bb)
+        out = shipped.mha(q, k, v, segments, sm_scale=scale, causal=causal, block_sizes=sizes, interpret=interpret)
     return out[:, :T].astype(q.dtype)
+
+
+def shipped_kernel():
+    """JAX's own Pallas GPU attention module where the installed jax ships it (to 0.12.0),
+    else None (imported on first use: it pulls in the Triton backend)."""
+    try:
+        from jax.experimental.pallas.ops.gpu import attention
+    except ImportError:
+        return None
+    return attention
