@@ -137,17 +137,14 @@ def pytest_report_header(config):
 def pytest_collection_modifyitems(config, items):
     """Leaves out the ``extended`` tests unless ``-m`` says otherwise; skips the tests marked
     ``needs_cuda_plugin`` without the CUDA plugin: they compile for NVIDIA targets
-    (``pip install -e '.[cuda12]'``; .ci/run installs it and runs them after the suite)."""
-    import importlib.util
+    (``pip install -e '.[cuda13]'``; .ci/run installs it and runs them after the suite)."""
+    from nnxscale.sharding.devices import installed_extra
 
     _select_extended(config, items)
 
-    try:
-        if importlib.util.find_spec("jax_plugins.xla_cuda12") is not None:
-            return
-    except ImportError:  # no jax_plugins package at all
-        pass
-    skip = pytest.mark.skip(reason="the NVIDIA compiler is not installed: pip install -e '.[cuda12]'")
+    if installed_extra("gpu") is not None:
+        return
+    skip = pytest.mark.skip(reason="the NVIDIA compiler is not installed: pip install -e '.[cuda13]'")
     for item in items:
         if "needs_cuda_plugin" in item.keywords:
             item.add_marker(skip)

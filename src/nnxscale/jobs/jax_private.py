@@ -6,7 +6,7 @@ is gone into one :class:`~nnxscale.errors.JaxVersionError` naming it, the runnin
 what nnxscale used it for (the CLI prints that as one line). ``tests/test_jax_private.py``
 calls each of them, so a JAX release that drops one fails there first, by name.
 
-Checked present in jax 0.10.2 (Python 3.11's newest) and 0.12.0.1 (3.12's and 3.13's).
+Checked present in jax 0.10.2 (Python 3.11's newest), 0.12.0.1 and 0.12.1 (3.12's and 3.13's).
 """
 
 from __future__ import annotations
@@ -67,10 +67,12 @@ def hlo_cost_analysis(module) -> dict:
 @functools.cache
 def cudnn_version():
     """The cuDNN library's version as JAX's fused attention reads it (e.g. 92800), or ``None``
-    where none loads (no ``nvidia-cudnn-cu12``: then ``implementation="cudnn"`` cannot even be
+    where none loads (no ``nvidia-cudnn-cu13``, or ``-cu12`` with CUDA 12's plugin: then ``implementation="cudnn"`` cannot even be
     traced, on a GPU or for one)."""
     check = _private("cudnn.fused_attention_stablehlo", "check_cudnn_version", used_for="to see whether cuDNN loads")
     try:
         return check()
     except RuntimeError:  # "cuDNN not found." / "cuDNN is not detected."
+        return None
+    except SystemError:  # CUDA 13's plugin (0.12.1) without the library: its error untranslated
         return None

@@ -22,7 +22,7 @@ import math
 import re
 
 from nnxscale.errors import NnxscaleError
-from nnxscale.sharding.devices import MEMORY
+from nnxscale.sharding.devices import COMPILER_EXTRAS, MEMORY, installed_extra
 
 
 class TargetError(NnxscaleError, ValueError):
@@ -148,10 +148,6 @@ TPU_SHAPES = {
     3: {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8", 512: "8x8x8"},
 }
 
-#: The pip extra that installs each family's compiler, and the module it brings.
-EXTRAS = {"gpu": ("cuda12", "jax_plugins.xla_cuda12"), "tpu": ("tpu", "libtpu")}
-
-
 @dataclasses.dataclass(frozen=True)
 class Target:
     """A set of accelerators: ``chips`` devices of ``memory`` bytes each, compiled for by
@@ -184,7 +180,8 @@ class Target:
 
     @property
     def extra(self) -> str:
-        return EXTRAS[self.family][0]
+        """The pip extra that installs this target's compiler (the one installed, if any)."""
+        return installed_extra(self.family) or COMPILER_EXTRAS[self.family][0][0]
 
     def describe(self) -> str:
         """One line: the chips, their memory, how they are connected."""
@@ -196,15 +193,10 @@ class Target:
 
     def check_installed(self) -> None:
         """One :class:`TargetError` line naming the extra when this target's compiler is missing."""
-        extra, module = EXTRAS[self.family]
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ImportError:  # the parent package is missing
-            found = False
-        if not found:
+        if installed_extra(self.family) is None:
             what = "the CUDA plugin" if self.family == "gpu" else "libtpu"
             raise TargetError(
-                f"--target {self.name} compiles with {what}, which is not installed: pip install 'nnxscale[{extra}]'"
+                f"--target {self.name} compiles with {what}, which is not installed: pip install 'nnxscale[{self.extra}]'"
             )
 
     def gpu_target_config(self) -> str:

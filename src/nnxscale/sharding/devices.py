@@ -5,6 +5,7 @@ Plain data, no jax import, so the command line can list it before jax starts.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from typing import NamedTuple, Optional
 
@@ -94,3 +95,21 @@ def memory_of(device) -> Optional[int]:
     if row is None or row.chip is None:
         return None
     return MEMORY.get(row.chip, MEMORY.get(f"tpu-{row.chip}"))  # a GPU's chip key is its name; a TPU's is tpu-<chip>
+
+
+#: The pip extras that install each family's compiler ("gpu": JAX's CUDA plugins, "tpu":
+#: libtpu) and the module each brings, the one to name first: JAX ships a CUDA 13 plugin for
+#: every release nnxscale supports and a CUDA 12 one only up to 0.12.0.1.
+COMPILER_EXTRAS = {"gpu": (("cuda13", "jax_plugins.xla_cuda13"), ("cuda12", "jax_plugins.xla_cuda12")),
+                   "tpu": (("tpu", "libtpu"),)}  # fmt: skip
+
+
+def installed_extra(family: str) -> Optional[str]:
+    """The extra whose compiler for ``family`` ("gpu" or "tpu") is installed, or None."""
+    for extra, module in COMPILER_EXTRAS[family]:
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return extra
+        except ImportError:  # the parent package is missing
+            pass
+    return None
