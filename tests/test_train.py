@@ -24,6 +24,7 @@ from flax import nnx
 
 import nnxscale.training.loop as train_mod
 from nnxscale.cli import commands as cli
+from nnxscale.errors import DonatedStateError
 from nnxscale.data import tokens as datalib
 from nnxscale.checkpoint.checkpointer import checkpoint_dir
 from nnxscale.training.config import FLAT_NAMES, TrainConfig, with_overrides
@@ -353,7 +354,11 @@ def test_gradient_accumulation_matches_one_big_batch(text_data, documents):
             inputs[::2, 5::7] = 0
             assert (inputs == 0).sum() == 8 * 4
             batch = datalib.to_global({"inputs": inputs, "targets": np.array(batch["targets"])}, s.batch_sharding)
-        state, metrics = make_train_step(s)(state, batch)
+        step, taken = make_train_step(s), state
+        state, metrics = step(state, batch)
+        if accum == 1:  # the step donates its state: passing the one it took again is a clear error
+            with pytest.raises(DonatedStateError, match="already passed to the step, which donates it"):
+                step(taken, batch)
         results[accum] = (before, jax.device_get(metrics), host_params(state))
     (before, m1, p1), (before2, m2, p2) = results[1], results[2]
     assert_params_equal(before2, before)

@@ -44,6 +44,7 @@ _EXPORTS = {
     "DamagedCheckpointError": "nnxscale.errors",
     "JobError": "nnxscale.errors",
     "JaxVersionError": "nnxscale.errors",
+    "DonatedStateError": "nnxscale.errors",
     # meshes
     "make_mesh": "nnxscale.sharding.mesh",
     "parse_mesh_spec": "nnxscale.sharding.mesh",

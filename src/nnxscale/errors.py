@@ -85,6 +85,11 @@ class DivergenceError(NnxscaleError, FloatingPointError):
     """Training stopped: the loss or gradient norm stayed non-finite for too many steps."""
 
 
+class DonatedStateError(NnxscaleError, RuntimeError):
+    """A train state passed to a step that already took it: the step donates its state, so
+    its arrays are gone; the state to pass on is the one the step returned."""
+
+
 class JaxVersionError(NnxscaleError, RuntimeError):
     """The installed jax lacks a name nnxscale relies on (one of JAX's private ones)."""
 

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nnxscale.data import text as text
-from nnxscale.errors import ConfigError
+from nnxscale.errors import ConfigError, DonatedStateError
 from nnxscale.jobs.distributed import StopVote
 from nnxscale.layers.attention import platform_of
 from nnxscale.layers.one_f_one_b import pipeline_value_and_grad
@@ -130,13 +130,37 @@ def make_train_step(s: Setup, *, vote: bool = False):
     in_shardings = (s.state_shardings, s.batch_sharding)
     if vote:
         in_shardings += (StopVote.sharding(s.mesh),)
-    return jax.jit(
+    return DonatingStep(jax.jit(
         _under_rules(step, s),
         in_shardings=in_shardings,
         out_shardings=(s.state_shardings, None),
         donate_argnums=0,
         compiler_options=step_compiler_options(s),
-    )
+    ))  # fmt: skip
+
+
+class DonatingStep:
+    """A jitted step that donates its first argument, the state. Called with a state it already
+    took (whose arrays the backend deleted), it raises
+    :class:`~nnxscale.errors.DonatedStateError` saying so before anything runs: JAX would say
+    "Array has been deleted", or, with jaxlib 0.10's sharded XLA:CPU step, crash the process.
+    Everything else (``lower``, ``trace``) is the jitted function's."""
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+
+    def __call__(self, state, *args):
+        gone = sum(1 for x in jax.tree.leaves(state) if isinstance(x, jax.Array) and x.is_deleted())
+        if gone:
+            raise DonatedStateError(
+                f"this train state was already passed to the step, which donates it ({gone} of its arrays are "
+                "deleted): pass the state the step returned, `state, metrics = step(state, batch)`, or a copy "
+                "taken before the step (jax.tree.map(jnp.copy, state))"
+            )
+        return self.jitted(state, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.jitted, name)
 
 
 def replica_axes(s: Setup) -> tuple[str, ...]:
