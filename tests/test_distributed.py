@@ -94,9 +94,10 @@ def children(pid: int) -> dict[int, int]:
                 continue
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-        except (FileNotFoundError, ProcessLookupError):
+        except (FileNotFoundError, ProcessLookupError, IndexError):  # gone, or going (an empty stat)
             continue
-        found[int(env[b"NNXSCALE_PROCESS_ID"])] = int(entry)
+        if b"NNXSCALE_PROCESS_ID" in env:  # not yet exec'd: still the launcher's environment
+            found[int(env[b"NNXSCALE_PROCESS_ID"])] = int(entry)
     return found
 
 
@@ -109,7 +110,7 @@ def in_group(pgid: int) -> list[int]:
         try:
             with open(f"/proc/{entry}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
+        except (FileNotFoundError, ProcessLookupError, IndexError):  # gone, or going (an empty stat)
             continue
         if int(fields[2]) == pgid and fields[0] != "Z":
             left.append(int(entry))
@@ -127,6 +128,22 @@ def wait_for_step(run_dir, step: int, proc: subprocess.Popen, timeout: float = 3
             return
         assert proc.poll() is None, f"the job ended before step {step}: {proc.communicate()}"
         assert time.monotonic() < deadline, f"no step {step} within {timeout} s"
+        time.sleep(0.05)
+
+
+def saved_steps(run_dir) -> list[int]:
+    """The steps of the run's complete checkpoints (Orbax renames a step's directory to its
+    number when the step is written whole)."""
+    where = checkpoint_dir(run_dir)
+    return sorted(int(p.name) for p in where.iterdir() if p.name.isdigit()) if where.exists() else []
+
+
+def wait_for_checkpoint(run_dir, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Until the run has a complete checkpoint: a step is logged before its save ends."""
+    deadline = time.monotonic() + timeout
+    while not saved_steps(run_dir):
+        assert proc.poll() is None, f"the job ended before its first checkpoint: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"no complete checkpoint within {timeout} s"
         time.sleep(0.05)
 
 
@@ -247,6 +264,7 @@ def test_a_killed_process_ends_the_job_fast_and_nothing_is_left(tmp_path, text_d
     job = launcher("-n", "2", "--cpu-devices", "4", "--", *train_args(run_dir, text_data, "data=8", 1000, "--save-every", "2"))
     try:
         wait_for_step(run_dir, 2, job)
+        wait_for_checkpoint(run_dir, job)  # under load, step 2's save may still be under way
         pids = children(job.pid)
         os.kill(pids[1], signal.SIGKILL)
         killed = time.monotonic()
@@ -266,7 +284,7 @@ def test_a_killed_process_ends_the_job_fast_and_nothing_is_left(tmp_path, text_d
         assert in_group(pid) == [], f"process group {pid} outlived the launcher"
 
     # The re-run resumes from the newest complete checkpoint (here on one process).
-    saved = sorted(int(p.name) for p in checkpoint_dir(run_dir).iterdir() if p.name.isdigit())
+    saved = saved_steps(run_dir)
     out = train_here(capsys, run_dir, text_data, "data=8", saved[-1] + 1)
     assert f"from step {saved[-1]}" in out
 
@@ -325,6 +343,7 @@ def test_a_stalled_process_ends_the_job_with_stacks_and_the_phase(tmp_path, text
     job = launcher("-n", "2", "--cpu-devices", "4", "--", *command)
     try:
         wait_for_step(run_dir, 6, job)
+        wait_for_checkpoint(run_dir, job)
         pids = children(job.pid)
         os.kill(pids[1], signal.SIGSTOP)
         stopped = time.monotonic()
@@ -345,7 +364,7 @@ def test_a_stalled_process_ends_the_job_with_stacks_and_the_phase(tmp_path, text
     for pid in pids.values():
         assert in_group(pid) == [], f"process group {pid} outlived the launcher"
 
-    saved = sorted(int(p.name) for p in checkpoint_dir(run_dir).iterdir() if p.name.isdigit())
+    saved = saved_steps(run_dir)
     out = train_here(capsys, run_dir, text_data, "data=8", saved[-1] + 2)
     assert f"from step {saved[-1]}" in out
 
