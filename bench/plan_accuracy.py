@@ -11,6 +11,8 @@ accumulation, bfloat16) that test the fit.
     python bench/plan_accuracy.py                    # compile the grid, report the errors
     python bench/plan_accuracy.py --cache grid.jsonl # keep/reuse compiled results
     python bench/plan_accuracy.py --fit              # refit: prints COEFFICIENTS for nnxscale/planning/estimate.py
+    python bench/plan_accuracy.py --fit --remat none # one policy's configs; refit its row on the running jaxlib
+                                                     # (the shared coefficients kept): a LATER_COEFFICIENTS entry
 
 Last line, JSON: the largest and mean relative error of the estimated peak memory per
 device and of the collective bytes per step, on the fitted and on the held-out configs.
@@ -100,10 +102,23 @@ def fit(rows) -> dict:
     return coef
 
 
+def fit_policy(rows, remat: str) -> dict:
+    """Refit ``remat``'s saved coefficients to ``rows`` of (features, compiled), the shared ones
+    (of the running jaxlib's table) kept, minimizing relative error."""
+    table = estimate.coefficients()
+    saved = list(estimate.SAVED_FEATURES)
+    shared = [sum(table["shared"].get(k, 0.0) * f[k] for k in estimate.SHARED_FEATURES) for f, _ in rows]
+    A = np.array([[f[k] for k in saved] for f, _ in rows]) / np.array([[c["temp"]] for _, c in rows])
+    b = np.array([1 - s / c["temp"] for s, (_, c) in zip(shared, rows)])
+    return {k: float(v) for k, v in zip(saved, nnls(A, b)) if v}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cache", help="JSONL of compiled results to reuse and extend")
     ap.add_argument("--fit", action="store_true", help="refit the coefficients and print them")
+    ap.add_argument("--remat", choices=REMATS, help="only the configs of this remat policy (with --fit: refit its "
+                    "row alone, for the running jaxlib)")  # fmt: skip
     args = ap.parse_args()
     cache = {}
     if args.cache and os.path.exists(args.cache):
@@ -112,6 +127,8 @@ def main() -> None:
             cache[json.dumps(rec["g"], sort_keys=True)] = rec
     rows = []
     for g, held_out in grid():
+        if args.remat and g["remat"] != args.remat:
+            continue
         c = compiled(g, cache)
         cfg = config(g)
         lay = layout.layout_figures(cfg, layout.mesh_sizes(cfg.parallel.mesh))
@@ -119,9 +136,15 @@ def main() -> None:
         if args.cache:
             with open(args.cache, "w") as f:
                 f.writelines(json.dumps(v) + "\n" for v in cache.values())
-    if args.fit:
+    if args.fit and args.remat:
+        row = fit_policy([(f, c) for g, held, c, _, f in rows if not held], args.remat)
+        version = estimate.jaxlib_version()
+        estimate.LATER_COEFFICIENTS[version] = {**estimate.LATER_COEFFICIENTS.get(version, {}), args.remat: row}
+        print(f"LATER_COEFFICIENTS[{version}][{args.remat!r}] = " + json.dumps(row, indent=4))
+    elif args.fit:
         estimate.COEFFICIENTS.clear()
         estimate.COEFFICIENTS.update(fit([(f, c, g["remat"]) for g, held, c, _, f in rows if not held]))
+        estimate.LATER_COEFFICIENTS.clear()  # this jaxlib's fit is the whole table
         print("COEFFICIENTS = " + json.dumps(estimate.COEFFICIENTS, indent=4))
 
     print(f"{'model':<12}{'mesh':<16}{'remat':<6}{'batch':>9} {'extra':<10}{'peak (compiler)':>16}{'estimate':>10}{'collectives':>13}{'estimate':>10}")
@@ -138,6 +161,8 @@ def main() -> None:
     summary = {}
     for held, name in ((False, "fitted"), (True, "held_out")):
         peak, coll = errs[held]
+        if not peak:
+            continue
         summary[f"{name}_peak_max_err"] = round(max(peak), 4)
         summary[f"{name}_peak_mean_err"] = round(float(np.mean(peak)), 4)
         summary[f"{name}_collectives_max_err"] = round(max(coll), 4)

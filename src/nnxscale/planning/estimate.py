@@ -5,6 +5,7 @@ the ring's costs, and the analytical estimate of temporaries and peak fitted to 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Optional
 
 import jax
@@ -354,6 +355,42 @@ COEFFICIENTS: dict[str, dict[str, float]] = {
 }
 
 
+#: Coefficients refitted to a later XLA:CPU, by the first jaxlib they fit, each replacing its
+#: policy's row of :data:`COEFFICIENTS` from that jaxlib on. jaxlib 0.12.1's XLA:CPU keeps one
+#: copy of each layer's attention probabilities for the backward of a step that recomputes
+#: nothing, where 0.10's keeps about two (``saved_att`` 1.21 against 2.21: gpt2-mini, fsdp=8,
+#: 32 x 256, 133 MB of temporaries per device against 175 MB); under the other policies the
+#: two compile the same figures. Refitted by ``python bench/plan_accuracy.py --fit --remat
+#: none`` on that jaxlib, the shared coefficients kept.
+LATER_COEFFICIENTS: dict[tuple[int, ...], dict[str, dict[str, float]]] = {
+    (0, 12, 1): {
+        "none": {
+            "saved_res": 7.786,
+            "saved_tp": 18.62,
+            "saved_att": 1.207,
+        },
+    },
+}
+
+
+def jaxlib_version() -> tuple[int, ...]:
+    """The running jaxlib's version, e.g. ``(0, 12, 1)``."""
+    import jaxlib
+
+    return tuple(int(part) for part in re.findall(r"\d+", jaxlib.__version__)[:3])
+
+
+def coefficients(version: Optional[tuple[int, ...]] = None) -> dict[str, dict[str, float]]:
+    """:data:`COEFFICIENTS` with the rows of :data:`LATER_COEFFICIENTS` that ``version`` (the
+    running jaxlib's by default) has reached."""
+    version = jaxlib_version() if version is None else version
+    table = dict(COEFFICIENTS)
+    for since, rows in sorted(LATER_COEFFICIENTS.items()):
+        if version >= since:
+            table.update(rows)
+    return table
+
+
 #: Features kept for the backward pass, one coefficient each per remat policy.
 SAVED_FEATURES = ("saved_res", "saved_tp", "saved_att")
 
@@ -449,13 +486,14 @@ def estimate(cfg: TrainConfig, lay: Optional[dict] = None) -> dict[str, Any]:
     if lay is None:
         lay = layout_figures(cfg, mesh_sizes(cfg.parallel.mesh))
     f = features(cfg, lay)
-    shared, saved = COEFFICIENTS.get("shared", {}), COEFFICIENTS.get(cfg.model.remat, {})
+    table = coefficients()
+    shared, saved = table.get("shared", {}), table.get(cfg.model.remat, {})
     temp = sum(shared.get(k, 0.0) * f[k] for k in SHARED_FEATURES) + sum(saved.get(k, 0.0) * f[k] for k in SAVED_FEATURES)
     temp = int(max(temp, f["grads"] + f["grads_sum"]))
     experts = split_params(lay["rows"], lay["rules"])["experts"]
     if experts:  # the experts' exchange: counted, not fitted
         temp += exchange_temp_bytes(cfg, lay)
-    coll_coef = COEFFICIENTS.get("collectives", {})
+    coll_coef = table.get("collectives", {})
     coll = int(sum(coll_coef.get(k, 0.0) * f[k] for k in COLLECTIVE_FEATURES))
     by_kind = {"all (estimate)": coll}
     if lay["rules"].length_shard_count > 1:  # the ring's permutes: counted, not fitted

@@ -271,10 +271,10 @@ def scheduled_estimate(cfg: TrainConfig, p: StepPlan) -> StepPlan:
     M)``) or, without remat, each one stage input (``held_bytes``) and one item's layers
     while it is differentiated (``K / (S R M)``). Not calibrated against compiled pipelines:
     ``--compile auto`` gives the compiler's figures."""
-    from nnxscale.planning.estimate import COEFFICIENTS, SAVED_FEATURES, features
+    from nnxscale.planning.estimate import SAVED_FEATURES, coefficients, features
 
     f = features(cfg, p.layout)
-    kept = sum(COEFFICIENTS.get(cfg.model.remat, {}).get(k, 0.0) * f[k] for k in SAVED_FEATURES)
+    kept = sum(coefficients().get(cfg.model.remat, {}).get(k, 0.0) * f[k] for k in SAVED_FEATURES)
     pipe = p.pipeline
     S, R, M = pipe["stages"], pipe["repeats"], pipe["microbatches"]
     if pipe["schedule"] != "1f1b":
