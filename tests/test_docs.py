@@ -1,10 +1,36 @@
-"""The documentation's own code and links: README.md and docs/*.md.
+"""The documentation's own code, its shown outputs and its links: README.md and docs/*.md.
 
 Every ```python block runs, each in a fresh namespace and a temporary working directory,
 in this process (8 simulated CPU devices, tests/conftest.py). A block preceded by
 ``<!-- not-run: reason -->`` is skipped (a fragment, or too slow for the tests: keep these
 few), and one preceded by ``<!-- run-by: tests/FILE.py -->`` is run by that test instead.
 Bash and other blocks are not run.
+
+Shown outputs. A page shows what a python block prints in a plain fenced block (no
+language) right after it, introduced by one paragraph that begins with "prints"::
+
+    ```python
+    print(2 + 2, time.time() - start)
+    ```
+
+    prints (the time varies)
+
+    <!-- output varies: the seconds it took -->
+    ```
+    4 ...
+    ```
+
+The test captures the block's standard output (standard error is not compared) and
+compares it with the shown block, each line's trailing spaces and the last newlines
+ignored. Outputs go in such a block, never in a comment beside ``print(...)``: comments are
+not compared. Where part of an output legitimately varies (a time, a figure of this machine
+or of the Python/jax stack: the pages' outputs must hold on both stacks CI tests), the page
+writes ``...`` in its place, matched like doctest's ELLIPSIS (any text, several lines
+included), says what varies in ``<!-- output varies: what and why -->`` on the line right
+above the output block, and says it in the "prints" paragraph too, for readers of the
+rendered page. A ``...`` without that marker, a marker without ``...`` or anywhere else, and
+an output shown after a not-run block fail; the output of a run-by block is its test's to
+compare. A block whose page shows no output is only run.
 
 Every relative link (``](docs/cli.md)``, ``](rules.md#anchor)``, an image) must name a file
 that exists, and an anchor a heading of that file (GitHub's rule for heading ids).
@@ -13,6 +39,7 @@ that exists, and an anchor a heading of that file (GitHub's rule for heading ids
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 from pathlib import Path
@@ -24,6 +51,7 @@ import nnxscale
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"^<!--\s*(not-run|run-by):\s*(.*?)\s*-->$")
+VARIES = re.compile(r"^<!--\s*output varies:\s*(.*?)\s*-->$")
 MAX_NOT_RUN = 3  # exceptions stay few: fix a block rather than skip it
 
 
@@ -34,6 +62,7 @@ class Block:
     lang: str
     code: str
     marker: tuple[str, str] | None  # ("not-run", reason) or ("run-by", path)
+    end: int  # the line of the closing fence, 1-based
 
     @property
     def name(self) -> str:
@@ -57,14 +86,44 @@ def fenced_blocks(page: Path) -> list[Block]:
         prev = next((lines[k].strip() for k in range(start - 1, -1, -1) if lines[k].strip()), "")
         mm = MARKER.match(prev)
         marker = (mm.group(1), mm.group(2)) if mm else None
-        blocks.append(Block(page, start + 1, lang, "\n".join(lines[start + 1 : j]) + "\n", marker))
+        blocks.append(Block(page, start + 1, lang, "\n".join(lines[start + 1 : j]) + "\n", marker, j + 1))
         i = j + 1
     return blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Shown:
+    """The output a page shows for a python block (the module docstring's convention)."""
+
+    block: Block  # the python block
+    output: Block  # the plain block after it
+    varies: str | None  # the reason of <!-- output varies: ... -->, where the page gives one
+
+
+def shown_outputs(page: Path) -> list[Shown]:
+    """Every plain block right after a python block, introduced by a paragraph beginning with
+    "prints" (what a bash block prints is not compared)."""
+    lines = page.read_text().splitlines()
+    blocks = fenced_blocks(page)
+    shown = []
+    for before, block in zip([None, *blocks], blocks):
+        if block.lang or before is None or before.lang != "python":
+            continue
+        between = [line.strip() for line in lines[before.end : block.line - 1] if line.strip()]
+        varies = VARIES.match(between[-1]) if between else None
+        if varies:
+            between = between[:-1]
+        if not between or not re.match(r"prints\b", between[0]) or any(line.startswith("#") for line in between):
+            continue
+        shown.append(Shown(before, block, varies and varies.group(1)))
+    return shown
 
 
 BLOCKS = [b for page in PAGES for b in fenced_blocks(page)]
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
 RUN = [b for b in PYTHON if b.marker is None]
+SHOWN = [s for page in PAGES for s in shown_outputs(page)]
+EXPECTED = {s.block: s for s in SHOWN}  # a python block -> the output its page shows
 
 
 def test_the_pages_have_python_blocks_and_few_exceptions():
@@ -91,6 +150,28 @@ def test_the_pages_have_python_blocks_and_few_exceptions():
                 assert nxt in starts, f"{page.name}:{n}: a marker not followed by a python block"
 
 
+def test_shown_outputs_follow_the_convention():
+    """Each shown output belongs to a block that a test runs, and its ``...`` and its
+    output-varies marker come together (the module docstring)."""
+    assert len(SHOWN) >= 5, [s.output.name for s in SHOWN]
+    bad = []
+    for s in SHOWN:
+        where = s.output.name
+        if s.block.marker is not None and s.block.marker[0] != "run-by":
+            bad.append(f"{where}: the output of {s.block.name}, a block no test runs")
+        elif s.block.marker is None and ("..." in s.output.code) != bool(s.varies):
+            bad.append(f"{where}: '...' in a shown output and <!-- output varies: what --> right above it go together")
+    for page in PAGES:  # output-varies markers sit right above a shown output, nowhere else
+        lines = page.read_text().splitlines()
+        outputs = {s.output.line for s in SHOWN if s.output.page == page}
+        for n, line in enumerate(lines, 1):
+            if VARIES.match(line.strip()):
+                nxt = next((k for k in range(n + 1, len(lines) + 1) if lines[k - 1].strip()), None)
+                if nxt not in outputs:
+                    bad.append(f"{page.relative_to(ROOT)}:{n}: an output-varies marker not right above a shown output")
+    assert not bad, "\n".join(bad)
+
+
 @pytest.fixture
 def fresh_process_state(tmp_path, monkeypatch):
     """A block may set XLA_FLAGS and write files: keep both inside the test.
@@ -113,10 +194,29 @@ def fresh_process_state(tmp_path, monkeypatch):
             os.environ[name] = value
 
 
+def normalized(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.splitlines()).strip("\n")
+
+
+def matches(shown: str, printed: str) -> bool:
+    """doctest's ELLIPSIS: ``...`` in the shown output stands for any text."""
+    shown, printed = normalized(shown), normalized(printed)
+    if "..." not in shown:
+        return shown == printed
+    return re.fullmatch(".*?".join(map(re.escape, shown.split("..."))), printed, flags=re.S) is not None
+
+
 @pytest.mark.parametrize("block", RUN, ids=lambda b: b.name)
-def test_python_block_runs(block, fresh_process_state):
+def test_python_block_runs(block, fresh_process_state, capsys):
     scope = {"__name__": "__docs__"}
+    capsys.readouterr()
     exec(compile(block.code, block.name, "exec"), scope)
+    printed = capsys.readouterr().out
+    shown = EXPECTED[block].output if block in EXPECTED else None
+    if shown is not None and not matches(shown.code, printed):
+        diff = difflib.unified_diff(normalized(shown.code).splitlines(), normalized(printed).splitlines(),
+                                    f"{shown.name} (shown)", "printed", lineterm="")
+        pytest.fail(f"{block.name} prints other than the page shows:\n" + "\n".join(diff), pytrace=False)
 
 
 # ---- links ----------------------------------------------------------------------------

@@ -159,12 +159,13 @@ def test_a_mesh_that_does_not_divide_the_target_is_one_line(capsys):
 
 def test_without_the_extra_target_names_it(capsys, monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("libtpu", "jax_plugins.xla_cuda12") else real(name, *a))
+    hidden = ("libtpu", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in hidden else real(name, *a))
     assert main(["plan", "--model", "gpt2-tiny", "--target", "v5p-8"]) == 2
     assert "pip install 'nnxscale[tpu]'" in capsys.readouterr().err
     assert main(["plan", "--model", "gpt2-tiny", "--target", "h100x8"]) == 2
     err = capsys.readouterr().err
-    assert "pip install 'nnxscale[cuda12]'" in err and len(err.strip().splitlines()) == 1
+    assert "pip install 'nnxscale[cuda13]'" in err and len(err.strip().splitlines()) == 1
 
 
 #: What libtpu 0.0.42.1 said (2026-11-26, v5e-8, deviceless) for arguments, outputs and
