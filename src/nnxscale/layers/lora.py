@@ -286,6 +286,16 @@ def merge_into_base(model: nnx.Module) -> None:
                 module.__class__ = base
 
 
+def merge_params(base: dict, adapters: dict) -> dict:
+    """The union of two nested dicts of disjoint leaves: the model's parameters again, from a
+    LoRA run's frozen base and its adapters (:func:`nnxscale.training.adapters.split_params`
+    splits them)."""
+    out = dict(base)
+    for k, v in adapters.items():
+        out[k] = merge_params(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def dropout_rate(model: nnx.Module) -> float:
     """The adapters' dropout rate of a model :func:`attach` adapted (0 otherwise): a model
     asks for per-layer keys when it is positive, and runs each layer under :func:`dropout_key`."""

@@ -106,12 +106,13 @@ from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import ConfigError
 from nnxscale.layers import attention
-from nnxscale.layers.pipeline import _ACTIVE, _manual_axes, _mesh_for
+from nnxscale.layers.lora import merge_params
+from nnxscale.layers.pipeline import manual_layout, mesh_for, without_pipeline
 from nnxscale.layers.stack import Rows, layers_run_by, remat_policy, scan_state
-from nnxscale.models.common.documents import trained_weights
+from nnxscale.layers.token_weights import trained_weights
 from nnxscale.sharding.activations import current_rules
 from nnxscale.sharding.axes import entry_axes
-from nnxscale.sharding.mesh import _varying, context_mesh, sum_to_type, vary, varying_like
+from nnxscale.sharding.mesh import context_mesh, sum_to_type, vary, varying_axes, varying_like
 
 __all__ = ["pipeline_value_and_grad", "ring_slots"]
 
@@ -220,7 +221,7 @@ def pipeline_value_and_grad(
 
     Must be traced under the run's rules (:func:`nnxscale.use_rules`).
     """
-    mesh = _mesh_for(pipeline, mesh)
+    mesh = mesh_for(pipeline, mesh)
     rules = current_rules()
     merge = _merger(base)
     whole = merge(base, params)  # every parameter of the model
@@ -232,7 +233,7 @@ def pipeline_value_and_grad(
     stacked = trained.stack + frozen.stack
     n_layers = int(stacked[0].shape[0])
     pipeline.check(n_layers, inputs.shape[0], rules.batch_shard_count if rules is not None else 1)
-    data, specs = _manual_axes(_sub_tree(whole, found.path), rules, pipeline.axis)
+    data, specs = manual_layout(_sub_tree(whole, found.path), rules, pipeline.axis)
     stack_specs, frozen_specs = (part.specs(specs, whole, found.path) for part in (trained, frozen))
 
     def rebuild(stack, rest, fstack, frest):
@@ -248,22 +249,17 @@ def pipeline_value_and_grad(
         out_specs=(P(), P(), stack_specs, [P()] * len(trained.rest)),
         axis_names=frozenset((pipeline.axis,) + data),
     )
-    token = _ACTIVE.set(None)  # the loss's own stacks (none here) would run unpipelined
-    try:
-        with attention.in_pipeline_stages():
-            loss, extras, g_stack, g_rest = run(trained.stack, trained.rest, frozen.stack, frozen.rest, inputs, targets, key)
-    finally:
-        _ACTIVE.reset(token)
+    # The loss's own stacks (none here) would run unpipelined.
+    with without_pipeline(), attention.in_pipeline_stages():
+        loss, extras, g_stack, g_rest = run(trained.stack, trained.rest, frozen.stack, frozen.rest, inputs, targets, key)
     return (loss, extras), trained.tree(g_stack, g_rest)
 
 
 def _merger(base) -> Callable:
     """``merge(frozen, trained)``: the model's parameters from a LoRA run's frozen base and its
-    adapters (:func:`nnxscale.training.adapters.merge_params`); without a base, ``trained``."""
+    adapters (:func:`nnxscale.layers.lora.merge_params`); without a base, ``trained``."""
     if base is None:
         return lambda frozen, trained: trained
-    from nnxscale.training.adapters import merge_params  # the trainer's, imported when used
-
     return merge_params
 
 
@@ -304,7 +300,9 @@ def _sub_tree(params, path: tuple):
 
 
 class _Program:
-    """One device's part of the 1F1B step (inside ``shard_map``)."""
+    """What every device runs of the 1F1B step (inside ``shard_map``): the model's loss and
+    where its stacked layers sit, the schedule, and the parameters' parts. A call traces one
+    device's :class:`_Stage` and runs the :class:`_Schedule` on it."""
 
     def __init__(self, objective, graphdef, found, pipeline, data, masks, rebuild, merge, parts, stack_specs):
         self.objective, self.graphdef, self.found, self.pipe = objective, graphdef, found, pipeline
@@ -317,272 +315,10 @@ class _Program:
         self.keep_residuals = remat_policy(found.remat) != "none"
 
     def __call__(self, stack, rest, fstack, frest, inputs, targets, key):
-        S, M, R, axis, data = self.pipe.stages, self.pipe.microbatches, self.pipe.repeats, self.pipe.axis, self.data
-        V, found, aux = S * R, self.found, self.found.stats is not None
-        s = jax.lax.axis_index(axis)
-        shard = jax.lax.axis_index(data) if data else 0
-        shards = math.prod(jax.lax.axis_size(a) for a in data)
-        manual = (axis,) + data
-        # Sums over the manual axes happen once, at the end: the parameters vary over them here.
-        # A LoRA base is closed over by every vjp below, never differentiated: (f)stack, (f)rest.
-        stack, fstack = vary(stack, data), vary(fstack, data)
-        rest, frest = vary(rest, manual), vary(frest, manual)
-        layers, flayers = self.trained.layers(stack), self.frozen.layers(fstack)
-        n_local = int(jax.tree.leaves((layers, flayers))[0].shape[0])  # R*L/(S*R) layers on this stage
-        n_item = n_local // R  # the layers of one group: one work item's
-        # Stage order (Pipeline.layer_order) puts layer j of repeat r at j*R + r: a free
-        # reshape to (L/(S*R), R, ...) from which each work item picks its repeat's group.
-        by_repeat = lambda a: a.reshape((n_item, R) + a.shape[1:])  # noqa: E731
-        grouped = layers if R == 1 else jax.tree.map(by_repeat, layers)
-        fgrouped = flayers if R == 1 else jax.tree.map(by_repeat, flayers)
+        stage = _Stage(self, stack, rest, fstack, frest, inputs, targets, key)
+        return _Schedule(self, stage).run()
 
-        def group(r, of=grouped):
-            """The trained weights of repeat ``r``'s group (``of=fgrouped``: the frozen base's)."""
-            if R == 1:
-                return of
-            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, axis=1, keepdims=False), of)
-
-        frozen_group = functools.partial(group, of=fgrouped)
-
-        split = lambda a: a.reshape((a.shape[0] // M, M) + a.shape[1:]).swapaxes(0, 1)  # noqa: E731  (M, b, T)
-        inputs, targets = split(inputs), split(targets)
-
-        # Each (microbatch, shard)'s weight in the mean: its share of the tokens the loss counts.
-        token_weights = trained_weights(inputs, targets, *self.masks)
-        if token_weights is None:
-            counts = jnp.ones((M,), jnp.float32)
-        else:
-            counts = jnp.sum(token_weights, axis=(1, 2))
-        total = jax.lax.psum(jnp.sum(counts), data) if data else jnp.sum(counts)
-        weights = vary(counts / total, manual)  # (M,)
-
-        def pick(a, m):
-            return jax.lax.dynamic_index_in_dim(a, jnp.clip(m, 0, M - 1), keepdims=False)
-
-        def micro_key(m):
-            return None if key is None else jax.random.fold_in(key, jnp.clip(m, 0, M - 1) * shards + shard)
-
-        whole = {}  # a mixture's router statistics of the whole batch, once the first pass has them
-
-        def prefix(rest_leaves, m):
-            """``(x, (args, keys))``: the stacked layers' input for microbatch ``m`` and their arguments."""
-            got = {}
-
-            def record(model, lay, x, *args, keys=None, remat="none", aux=False):
-                got["args"] = tuple(a.value if isinstance(a, Rows) else a for a in args)
-                got["keys"] = keys
-                got["x"] = x
-                return (jnp.zeros_like(x), _zeros(found.stats)) if aux else jnp.zeros_like(x)
-
-            params = self.rebuild(stack, rest_leaves, fstack, frest)
-            _call(self.objective, self.graphdef, params, pick(inputs, m), pick(targets, m), micro_key(m), record)
-            return got["x"], (got["args"], got["keys"])
-
-        def tail(rest_leaves, y, m, stats=None):
-            def given(model, lay, x, *args, keys=None, remat="none", aux=False):
-                if x.shape != y.shape:
-                    raise ConfigError(f"1f1b: the stacked layers' input {x.shape} is not their output {y.shape}")
-                return (y, whole["stats"] if stats is None else stats) if aux else y
-
-            params = self.rebuild(stack, rest_leaves, fstack, frest)
-            return _call(self.objective, self.graphdef, params, pick(inputs, m), pick(targets, m), micro_key(m), given)
-
-        def stage_keys(keys, r):
-            if keys is None:
-                return None
-            return jax.lax.dynamic_slice_in_dim(keys, (r * S + s) * n_item, n_item)
-
-        def run_stage(layer_state, h, args, keys, r, frozen):
-            """The group's layers (trained weights ``layer_state``, a LoRA base's ``frozen``) on ``h``:
-            their output (and with ``aux`` their statistics)."""
-            return scan_state(found.graphdef, self.merge(frozen, layer_state), h, *args, keys=stage_keys(keys, r),
-                              remat=found.remat, aux=aux)  # fmt: skip
-
-        def forward_item(t):
-            """``(item, repeat, microbatch, real)`` of this stage's forward at tick ``t``: item
-            ``k = t - s``, in blocks of ``S*R``: microbatches ``qS .. qS+S-1`` through repeat 0,
-            then the same ones through repeat 1, ... (so what stage S-1 finishes reaches
-            stage 0 on the next tick, just in time for its next repeat)."""
-            k = t - s
-            q, w = k // V, k % V
-            return k, w // S, q * S + w % S, (k >= 0) & (k < R * M)
-
-        def backward_item(t, stage=None):
-            """``(forward item, repeat, microbatch, real)`` of stage ``stage``'s backward at tick
-            ``t``: the same blocks, repeats in reverse, ``V - 1 + S - 1 - s`` ticks behind."""
-            j = t - (V - 1) - (S - 1 - (s if stage is None else stage))
-            q, w = j // V, j % V
-            r = R - 1 - w // S
-            return q * V + r * S + w % S, r, q * S + w % S, (j >= 0) & (j < R * M)
-
-        def when(pred, fn):
-            """``fn()`` where ``pred`` (the same on every device: it depends on the tick alone)
-            holds, else zeros shaped like it; ``pred`` None: always. For R > 1 only some ticks
-            need the head or the embedding's gradient: a ``cond`` skips the others' work."""
-            if pred is None:
-                return fn()
-            run = lambda: vary(fn(), manual)  # noqa: E731
-            return jax.lax.cond(pred, run, lambda: vary(_zeros(jax.eval_shape(fn)), manual))
-
-        K = ring_slots(S, R)
-        x0, (args0, keys0) = jax.eval_shape(lambda r: prefix(r, 0), rest)
-
-        def stage_vjp(h, args, keys, r):
-            """The group's ``jax.vjp`` (over its trained weights and input) as its output, its
-            pullback's leaves and structure, and which leaves are residuals: those that are not
-            the stage's weights, trained or frozen (the backward tick has its own of those)."""
-            weights, frozen = group(r), frozen_group(r)
-            weight_ids = {id(a) for a in jax.tree.leaves((weights, frozen))}
-            out, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys, r, frozen), weights, h)
-            leaves, structure = jax.tree.flatten(pullback)
-            return out, leaves, structure, tuple(i for i, a in enumerate(leaves) if id(a) not in weight_ids)
-
-        if self.keep_residuals:
-            # The remat policy's residuals (per layer: its input under "full") wait in the ring,
-            # and the backward tick runs the stored pullback: no second forward pass.
-            found_kept = {}
-
-            def residual_shapes(h, args, keys):
-                _, leaves, _, kept = stage_vjp(h, args, keys, jnp.int32(0))
-                found_kept["kept"] = kept
-                return [leaves[i] for i in kept]
-
-            shapes = jax.eval_shape(lambda r: residual_shapes(vary(jnp.zeros(x0.shape, x0.dtype), manual), *prefix(r, 0)[1]),
-                                    rest)  # fmt: skip
-            kept_static = found_kept["kept"]
-        else:
-            shapes = [x0]  # the stage input, from which the backward tick recomputes the stage
-        act = vary(jnp.zeros(x0.shape, x0.dtype), manual)
-        down = [(i, (i + 1) % S) for i in range(S)]
-        up = [((i + 1) % S, i) for i in range(S)]
-        last = s == S - 1
-
-        dstats = None
-        if aux:
-            # A mixture of experts: its load-balancing loss is a product of whole-batch means,
-            # so every microbatch's backward needs every microbatch's routing. A forward pass of
-            # all work items first (no head, nothing kept but the statistics) gives them; the
-            # loss's gradient with respect to them is the same for every microbatch, and the
-            # backward of item (m, shard) takes 1/(M*shards) of it: the statistics are means.
-            whole["stats"] = self._router_stats(rest, prefix, run_stage, (group, frozen_group), forward_item, act, manual,
-                                                n_item)  # fmt: skip
-            zero_y = vary(jnp.zeros(x0.shape, x0.dtype), manual)
-            loss0, stats_vjp = jax.vjp(lambda st: tail(rest, zero_y, 0, stats=st)[0], vary(whole["stats"], manual))
-            (dstats,) = stats_vjp(jnp.ones_like(loss0))
-            dstats = jax.tree.map(lambda g: g / (M * shards), dstats)
-            act = _tie(act, dstats)  # the schedule's collectives after the first pass's
-
-        ring = [vary(jnp.zeros((K,) + a.shape, a.dtype), manual) for a in shapes]
-        zeros = lambda t: vary(jax.tree.map(jnp.zeros_like, t), manual)  # noqa: E731
-        extras_shape = jax.eval_shape(lambda r: tail(r, jnp.zeros(x0.shape, x0.dtype), 0)[1], rest)
-        carry = {
-            "act": act,  # received from upstream: the stage input of this tick's forward
-            "cot": act,  # received from downstream: the cotangent of this tick's backward
-            "ring": ring,
-            "g_stack": zeros(jax.tree.leaves(grouped)),  # (L/(S*R), R, ...) per leaf for R > 1
-            "g_rest": zeros(rest),
-            "loss": vary(jnp.float32(0), manual),
-            "extras": vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), extras_shape), manual),
-        }
-        put = lambda ring, values, slot: [jax.lax.dynamic_update_index_in_dim(r, v, slot, 0) for r, v in zip(ring, values)]  # noqa: E731
-        get = lambda ring, slot: [jax.lax.dynamic_index_in_dim(r, slot, keepdims=False) for r in ring]  # noqa: E731
-
-        def add_group(acc, g, r):
-            if R == 1:
-                return acc + g
-            return jax.lax.dynamic_update_index_in_dim(acc, jax.lax.dynamic_index_in_dim(acc, r, 1, False) + g, r, 1)
-
-        def tick(carry, t, forward: bool, backward: bool):
-            carry = dict(carry)
-            dy = None
-            if forward:
-                f, r_f, m_f, real_f = forward_item(t)
-                x, (args, keys) = prefix(rest, m_f)
-                h = jnp.where((s == 0) & (r_f == 0), x, carry["act"])
-                if self.keep_residuals:
-                    out, leaves, _, kept = stage_vjp(h, args, keys, r_f)
-                    out = out[0] if aux else out
-                    _check_kept(kept, kept_static)
-                    carry["ring"] = put(carry["ring"], [leaves[i] for i in kept], f % K)
-                else:
-                    carry["ring"] = put(carry["ring"], [h], f % K)
-                    out = run_stage(group(r_f), h, args, keys, r_f, frozen_group(r_f))
-                    out = out[0] if aux else out
-                if backward:  # the last stage's output is a microbatch's last repeat here (R = 1: always)
-                    tail_on = last & (r_f == R - 1) & real_f
-
-                    def run_tail():
-                        loss, tail_vjp, extras = jax.vjp(lambda r, y: tail(r, y, m_f), rest, out, has_aux=True)
-                        w = jnp.where(tail_on, pick(weights, m_f), 0.0)
-                        g_rest, dy = tail_vjp(w.astype(loss.dtype))
-                        return loss.astype(jnp.float32) * w, g_rest, dy, extras
-
-                    _, top_last, _, top_real = _top_item(t, S, V, R, M)
-                    loss, g_rest, dy, extras = when(None if R == 1 else top_last & top_real, run_tail)
-                    tail_done = (dy, loss, jax.tree.leaves(g_rest)[:1])
-                    carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], g_rest)
-                    carry["loss"] = carry["loss"] + loss
-                    carry["extras"] = jax.tree.map(
-                        lambda acc, e: acc + jnp.where(tail_on, e.astype(jnp.float32) / M, 0.0), carry["extras"], extras)
-                # Collectives in one order on every device (see _tie): the permute after the tail,
-                # the backward after the permute.
-                carry["act"] = jax.lax.ppermute(_tie(out, tail_done) if backward else out, axis, down)
-            if backward:
-                b, r_b, m_b, real = backward_item(t)
-                if forward:
-                    b = _tie(b, carry["act"])
-                cot = carry["cot"] if dy is None else jnp.where(last & (r_b == R - 1), dy, carry["cot"])
-                cot = jnp.where(real, cot, jnp.zeros_like(cot))
-                stored = get(carry["ring"], b % K)
-                x, prefix_vjp, (args, keys) = jax.vjp(lambda r: prefix(r, m_b), rest, has_aux=True)
-                cot = _tie(cot, x)  # the stage's backward after the prefix's forward
-                if self.keep_residuals:
-                    # The pullback's structure, traced again here; its forward pass is dead code
-                    # (every residual comes from the ring), which XLA removes.
-                    out_b, leaves, structure, kept = stage_vjp(vary(jnp.zeros_like(x), manual), args, keys, r_b)
-                    _check_kept(kept, kept_static)
-                    for i, value in zip(kept, stored):
-                        leaves[i] = value
-                    pullback = jax.tree.unflatten(structure, leaves)
-                else:
-                    frozen = frozen_group(r_b)
-                    out_b, pullback = jax.vjp(lambda st, hh: run_stage(st, hh, args, keys, r_b, frozen), group(r_b),
-                                              stored[0])  # fmt: skip
-                if aux:  # this group's share of the statistics' cotangent
-                    rows = lambda g: jax.lax.dynamic_slice_in_dim(g, (r_b * S + s) * n_item, n_item)  # noqa: E731
-                    share = jax.tree.map(lambda g: jnp.where(real, rows(g), jnp.zeros_like(rows(g))), dstats)
-                    cot = (cot, jax.tree.map(functools.partial(_typed_like, axis=axis), share, out_b[1]))
-                g_layers, dh = pullback(cot)
-                g_stack = jax.tree.leaves(g_layers)
-                carry["g_stack"] = [add_group(a, g, r_b) for a, g in zip(carry["g_stack"], g_stack)]
-                _, r_low, _, real_low = backward_item(t, stage=0)
-                into_prefix = (s == 0) & (r_b == 0) & real
-                g_rest = []  # LoRA adapts the stacked layers alone: then nothing outside them trains
-                if rest:
-                    (g_rest,) = when(None if R == 1 else (r_low == 0) & real_low,
-                                     lambda: prefix_vjp(jnp.where(into_prefix, dh, jnp.zeros_like(dh))))
-                carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], g_rest)
-                carry["cot"] = jax.lax.ppermute(_tie(dh, g_rest, g_stack), axis, up)
-            return carry, None
-
-        phases = (
-            (0, V - 1, True, False),  # fill: forwards only
-            (V - 1, R * M + S - 1, True, True),  # steady: one forward and one backward per tick
-            (R * M + S - 1, R * M + V + S - 2, False, True),  # drain: backwards only
-        )
-        for start, stop, fwd, bwd in phases:
-            if stop > start:
-                body = lambda c, t, fwd=fwd, bwd=bwd: tick(c, t, fwd, bwd)  # noqa: E731
-                carry, _ = jax.lax.scan(body, carry, jnp.arange(start, stop))
-        # The sums over the manual axes, one after another and after the last permutes (see tick).
-        loss = jax.lax.psum(_tie(carry["loss"], carry["act"], carry["cot"]), manual)
-        extras = jax.tree.map(lambda e: jax.lax.psum(e, manual) / shards, _tie(carry["extras"], loss))
-        g_stack = [a.reshape((n_local,) + a.shape[2:]) if R > 1 else a for a in _tie(carry["g_stack"], extras, loss)]
-        g_stack = self._sum_over_batch(g_stack)
-        g_rest = jax.lax.psum(_tie(carry["g_rest"], g_stack), manual) if rest else []
-        return loss, extras, g_stack, g_rest
-
-    def _sum_over_batch(self, g_stack):
+    def sum_over_batch(self, g_stack):
         """Each stacked gradient summed over the batch axes its weight is not split over
         (a mixture's experts are split over ``expert``: each device has all their tokens'
         gradient already), one ``psum`` per set of axes, one after another."""
@@ -599,40 +335,438 @@ class _Program:
                 before = (summed,)
         return out
 
-    def _router_stats(self, rest, prefix, run_stage, groups, forward_item, act, manual, n_item):
+
+class _Stage:
+    """One device's stage (inside ``shard_map``): its groups of layers, its microbatches and
+    their weights in the loss, and the model's loss around the layers, run one microbatch
+    (or, for the layers, one work item) at a time."""
+
+    def __init__(self, program: _Program, stack, rest, fstack, frest, inputs, targets, key):
+        pipe, data = program.pipe, program.data
+        S, M, R, axis = pipe.stages, pipe.microbatches, pipe.repeats, pipe.axis
+        manual = (axis,) + data
+        self.program, self.found, self.key = program, program.found, key
+        self.S, self.M, self.R, self.V, self.axis, self.data, self.manual = S, M, R, S * R, axis, data, manual
+        self.aux = program.found.stats is not None
+        self.s = jax.lax.axis_index(axis)
+        self.shard = jax.lax.axis_index(data) if data else 0
+        self.shards = math.prod(jax.lax.axis_size(a) for a in data)
+        # Sums over the manual axes happen once, at the end: the parameters vary over them here.
+        # A LoRA base is closed over by every vjp, never differentiated: (f)stack, (f)rest.
+        self.stack, self.fstack = vary(stack, data), vary(fstack, data)
+        self.rest, self.frest = vary(rest, manual), vary(frest, manual)
+        layers, flayers = program.trained.layers(self.stack), program.frozen.layers(self.fstack)
+        self.n_local = int(jax.tree.leaves((layers, flayers))[0].shape[0])  # R*L/(S*R) layers on this stage
+        self.n_item = self.n_local // R  # the layers of one group: one work item's
+        # Stage order (Pipeline.layer_order) puts layer j of repeat r at j*R + r: a free
+        # reshape to (L/(S*R), R, ...) from which each work item picks its repeat's group.
+        by_repeat = lambda a: a.reshape((self.n_item, R) + a.shape[1:])  # noqa: E731
+        self.grouped = layers if R == 1 else jax.tree.map(by_repeat, layers)
+        self.fgrouped = flayers if R == 1 else jax.tree.map(by_repeat, flayers)
+        split = lambda a: a.reshape((a.shape[0] // M, M) + a.shape[1:]).swapaxes(0, 1)  # noqa: E731  (M, b, T)
+        self.inputs, self.targets = split(inputs), split(targets)
+        self.weights = self._microbatch_weights()  # (M,)
+
+    def _microbatch_weights(self):
+        """Each (microbatch, shard)'s weight in the mean: its share of the tokens the loss counts."""
+        token_weights = trained_weights(self.inputs, self.targets, *self.program.masks)
+        if token_weights is None:
+            counts = jnp.ones((self.M,), jnp.float32)
+        else:
+            counts = jnp.sum(token_weights, axis=(1, 2))
+        total = jax.lax.psum(jnp.sum(counts), self.data) if self.data else jnp.sum(counts)
+        return vary(counts / total, self.manual)
+
+    def group(self, r):
+        """The trained weights of repeat ``r``'s group."""
+        return self._of_repeat(self.grouped, r)
+
+    def frozen_group(self, r):
+        """A LoRA base's weights of repeat ``r``'s group (``{}`` without a base)."""
+        return self._of_repeat(self.fgrouped, r)
+
+    def _of_repeat(self, grouped, r):
+        if self.R == 1:
+            return grouped
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, axis=1, keepdims=False), grouped)
+
+    def pick(self, a, m):
+        """Microbatch ``m``'s entry of ``a`` (``m`` clipped: a bubble's item reads a real one)."""
+        return jax.lax.dynamic_index_in_dim(a, jnp.clip(m, 0, self.M - 1), keepdims=False)
+
+    def micro_key(self, m):
+        """Microbatch ``m``'s dropout key in this batch shard: ``fold_in(key, m*J + j)``."""
+        if self.key is None:
+            return None
+        return jax.random.fold_in(self.key, jnp.clip(m, 0, self.M - 1) * self.shards + self.shard)
+
+    def prefix(self, rest_leaves, m):
+        """``(x, (args, keys))``: the stacked layers' input for microbatch ``m`` and their arguments."""
+        got = {}
+        stats = self.found.stats
+
+        def record(model, lay, x, *args, keys=None, remat="none", aux=False):
+            got["args"] = tuple(a.value if isinstance(a, Rows) else a for a in args)
+            got["keys"] = keys
+            got["x"] = x
+            return (jnp.zeros_like(x), _zeros(stats)) if aux else jnp.zeros_like(x)
+
+        self._loss(rest_leaves, m, record)
+        return got["x"], (got["args"], got["keys"])
+
+    def tail(self, rest_leaves, y, m, stats):
+        """``(loss, extras)`` of microbatch ``m`` whose stacked layers gave ``y`` (and, for a
+        mixture, the statistics ``stats``)."""
+
+        def given(model, lay, x, *args, keys=None, remat="none", aux=False):
+            if x.shape != y.shape:
+                raise ConfigError(f"1f1b: the stacked layers' input {x.shape} is not their output {y.shape}")
+            return (y, stats) if aux else y
+
+        return self._loss(rest_leaves, m, given)
+
+    def _loss(self, rest_leaves, m, runner):
+        """The model's loss on microbatch ``m``, its stacked layers run by ``runner``."""
+        p = self.program
+        params = p.rebuild(self.stack, rest_leaves, self.fstack, self.frest)
+        return _call(p.objective, p.graphdef, params, self.pick(self.inputs, m), self.pick(self.targets, m),
+                     self.micro_key(m), runner)  # fmt: skip
+
+    def run_group(self, layer_state, h, args, keys, r, frozen):
+        """The group of repeat ``r`` (trained weights ``layer_state``, a LoRA base's ``frozen``)
+        on ``h``: its output (and with ``aux`` its statistics)."""
+        return scan_state(self.found.graphdef, self.program.merge(frozen, layer_state), h, *args,
+                          keys=self._group_keys(keys, r), remat=self.found.remat, aux=self.aux)  # fmt: skip
+
+    def _group_keys(self, keys, r):
+        if keys is None:
+            return None
+        return jax.lax.dynamic_slice_in_dim(keys, (r * self.S + self.s) * self.n_item, self.n_item)
+
+    def group_vjp(self, h, args, keys, r):
+        """The group's ``jax.vjp`` (over its trained weights and input) as its output, its
+        pullback's leaves and structure, and which leaves are residuals: those that are not
+        the stage's weights, trained or frozen (the backward tick has its own of those)."""
+        weights, frozen = self.group(r), self.frozen_group(r)
+        weight_ids = {id(a) for a in jax.tree.leaves((weights, frozen))}
+        out, pullback = jax.vjp(lambda st, hh: self.run_group(st, hh, args, keys, r, frozen), weights, h)
+        leaves, structure = jax.tree.flatten(pullback)
+        return out, leaves, structure, tuple(i for i, a in enumerate(leaves) if id(a) not in weight_ids)
+
+
+class _Schedule:
+    """The 1F1B loop on one device: which work item each tick runs, the state carried from
+    tick to tick (the ring, the gradients, the loss), each tick's forward and backward with
+    what they send the neighbouring stages, and the sums over the devices at the end."""
+
+    def __init__(self, program: _Program, stage: _Stage):
+        self.program, self.stage = program, stage
+        S, manual = stage.S, stage.manual
+        self.K = ring_slots(S, stage.R)
+        self.keep_residuals = program.keep_residuals
+        self.x0, _ = jax.eval_shape(lambda r: stage.prefix(r, 0), stage.rest)
+        self.shapes, self.kept = self._ring_layout()
+        self.start = vary(jnp.zeros(self.x0.shape, self.x0.dtype), manual)  # what a stage holds before it receives
+        self.down = [(i, (i + 1) % S) for i in range(S)]  # the forward's permute: to the next stage
+        self.up = [((i + 1) % S, i) for i in range(S)]  # the backward's: to the one before
+        self.last = stage.s == S - 1
+        self.stats = self.dstats = None
+        if stage.aux:
+            # A mixture of experts: its load-balancing loss is a product of whole-batch means,
+            # so every microbatch's backward needs every microbatch's routing. A forward pass of
+            # all work items first (no head, nothing kept but the statistics) gives them; the
+            # loss's gradient with respect to them is the same for every microbatch, and the
+            # backward of item (m, shard) takes 1/(M*shards) of it: the statistics are means.
+            self.stats = self._router_stats()
+            self.dstats = self._stats_cotangent()
+            self.start = _tie(self.start, self.dstats)  # the schedule's collectives after the first pass's
+
+    def run(self):
+        """``(loss, extras, g_stack, g_rest)`` of the step, the same on every device: the
+        ``(M + 2S - 2)`` ticks (interleaved: ``R*M + S*R + S - 2``) in three scans, each
+        compiled once, then the sums."""
+        S, M, R, V = self.stage.S, self.stage.M, self.stage.R, self.stage.V
+        phases = (
+            (0, V - 1, True, False),  # fill: forwards only
+            (V - 1, R * M + S - 1, True, True),  # steady: one forward and one backward per tick
+            (R * M + S - 1, R * M + V + S - 2, False, True),  # drain: backwards only
+        )
+        carry = self._initial_carry()
+        for start, stop, fwd, bwd in phases:
+            if stop > start:
+                body = lambda c, t, fwd=fwd, bwd=bwd: self._tick(c, t, fwd, bwd)  # noqa: E731
+                carry, _ = jax.lax.scan(body, carry, jnp.arange(start, stop))
+        return self._totals(carry)
+
+    # -- which work item a tick runs -----------------------------------------------------
+
+    def forward_item(self, t):
+        """``(item, repeat, microbatch, real)`` of this stage's forward at tick ``t``: item
+        ``k = t - s``, in blocks of ``S*R``: microbatches ``qS .. qS+S-1`` through repeat 0,
+        then the same ones through repeat 1, ... (so what stage S-1 finishes reaches
+        stage 0 on the next tick, just in time for its next repeat)."""
+        S, M, R, V = self.stage.S, self.stage.M, self.stage.R, self.stage.V
+        k = t - self.stage.s
+        q, w = k // V, k % V
+        return k, w // S, q * S + w % S, (k >= 0) & (k < R * M)
+
+    def backward_item(self, t, stage=None):
+        """``(forward item, repeat, microbatch, real)`` of stage ``stage``'s backward at tick
+        ``t`` (default: this one's): the same blocks, repeats in reverse, ``V - 1 + S - 1 - s``
+        ticks behind."""
+        S, M, R, V = self.stage.S, self.stage.M, self.stage.R, self.stage.V
+        j = t - (V - 1) - (S - 1 - (self.stage.s if stage is None else stage))
+        q, w = j // V, j % V
+        r = R - 1 - w // S
+        return q * V + r * S + w % S, r, q * S + w % S, (j >= 0) & (j < R * M)
+
+    # -- the state the ticks carry -------------------------------------------------------
+
+    def _ring_layout(self):
+        """``(shapes, kept)``: what a slot of the ring holds, and under a remat policy which of
+        the stage pullback's leaves those are. Without remat the stage input, from which the
+        backward tick recomputes the stage. With one, the policy's residuals (per layer: its
+        input under "full") wait in the ring and the backward tick runs the stored pullback:
+        no second forward pass."""
+        stage, x0 = self.stage, self.x0
+        if not self.keep_residuals:
+            return [x0], None
+        found_kept = {}
+
+        def residual_shapes(h, args, keys):
+            _, leaves, _, kept = stage.group_vjp(h, args, keys, jnp.int32(0))
+            found_kept["kept"] = kept
+            return [leaves[i] for i in kept]
+
+        shapes = jax.eval_shape(lambda r: residual_shapes(vary(jnp.zeros(x0.shape, x0.dtype), stage.manual),
+                                                          *stage.prefix(r, 0)[1]), stage.rest)  # fmt: skip
+        return shapes, found_kept["kept"]
+
+    def _initial_carry(self) -> dict:
+        stage, x0, manual = self.stage, self.x0, self.stage.manual
+        ring = [vary(jnp.zeros((self.K,) + a.shape, a.dtype), manual) for a in self.shapes]
+        zeros = lambda t: vary(jax.tree.map(jnp.zeros_like, t), manual)  # noqa: E731
+        extras_shape = jax.eval_shape(lambda r: stage.tail(r, jnp.zeros(x0.shape, x0.dtype), 0, self.stats)[1], stage.rest)
+        return {
+            "act": self.start,  # received from upstream: the stage input of this tick's forward
+            "cot": self.start,  # received from downstream: the cotangent of this tick's backward
+            "ring": ring,
+            "g_stack": zeros(jax.tree.leaves(stage.grouped)),  # (L/(S*R), R, ...) per leaf for R > 1
+            "g_rest": zeros(stage.rest),
+            "loss": vary(jnp.float32(0), manual),
+            "extras": vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), extras_shape), manual),
+        }
+
+    # -- one tick ------------------------------------------------------------------------
+
+    def _tick(self, carry, t, forward: bool, backward: bool):
+        """Tick ``t``: this stage's forward of one work item (``forward``), then its backward of
+        another (``backward``). Where both run, the last stage's forward output goes through
+        the tail, whose cotangent its backward takes."""
+        dy = None
+        if forward:
+            carry, dy = self._forward(carry, t, with_tail=backward)
+        if backward:
+            carry = self._backward(carry, t, dy, after=carry["act"] if forward else None)
+        return carry, None
+
+    def _forward(self, carry, t, with_tail: bool):
+        """The forward of this tick's item: the stage's input (stage 0's first repeat: the
+        prefix's output; else what the upstream stage sent), kept in the ring, through the
+        group; the output (past the tail, ``with_tail``) sent downstream. Returns the carry
+        and the tail's cotangent of the output (``None`` without the tail)."""
+        stage, carry = self.stage, dict(carry)
+        f, r_f, m_f, real_f = self.forward_item(t)
+        x, (args, keys) = stage.prefix(stage.rest, m_f)
+        h = jnp.where((stage.s == 0) & (r_f == 0), x, carry["act"])
+        if self.keep_residuals:
+            out, leaves, _, kept = stage.group_vjp(h, args, keys, r_f)
+            out = out[0] if stage.aux else out
+            _check_kept(kept, self.kept)
+            carry["ring"] = _put(carry["ring"], [leaves[i] for i in kept], f % self.K)
+        else:
+            carry["ring"] = _put(carry["ring"], [h], f % self.K)
+            out = stage.run_group(stage.group(r_f), h, args, keys, r_f, stage.frozen_group(r_f))
+            out = out[0] if stage.aux else out
+        dy = None
+        if with_tail:  # the last stage's output is a microbatch's last repeat here (R = 1: always)
+            carry, dy, tail_done = self._tail(carry, t, out, r_f, m_f, real_f)
+            out = _tie(out, tail_done)
+        # Collectives in one order on every device (see _tie): the permute after the tail,
+        # the backward after the permute.
+        carry["act"] = jax.lax.ppermute(out, stage.axis, self.down)
+        return carry, dy
+
+    def _tail(self, carry, t, out, r_f, m_f, real_f):
+        """The head and the loss on the last stage's output ``out`` where it ends a microbatch's
+        last repeat (elsewhere weighted 0), that microbatch weighted as the whole batch's mean
+        weighs it: its loss, extras and head's gradients added to the carry. Returns the carry,
+        the output's cotangent and what the permute after it must wait for."""
+        stage, carry = self.stage, dict(carry)
+        S, M, R, V = stage.S, stage.M, stage.R, stage.V
+        tail_on = self.last & (r_f == R - 1) & real_f
+
+        def run_tail():
+            loss, tail_vjp, extras = jax.vjp(lambda r, y: stage.tail(r, y, m_f, self.stats), stage.rest, out, has_aux=True)
+            w = jnp.where(tail_on, stage.pick(stage.weights, m_f), 0.0)
+            g_rest, dy = tail_vjp(w.astype(loss.dtype))
+            return loss.astype(jnp.float32) * w, g_rest, dy, extras
+
+        _, top_last, _, top_real = _top_item(t, S, V, R, M)
+        loss, g_rest, dy, extras = _when(None if R == 1 else top_last & top_real, run_tail, stage.manual)
+        carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], g_rest)
+        carry["loss"] = carry["loss"] + loss
+        carry["extras"] = jax.tree.map(
+            lambda acc, e: acc + jnp.where(tail_on, e.astype(jnp.float32) / M, 0.0), carry["extras"], extras)
+        return carry, dy, (dy, loss, jax.tree.leaves(g_rest)[:1])
+
+    def _backward(self, carry, t, dy, after=None):
+        """The backward of this tick's item: the cotangent (the tail's ``dy`` on the last stage's
+        last repeat, else what the downstream stage sent) through the group's pullback, its
+        weight gradients added to the carry, the input's cotangent sent upstream (stage 0's
+        first repeat: through the prefix, into the embedding's gradient). ``after``: what
+        this tick's forward permute sent, which the backward's collectives follow."""
+        stage, carry = self.stage, dict(carry)
+        b, r_b, m_b, real = self.backward_item(t)
+        if after is not None:
+            b = _tie(b, after)
+        cot = carry["cot"] if dy is None else jnp.where(self.last & (r_b == stage.R - 1), dy, carry["cot"])
+        cot = jnp.where(real, cot, jnp.zeros_like(cot))
+        stored = _get(carry["ring"], b % self.K)
+        x, prefix_vjp, (args, keys) = jax.vjp(lambda r: stage.prefix(r, m_b), stage.rest, has_aux=True)
+        cot = _tie(cot, x)  # the stage's backward after the prefix's forward
+        out_b, pullback = self._pullback(stored, x, args, keys, r_b)
+        if stage.aux:  # this group's share of the statistics' cotangent
+            cot = (cot, self._stats_share(r_b, real, out_b[1]))
+        g_layers, dh = pullback(cot)
+        g_stack = jax.tree.leaves(g_layers)
+        carry["g_stack"] = [self._add_group(a, g, r_b) for a, g in zip(carry["g_stack"], g_stack)]
+        g_rest = self._prefix_grads(t, r_b, real, dh, prefix_vjp)
+        carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], g_rest)
+        carry["cot"] = jax.lax.ppermute(_tie(dh, g_rest, g_stack), stage.axis, self.up)
+        return carry
+
+    def _pullback(self, stored, x, args, keys, r):
+        """The group's output and pullback for the backward of a work item of repeat ``r``:
+        the stored pullback's residuals put back in it, or (without remat) a ``jax.vjp``
+        recomputed from the stored stage input."""
+        stage = self.stage
+        if self.keep_residuals:
+            # The pullback's structure, traced again here; its forward pass is dead code
+            # (every residual comes from the ring), which XLA removes.
+            out, leaves, structure, kept = stage.group_vjp(vary(jnp.zeros_like(x), stage.manual), args, keys, r)
+            _check_kept(kept, self.kept)
+            for i, value in zip(kept, stored):
+                leaves[i] = value
+            return out, jax.tree.unflatten(structure, leaves)
+        frozen = stage.frozen_group(r)
+        return jax.vjp(lambda st, hh: stage.run_group(st, hh, args, keys, r, frozen), stage.group(r), stored[0])
+
+    def _add_group(self, acc, g, r):
+        """``acc`` (a stacked weight's gradient, ``(L/(S*R), R, ...)`` for R > 1) plus repeat
+        ``r``'s group's gradient ``g``."""
+        if self.stage.R == 1:
+            return acc + g
+        return jax.lax.dynamic_update_index_in_dim(acc, jax.lax.dynamic_index_in_dim(acc, r, 1, False) + g, r, 1)
+
+    def _prefix_grads(self, t, r_b, real, dh, prefix_vjp):
+        """The gradients of the parameters outside the stacked layers that the prefix (the
+        embedding) gives: stage 0's input cotangent of a first repeat through the prefix's
+        pullback; zeros elsewhere."""
+        stage = self.stage
+        _, r_low, _, real_low = self.backward_item(t, stage=0)
+        into_prefix = (stage.s == 0) & (r_b == 0) & real
+        if not stage.rest:
+            return []  # LoRA adapts the stacked layers alone: then nothing outside them trains
+        (g_rest,) = _when(None if stage.R == 1 else (r_low == 0) & real_low,
+                          lambda: prefix_vjp(jnp.where(into_prefix, dh, jnp.zeros_like(dh))), stage.manual)  # fmt: skip
+        return g_rest
+
+    # -- a mixture's statistics ----------------------------------------------------------
+
+    def _router_stats(self):
         """The router statistics of the whole batch, per layer in layer order: a forward pass
         of every work item (``R*M + S - 1`` ticks, each one group's layers and one permute),
         averaged over the microbatches and the batch shards."""
-        S, M, R, axis, data = self.pipe.stages, self.pipe.microbatches, self.pipe.repeats, self.pipe.axis, self.data
-        s = jax.lax.axis_index(axis)
-        group, frozen_group = groups
-        down = [(i, (i + 1) % S) for i in range(S)]
-        per_group = lambda a: vary(jnp.zeros((n_item, R) + a.shape[1:], jnp.float32), manual)  # noqa: E731
-        acc = jax.tree.map(per_group, self.found.stats)
+        stage, stats = self.stage, self.stage.found.stats
+        S, M, R, axis, data, s = stage.S, stage.M, stage.R, stage.axis, stage.data, stage.s
+        per_group = lambda a: vary(jnp.zeros((stage.n_item, R) + a.shape[1:], jnp.float32), stage.manual)  # noqa: E731
+        acc = jax.tree.map(per_group, stats)
 
         def body(carry, t):
             act, acc = carry
-            _, r, m, real = forward_item(t)
-            x, (args, keys) = prefix(rest, m)
+            _, r, m, real = self.forward_item(t)
+            x, (args, keys) = stage.prefix(stage.rest, m)
             h = jnp.where((s == 0) & (r == 0), x, act)
-            out, stats = run_stage(group(r), h, args, keys, r, frozen_group(r))
+            out, item_stats = stage.run_group(stage.group(r), h, args, keys, r, stage.frozen_group(r))
 
             def add(a, v):
                 v = jnp.where(real, v.astype(jnp.float32) / M, 0.0)
                 return jax.lax.dynamic_update_index_in_dim(a, jax.lax.dynamic_index_in_dim(a, r, 1, False) + v, r, 1)
 
-            return (jax.lax.ppermute(out, axis, down), jax.tree.map(add, acc, stats)), None
+            return (jax.lax.ppermute(out, axis, self.down), jax.tree.map(add, acc, item_stats)), None
 
-        (act, acc), _ = jax.lax.scan(body, (act, acc), jnp.arange(R * M + S - 1))
+        (act, acc), _ = jax.lax.scan(body, (self.start, acc), jnp.arange(R * M + S - 1))
 
         def layer_order(a, like):  # (L/(S*R), R, ...) on stage s -> (L, ...): layer (r*S + s)*L/(S*R) + j
             full = jnp.zeros((R, S) + a.shape[:1] + a.shape[2:], a.dtype)
             full = jax.lax.dynamic_update_index_in_dim(full, a.swapaxes(0, 1), s, 1)
             return full.reshape(like.shape)
 
-        acc = jax.lax.psum(_tie(jax.tree.map(layer_order, acc, self.found.stats), act), axis)
+        acc = jax.lax.psum(_tie(jax.tree.map(layer_order, acc, stats), act), axis)
         acc = jax.lax.pmean(acc, data) if data else acc
-        return jax.tree.map(lambda a, like: a.astype(like.dtype), acc, self.found.stats)
+        return jax.tree.map(lambda a, like: a.astype(like.dtype), acc, stats)
+
+    def _stats_cotangent(self):
+        """The loss's gradient with respect to the whole batch's statistics, ``1/(M*shards)`` of
+        it: what the backward of each (microbatch, shard) adds for its share."""
+        stage, x0 = self.stage, self.x0
+        zero_y = vary(jnp.zeros(x0.shape, x0.dtype), stage.manual)
+        loss0, stats_vjp = jax.vjp(lambda st: stage.tail(stage.rest, zero_y, 0, st)[0], vary(self.stats, stage.manual))
+        (dstats,) = stats_vjp(jnp.ones_like(loss0))
+        return jax.tree.map(lambda g: g / (stage.M * stage.shards), dstats)
+
+    def _stats_share(self, r_b, real, out_stats):
+        """The statistics' cotangent of the backward's group (repeat ``r_b``) on this stage,
+        typed like the group's statistics ``out_stats``; zeros for a bubble's item."""
+        stage, n_item = self.stage, self.stage.n_item
+        rows = lambda g: jax.lax.dynamic_slice_in_dim(g, (r_b * stage.S + stage.s) * n_item, n_item)  # noqa: E731
+        share = jax.tree.map(lambda g: jnp.where(real, rows(g), jnp.zeros_like(rows(g))), self.dstats)
+        return jax.tree.map(functools.partial(_typed_like, axis=stage.axis), share, out_stats)
+
+    # -- the sums at the end -------------------------------------------------------------
+
+    def _totals(self, carry):
+        """``(loss, extras, g_stack, g_rest)``: the carry's sums over the manual axes, one
+        after another and after the last permutes (see :func:`_tie`)."""
+        stage, manual = self.stage, self.stage.manual
+        loss = jax.lax.psum(_tie(carry["loss"], carry["act"], carry["cot"]), manual)
+        extras = jax.tree.map(lambda e: jax.lax.psum(e, manual) / stage.shards, _tie(carry["extras"], loss))
+        g_stack = [a.reshape((stage.n_local,) + a.shape[2:]) if stage.R > 1 else a
+                   for a in _tie(carry["g_stack"], extras, loss)]  # fmt: skip
+        g_stack = self.program.sum_over_batch(g_stack)
+        g_rest = jax.lax.psum(_tie(carry["g_rest"], g_stack), manual) if stage.rest else []
+        return loss, extras, g_stack, g_rest
+
+
+def _when(pred, fn, manual: tuple):
+    """``fn()`` where ``pred`` (the same on every device: it depends on the tick alone)
+    holds, else zeros shaped like it; ``pred`` None: always. For R > 1 only some ticks
+    need the head or the embedding's gradient: a ``cond`` skips the others' work."""
+    if pred is None:
+        return fn()
+    run = lambda: vary(fn(), manual)  # noqa: E731
+    return jax.lax.cond(pred, run, lambda: vary(_zeros(jax.eval_shape(fn)), manual))
+
+
+def _put(ring, values, slot):
+    """``ring`` (one array per kind of value, slots first) with ``values`` in slot ``slot``."""
+    return [jax.lax.dynamic_update_index_in_dim(r, v, slot, 0) for r, v in zip(ring, values)]
+
+
+def _get(ring, slot):
+    """The values in slot ``slot`` of ``ring``."""
+    return [jax.lax.dynamic_index_in_dim(r, slot, keepdims=False) for r in ring]
 
 
 def _top_item(t, S: int, V: int, R: int, M: int):
@@ -648,7 +782,7 @@ def _typed_like(cot, out, *, axis: str):
     vary over the stage axis (a constant of the layer, such as a dropless router's dropped
     share: everything computed from the stage's weights or input varies over it), else
     summed over the manual axes over which ``out`` is the same on every device."""
-    if axis not in _varying(out):
+    if axis not in varying_axes(out):
         return varying_like(jnp.zeros(out.shape, out.dtype), out)
     return sum_to_type(cot, out)
 

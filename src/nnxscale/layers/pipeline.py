@@ -280,7 +280,19 @@ def current_pipeline() -> Optional[Pipeline]:
     return None if active is None else active[0]
 
 
-def _mesh_for(pipeline: Pipeline, mesh):
+@contextlib.contextmanager
+def without_pipeline():
+    """Within the block no pipeline is in force (:func:`current_pipeline` is ``None``), whatever
+    :func:`use_pipeline` encloses it; who runs :func:`~nnxscale.scan_layers` is left as it is.
+    A schedule enters it around its stages: layers that scan stacks of their own run them unpipelined."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def mesh_for(pipeline: Pipeline, mesh):
     """The mesh to run ``pipeline`` on: given, else the rules' mesh, else the one set with ``jax.set_mesh``."""
     if mesh is None:
         rules = current_rules()
@@ -343,7 +355,7 @@ def pipeline_layers(
         if active is None:
             raise ConfigError("pipeline_layers: no pipeline given and none in force (nnxscale.layers.pipeline.use_pipeline)")
         pipeline, mesh = active[0], active[1] if mesh is None else mesh
-    mesh = _mesh_for(pipeline, mesh)
+    mesh = mesh_for(pipeline, mesh)
     n = num_layers(layers)
     rules = current_rules()
     if getattr(x, "ndim", 0) < 1:
@@ -351,7 +363,7 @@ def pipeline_layers(
     pipeline.check(n, x.shape[0], rules.batch_shard_count if rules is not None else 1)
     M, axis = pipeline.microbatches, pipeline.axis
     graphdef, state = nnx.split(layers)
-    data, state_spec = _manual_axes(state, rules, axis)
+    data, state_spec = manual_layout(state, rules, axis)
     rows = P(None, data) if data else P()
 
     split = lambda a: a.reshape((a.shape[0] // M, M) + a.shape[1:]).swapaxes(0, 1)  # noqa: E731  (M, B/M, ...)
@@ -370,12 +382,9 @@ def pipeline_layers(
                                 aux=aux)  # fmt: skip
     run = jax.shard_map(program, mesh=context_mesh(mesh), in_specs=tuple(specs), out_specs=(rows, P(axis)) if aux else rows,
                         axis_names=frozenset((axis,) + data))  # fmt: skip
-    token = _ACTIVE.set(None)  # layers that scan stacks of their own run them unpipelined
-    try:
-        with layers_run_by(None), attention.in_pipeline_stages():
-            out = run(*operands)
-    finally:
-        _ACTIVE.reset(token)
+    # Layers that scan stacks of their own run them unpipelined.
+    with without_pipeline(), layers_run_by(None), attention.in_pipeline_stages():
+        out = run(*operands)
     if aux:  # the statistics come out in stage order (position i holds layer layer_order[i])
         out, stats = out
         back = np.argsort(pipeline.layer_order(n))
@@ -409,7 +418,7 @@ def manual_axes(specs, rules) -> tuple[str, ...]:
     return data
 
 
-def _manual_axes(state, rules, axis: str):
+def manual_layout(state, rules, axis: str):
     """``(the batch axes the pipeline runs manual over, the stacked state's in_specs)``
     (:func:`manual_axes`)."""
     if rules is None:

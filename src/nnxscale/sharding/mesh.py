@@ -244,7 +244,7 @@ def context_mesh(mesh):
     return mesh
 
 
-def _varying(x) -> set:
+def varying_axes(x) -> set:
     """The manual mesh axes over which ``x`` may differ from device to device (inside ``shard_map``)."""
     kind = jax.typeof(x)
     manual = getattr(kind, "manual_axis_type", None)  # jax 0.10; before, the set was `.vma`
@@ -258,14 +258,14 @@ def varying_like(tree, *refs):
     loop's carry, both branches of a ``cond`` and a custom gradient's results must have
     the types of what they stand for, manual axes included; zeros made there vary over
     none until told. Outside ``shard_map``, ``tree`` unchanged."""
-    return vary(tree, set().union(*map(_varying, jax.tree.leaves(refs))))
+    return vary(tree, set().union(*map(varying_axes, jax.tree.leaves(refs))))
 
 
 def vary(tree, axes):
     """Every leaf of ``tree`` varying over the manual mesh ``axes`` (those it does not vary over yet)."""
 
     def cast(x):
-        more = tuple(sorted(set(axes) - _varying(x)))
+        more = tuple(sorted(set(axes) - varying_axes(x)))
         return jax.lax.pcast(x, more, to="varying") if more else x
 
     return jax.tree.map(cast, tree) if axes else tree
@@ -275,5 +275,5 @@ def sum_to_type(grad, primal):
     """``grad`` summed over the manual axes it varies over and ``primal`` does not: the
     gradient of a value used the same on every device of those axes (a custom gradient's
     result must have its operand's type). ``grad`` unchanged outside ``shard_map``."""
-    extra = tuple(sorted(_varying(grad) - _varying(primal)))
+    extra = tuple(sorted(varying_axes(grad) - varying_axes(primal)))
     return jax.lax.psum(grad, extra) if extra else grad

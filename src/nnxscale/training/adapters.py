@@ -21,9 +21,10 @@ from flax import nnx
 
 from nnxscale.checkpoint.checkpointer import checkpoint_dir
 from nnxscale.errors import ConfigError
-from nnxscale.layers.lora import PREFIX
+from nnxscale.layers.lora import PREFIX, merge_params
 from nnxscale.models import is_pretrained_dir
 from nnxscale.sharding.layout import format_bytes
+from nnxscale.sharding.state import sharded_init
 
 #: The train state's key of the frozen base weights (a LoRA run only); never checkpointed.
 BASE = "base"
@@ -50,14 +51,6 @@ def split_params(tree: dict) -> tuple[dict, dict]:
         return adapters, base
 
     return walk(tree, False)
-
-
-def merge_params(base: dict, adapters: dict) -> dict:
-    """The union of two nested dicts of disjoint leaves: the model's parameters again."""
-    out = dict(base)
-    for k, v in adapters.items():
-        out[k] = merge_params(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def model_params(state: dict) -> dict:
@@ -130,8 +123,6 @@ def load_base(s, source: Optional[str], load: Callable[[str], dict]) -> dict:
     them are dropped)."""
     if source is not None:
         return load(source)
-    from nnxscale.sharding.state import sharded_init
-
     params = nnx.to_pure_dict(nnx.state(sharded_init(s.factory, s.mesh, s.rules, abstract=(s.graphdef, s.model_state))))
     return split_params(params)[1]
 

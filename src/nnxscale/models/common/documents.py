@@ -11,7 +11,8 @@ before it (a model learns to end a document), so with a document mask:
   first token: no token is trained to predict across a boundary.
 
 Instruction and chat data (:mod:`nnxscale.data.chat`) also mark the targets the loss does
-not train, a prompt's: they are :data:`IGNORED` (:func:`trained_weights`).
+not train, a prompt's: they are :data:`IGNORED` (:func:`trained_weights`; both defined in
+:mod:`nnxscale.layers.token_weights`, below the models, and importable from here).
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from nnxscale.layers.stack import Rows
-
-#: A target the loss does not train (``nnxscale.data.chat.IGNORED``, Hugging Face's -100).
-IGNORED = -100
+from nnxscale.layers.token_weights import IGNORED, trained_weights  # noqa: F401  (re-exported)
 
 
 def document_layout(tokens, separator: int):
@@ -46,17 +45,3 @@ def layer_args(positions, segments) -> tuple:
         return ()
     wrap = lambda a: Rows(a) if a is not None and jnp.ndim(a) == 2 else a  # noqa: E731
     return (wrap(positions),) if segments is None else (wrap(positions), wrap(segments))
-
-
-def trained_weights(inputs, targets, separator=None, ignored_targets: bool = False):
-    """Each token's weight in the mean loss, float32 like ``inputs`` (any shape), or ``None``
-    when every token counts: 0 where the input is the ``separator`` (a document mask) or,
-    with ``ignored_targets``, where the target is :data:`IGNORED`; 1 elsewhere. The loss,
-    gradient accumulation and the 1F1B pipeline weigh (micro-)batches by their sum."""
-    weights = None
-    if separator is not None:
-        weights = (inputs != separator).astype(jnp.float32)
-    if ignored_targets:
-        kept = (targets != IGNORED).astype(jnp.float32)
-        weights = kept if weights is None else weights * kept
-    return weights
