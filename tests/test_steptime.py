@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from nnxscale.planning import hlo, steptime, targets
-from nnxscale.planning.hardware import CHIPS
-from nnxscale.planning.steptime import Hardware, Link, Placement, predict
+from nnxscale.planning.hardware import CHIPS, Hardware, Link
+from nnxscale.planning.steptime import Placement, predict
 
 FIXTURES = Path(__file__).parent / "data" / "hlo"
 

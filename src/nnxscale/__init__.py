@@ -112,7 +112,7 @@ _EXPORTS = {
     "CheckpointConfig": "nnxscale.training.config",
     "LoggingConfig": "nnxscale.training.config",
     "LoraSettings": "nnxscale.training.config",
-    "train": "nnxscale.training.loop",
+    "train": "nnxscale.planning.trainer",  # the trainer handed the step-time prediction
     "TrainResult": "nnxscale.training.loop",
     "setup": "nnxscale.training.state",
     "Setup": "nnxscale.training.state",

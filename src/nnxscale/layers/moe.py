@@ -31,12 +31,15 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from nnxscale.layers import lora
-from nnxscale.planning.steptime import expected_trips
-from nnxscale.sharding.activations import constrain
+from nnxscale.layers.trips import expected_trips
+from nnxscale.sharding.activations import constrain, current_rules
+from nnxscale.sharding.axes import EXPERT
 from nnxscale.sharding.mesh import sum_to_type, varying_like
-from nnxscale.sharding.rules import LOGICAL_KEY, logical
+from nnxscale.sharding.rules import LOGICAL_KEY, logical, resolve_name
 
 _normal = nnx.initializers.normal(0.02)
 
@@ -123,7 +126,7 @@ def _run_groups(xs, sizes, w_gate, w_up, w_down, rows: Optional[int] = None):
     the work: 5.6 ms for 1,024 rows over 8 experts where one dense matmul of them takes 0.46;
     jaxlib 0.10, 2 cores); there each expert's rows run in tiles instead (:func:`_tiled_swiglu`),
     in loops of as many turns as tiles in use, whose expected count is left for the step-time
-    prediction (:func:`nnxscale.planning.steptime.expected_trips`).
+    prediction (:func:`nnxscale.layers.trips.expected_trips`).
     """
     if _native_grouped_matmul():
         h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)  # (M, F)
@@ -251,12 +254,6 @@ def _split(num_experts: int) -> Optional[_Split]:
     Inside a pipeline stage (a ``shard_map``, :mod:`nnxscale.layers.pipeline`) the stage
     is manual over the expert axis when the experts are split over it, and the layer runs
     its part there; with no such axis (None) the experts run like any layer of the stage."""
-    from jax.sharding import Mesh
-
-    from nnxscale.sharding.activations import current_rules
-    from nnxscale.sharding.axes import EXPERT
-    from nnxscale.sharding.rules import resolve_name
-
     rules = current_rules()
     if rules is None:
         return None
@@ -344,8 +341,6 @@ def sharded_moe(x, logits, k: int, w_gate, w_up, w_down, split: _Split, *, lengt
     tokens travel to their experts' devices and back (:func:`_exchange`); otherwise every
     shard runs the experts, gathered like any weight of the layout (FSDP), on its tokens.
     A shard holds whole sequences, so a capacity drops the same assignments on any mesh."""
-    from jax.sharding import PartitionSpec as P
-
     exchange = None if split.expert is None else (split.expert, split.size)
 
     def local(x, logits, w_gate, w_up, w_down, positions):

@@ -4,9 +4,10 @@ By concern: ``report`` (:class:`StepPlan`, :func:`plan` and its text), ``layout`
 arithmetic on the sharded layout), ``estimate`` (the textbook collectives and the analytical
 estimate), ``compiler`` (the real training step compiled ahead of time, its memory analysis
 and the collectives in its HLO, counted by ``hlo``), ``steptime`` (:func:`predict`: the step's
-time from the compiled program and a chip's figures in ``hardware``) and ``meshes``
-(:func:`sweep`: several meshes planned). The trainer and the planner build the run with the same function,
-:func:`nnxscale.training.setup`.
+time from the compiled program and a chip's figures in ``hardware``), ``meshes``
+(:func:`sweep`: several meshes planned) and ``trainer`` (``nnxscale.train``: the trainer handed
+the step-time prediction for its first speed line). The trainer and the planner build the run
+with the same function, :func:`nnxscale.training.setup`.
 
 Loads lazily, on first use of a name: the CLI reads parts of the tree before jax may be imported.
 """

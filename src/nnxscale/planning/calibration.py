@@ -34,6 +34,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nnxscale.planning import steptime
+from nnxscale.planning.hardware import Hardware, Link
+from nnxscale.sharding.devices import device_kind
+
 #: Bump when what is measured changes: older cache entries are measured again.
 CALIBRATION_VERSION = 5
 
@@ -56,8 +67,6 @@ def cache_path() -> Path:
 
 def machine_key() -> dict[str, Any]:
     """What the figures hold for: this jaxlib and the cores this process may run on."""
-    import jaxlib
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"jaxlib": jaxlib.__version__, "cores": cores, "version": CALIBRATION_VERSION}
 
@@ -104,8 +113,6 @@ def _median_in_place(fn: Callable, x, repeat: int = 5) -> float:
 
 
 def _median_seconds(fn: Callable, *args, repeat: int = 5) -> float:
-    import jax
-
     jax.block_until_ready(fn(*args))  # compile and warm up
     times = []
     for _ in range(repeat):
@@ -123,11 +130,6 @@ def _programs(devices: tuple) -> dict:
     """The microbenchmarks' jitted programs and inputs over ``devices`` (one shard each), built
     once per process: measuring again (``bench/steptime.py`` does before each configuration)
     runs them without compiling."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
     n, rows, width = len(devices), MATMUL_ROWS, MATMUL_WIDTH
     mesh = Mesh(np.array(devices), ("d",))
 
@@ -195,8 +197,6 @@ def measure_host() -> dict:
     loop of all-reduces) and ``allreduce_latency`` (what one of a few bytes adds after a
     product: the devices, sharing the cores, reach it at different times and wait for the
     last, as at a step's collectives); ``devices``: how many."""
-    import jax
-
     devices = tuple(d for d in jax.local_devices() if d.platform == "cpu") or tuple(jax.devices("cpu"))
     n = len(devices)
     p = _programs(devices)
@@ -225,11 +225,9 @@ def measure_host() -> dict:
 
 
 def cpu_hardware(n_devices: int, figures: Optional[dict] = None):
-    """The :class:`~nnxscale.planning.steptime.Hardware` of one of ``n_devices`` simulated CPU
+    """The :class:`~nnxscale.planning.hardware.Hardware` of one of ``n_devices`` simulated CPU
     devices: the measured per-device figures (``figures``, default :func:`host_figures`)
     rescaled from the count they were measured with (the host's throughput shared out)."""
-    from nnxscale.planning.steptime import Hardware, Link
-
     f = host_figures() if figures is None else figures
     share = f["devices"] / max(n_devices, 1)
     flops = f["matmul_flops"] * share
@@ -250,10 +248,8 @@ def cpu_hardware(n_devices: int, figures: Optional[dict] = None):
 def register_cpu(n_devices: int, *, refresh: bool = False):
     """Measure (or read) this machine's figures and register them as ``"cpu"`` for ``n_devices``
     devices (:func:`nnxscale.planning.steptime.register_hardware`); returns the hardware."""
-    from nnxscale.planning.steptime import register_hardware
-
     hw = cpu_hardware(n_devices, host_figures(refresh=refresh))
-    register_hardware("cpu", hw)
+    steptime.register_hardware("cpu", hw)
     return hw
 
 
@@ -267,9 +263,6 @@ def local_hardware(mesh):
     beside a run's measured step would say as much about the load as about the step. XLA:CPU
     predictions are ``bench/steptime.py``'s, asked for explicitly, its figures measured around
     the timed steps."""
-    from nnxscale.planning import steptime
-    from nnxscale.sharding.devices import device_kind
-
     device = mesh.devices.flat[0]
     if device.platform == "cpu":
         return None

@@ -20,9 +20,17 @@ import sys
 import time
 from typing import Any
 
+import jax
+
 from nnxscale.errors import CompileError
+from nnxscale.planning import hlo, targets
 from nnxscale.planning.layout import plan_separator
+from nnxscale.planning.steptime import fresh_bytes_of
+from nnxscale.sharding.activations import record_activations
+from nnxscale.sharding.mesh import make_mesh, parse_mesh_spec
 from nnxscale.training.config import TrainConfig
+from nnxscale.training.state import setup
+from nnxscale.training.step import make_train_step
 
 
 #: Meshes up to this many devices are compiled (in a child process when larger than this
@@ -40,17 +48,12 @@ def compile_step(cfg: TrainConfig, mesh=None, s=None):
     The program is compiled to be measured, never run: on XLA:CPU its machine code is
     generated without LLVM's optimizations (:data:`MEASURE_ONLY`). The memory figures and
     the collectives come from the HLO passes and the buffer assignment before that, and
-    are the same (checked on 2026-11-24 for gpt2 on fsdp=8 with and without remat,
+    are the same (every figure equal for gpt2 on fsdp=8 with and without remat,
     gpt2-tiny on data=2,model=4, llama-tiny on context=2,fsdp=2,model=2, mixtral-tiny on
-    expert=4,data=2 and gpt2-mini on stage=2,data=4: every figure equal), in 35-70% of the
+    expert=4,data=2 and gpt2-mini on stage=2,data=4), in 35-70% of the
     time (gpt2 on fsdp=8, 8 x 1024: 3.1 s instead of 5.5 s). A target's compiler (the mesh's
     devices are a GPU's or a TPU's) gets its default options.
     """
-    import jax
-
-    from nnxscale.training.state import setup
-    from nnxscale.training.step import make_train_step
-
     s = setup(cfg, mesh, separator=plan_separator(cfg)) if s is None else s
     with jax.set_mesh(s.mesh):
         lowered = make_train_step(s).lower(s.abstract, s.abstract_batch)
@@ -79,9 +82,6 @@ def measure(compiled, platform: str = "cpu") -> dict[str, Any]:
     runtime that maps them anew each run (XLA:CPU) faults in every step
     (:func:`nnxscale.planning.steptime.fresh_bytes_of`). FLOPs: :func:`compiled_flops`.
     """
-    from nnxscale.planning import hlo as hlo
-    from nnxscale.planning.steptime import fresh_bytes_of
-
     ma = compiled.memory_analysis()
     allocated = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
     if platform == "tpu":
@@ -111,8 +111,6 @@ def compiled_flops(compiled) -> float:
     kernels (TPU splash attention, the GPU flash kernel) are custom calls this count cannot
     see into: :func:`uncounted_kernels`.
     """
-    from nnxscale.planning import hlo
-
     return hlo.matmul_flops(compiled.as_text())
 
 
@@ -134,24 +132,16 @@ def compiled_figures(cfg: TrainConfig, n: int, s=None) -> dict[str, Any]:
 
 def local_device_count() -> int:
     """The devices this process compiles for itself (more are simulated in a child process)."""
-    import jax
-
     return jax.device_count()
 
 
 def local_mesh(cfg: TrainConfig, n: int):
     """``cfg``'s mesh on this machine's first ``n`` devices."""
-    import jax
-
-    from nnxscale.sharding.mesh import make_mesh
-
     return make_mesh(cfg.parallel.mesh, devices=jax.devices()[:n])
 
 
 def _compile_recorded(cfg: TrainConfig, mesh, s=None) -> dict[str, Any]:
     """Compile on ``mesh`` and measure: the figures, the seconds, the activations' layouts."""
-    from nnxscale.sharding.activations import record_activations
-
     t = time.perf_counter()
     with record_activations() as records:
         _, compiled = compile_step(cfg, mesh, s)
@@ -168,8 +158,6 @@ def _compile_recorded(cfg: TrainConfig, mesh, s=None) -> dict[str, Any]:
 
 
 def _compile_here(cfg: TrainConfig, n: int, s=None) -> dict[str, Any]:
-    import jax
-
     out = _compile_recorded(cfg, local_mesh(cfg, n) if s is None else s.mesh, s)
     out["source"] = "compiler" if n == jax.device_count() or jax.default_backend() != "cpu" else f"compiler ({n} of {jax.device_count()} devices)"
     return out
@@ -214,11 +202,6 @@ def compile_for_target(cfg: TrainConfig, target) -> dict[str, Any]:
 
 def _compile_on_target(cfg: TrainConfig, name: str) -> dict[str, Any]:
     """In the child: lay the mesh onto the target's devices, compile, measure."""
-    import jax
-
-    from nnxscale.planning import targets
-    from nnxscale.sharding.mesh import parse_mesh_spec
-
     jax.config.update("jax_platforms", "cpu")  # the CUDA plugin must not look for a GPU
     target = targets.get(name)
     sizes = parse_mesh_spec(cfg.parallel.mesh)
@@ -265,8 +248,6 @@ def refusal(message: str) -> dict[str, Any]:
 def _child_main() -> None:
     """Entry of the child process: ``{"config": TrainConfig as a dict, "target": name or
     absent}`` as JSON on stdin, the figures as one JSON line on stdout."""
-    import jax
-
     request = json.loads(sys.stdin.read())
     cfg = TrainConfig.from_dict(request["config"])
     if request.get("target"):

@@ -9,10 +9,19 @@ import re
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
+import jaxlib
 
+from nnxscale.layers.attention import BLOCK, platform_of
+from nnxscale.layers.attention import describe as describe_attention
+from nnxscale.layers.attention import resolve as resolve_attention
+from nnxscale.layers.loss import KEEP_BYTES, chunk_count
+from nnxscale.layers.moe import capacity, slot_rows
+from nnxscale.layers.pipeline import pipeline_cost
 from nnxscale.planning.layout import layout_figures, mesh_sizes, split_params, trained_rows
 from nnxscale.sharding.axes import EXPERT, STAGE
 from nnxscale.training.config import TrainConfig
+from nnxscale.training.step import replica_axes, sums_unreduced
 
 
 def textbook_collectives(cfg: TrainConfig, lay: dict, platform: str = "cpu") -> list[tuple[str, float]]:
@@ -85,12 +94,12 @@ def textbook_collectives(cfg: TrainConfig, lay: dict, platform: str = "cpu") -> 
 
 def accumulation_note(cfg: TrainConfig, lay: dict) -> Optional[str]:
     """What gradient accumulation does to the collectives of the compiled step, for the plan's
-    notes. Measured on XLA:CPU, llama-mini, 8 devices, batch 32 x 128, 2026-11-26, collectives
-    per step over the parameter bytes with 1 and 4 micro-batches: data=8 all-reduce 1.03x and
-    4.12x before the replicas summed their gradients unreduced
-    (:func:`nnxscale.training.step.replica_axes`), 1.03x and 1.00x since (2026-11-26); fsdp=8
-    all-gather 2.00x and 7.79x, all-reduce 1.03x and 4.00x (per micro-batch, as the sharded
-    accumulator needs). A pipeline accumulates its microbatches itself: gpt2-tiny on
+    notes. Measured on XLA:CPU, llama-mini, 8 devices, batch 32 x 128, collectives per step
+    over the parameter bytes with 1 and 4 micro-batches: data=8 all-reduce 1.03x and 1.00x,
+    the replicas summing their gradients unreduced and reducing once per step
+    (:func:`nnxscale.training.step.replica_axes`; reduced in each micro-batch instead, 4.12x);
+    fsdp=8 all-gather 2.00x and 7.79x, all-reduce 1.03x and 4.00x (per micro-batch, as the
+    sharded accumulator needs). A pipeline accumulates its microbatches itself: gpt2-tiny on
     stage=2,data=4 all-reduces 1.78x with 2 and with 8 microbatches, once per step."""
     accum = cfg.optim.grad_accum
     if accum == 1 or lay["rules"].batch_shard_count == 1:
@@ -100,8 +109,6 @@ def accumulation_note(cfg: TrainConfig, lay: dict) -> Optional[str]:
     if split["fsdp"]:
         parts.append(f"FSDP gathers the weights and reduce-scatters their gradients in each of the {accum} micro-batches "
                      "(inherent: the accumulator is sharded like the weights, as in MaxText's gradient accumulation)")
-    from nnxscale.training.step import sums_unreduced
-
     if split["replicated"] / max(lay["full_param_bytes"], 1) >= 0.005 and not sums_unreduced(lay["model"], lay.get("pipeline")):
         parts.append(f"the replicated weights' gradients are all-reduced in each micro-batch, {accum}x the textbook's "
                      "once per step (a mixture's router losses or your own loss couple a batch's tokens: a replica's "
@@ -117,8 +124,6 @@ def collective_itemsizes(cfg: TrainConfig, platform: str = "cpu") -> tuple[float
     layer weight gathered and reduce-scattered in bf16, the embedding table's gradient in
     f32). XLA:CPU moves bfloat16 collectives as float32 (the same step there: 2.00x gathers,
     1.00x reductions of the float32 parameter bytes)."""
-    import jax.numpy as jnp
-
     compute = float(jnp.dtype(cfg.model.dtype).itemsize)
     if platform == "cpu":
         compute = max(compute, 4.0)
@@ -164,8 +169,6 @@ def pipeline_figures(cfg: TrainConfig, lay: dict, compiled_collectives: Optional
     pipe, n = lay["pipeline"], lay["stacked_layers"]
     if pipe is None:
         return None
-    from nnxscale.layers.pipeline import pipeline_cost
-
     d, dims, rules = cfg.data, lay["model"].dims, lay["rules"]
     # Beside a context axis, each device holds and passes on its T / context tokens.
     activation = (d.batch_size, d.seq_len // rules.length_shard_count, dims.width)
@@ -214,7 +217,7 @@ def expert_all_to_all_bytes(cfg: TrainConfig, lay: dict) -> int:
     share of the iterations, bubble included (:func:`layers_run`). Dropless on CPU, where there is no
     ``ragged_all_to_all``, each peer's slot holds all of a device's assignments: the
     compiled step moves ``expert`` times this (mixtral-mini on ``expert=8``: 8.02x,
-    ``bench/moe.py``, 2026-11-24), and with bfloat16 compute XLA:CPU sends them as float32
+    ``bench/moe.py``), and with bfloat16 compute XLA:CPU sends them as float32
     (the lowered program's all-to-all is bfloat16, the compiled one float32): 2x more."""
     rules, dims, d = lay["rules"], lay["model"].dims, cfg.data
     k = getattr(lay["model"].config, "num_experts_per_tok", 1)
@@ -230,8 +233,6 @@ def slot_factor(cfg: TrainConfig, lay: dict) -> float:
     ``ragged_all_to_all``): ``expert`` times. With a capacity factor a slot holds what the
     capacity lets a device send one peer, ``E / expert`` experts' capacity per sequence:
     ``E cap / (T k)`` times, about the factor (:func:`nnxscale.layers.moe.capacity`)."""
-    from nnxscale.layers.moe import capacity, slot_rows
-
     c, size = lay["model"].config, lay["rules"].sizes[EXPERT]
     k, E, T = c.num_experts_per_tok, c.num_local_experts, cfg.data.seq_len
     cap = capacity(getattr(c, "capacity_factor", None), T, k, E)
@@ -256,10 +257,9 @@ def exchange_temp_bytes(cfg: TrainConfig, lay: dict) -> int:
     per row for the backward pass. In a pipeline a layer works on one microbatch at a
     time, and a stage keeps its share of the iterations (:func:`layers_run`). Counted in
     the compute dtype (the exchange's buffers are bfloat16 under bfloat16 compute, unlike
-    most of XLA:CPU's). Calibrated on 2026-11-25
-    against the compiled steps of mixtral-tiny and mixtral-mini on ``expert=8``,
-    ``fsdp=2,expert=4`` and ``data=2,expert=4`` (each remat policy) and mixtral-8x7b on
-    ``fsdp=8,expert=8``."""
+    most of XLA:CPU's). Calibrated against the compiled steps of mixtral-tiny and mixtral-mini
+    on ``expert=8``, ``fsdp=2,expert=4`` and ``data=2,expert=4`` (each remat policy) and
+    mixtral-8x7b on ``fsdp=8,expert=8``."""
     rules, dims, d = lay["rules"], lay["model"].dims, cfg.data
     c = lay["model"].config
     tokens = d.batch_size / rules.batch_shard_count / cfg.optim.grad_accum * d.seq_len / rules.length_shard_count
@@ -279,7 +279,7 @@ def ring_permute_bytes(cfg: TrainConfig, lay: dict) -> int:
     compute dtype): the forward passes them on ``n - 1`` times; the backward passes them
     round again (``n - 1``) with their float32 gradients (``n`` times, home after the last):
     ``L x (2 (n - 1) kv + n kv gradients)``, times the accumulation steps. Compiled
-    (llama-tiny, 2 layers, 2026-11-24) the ring's permutes are exactly this, with
+    (llama-tiny, 2 layers) the ring's permutes are exactly this, with
     ``--remat`` none or full (the ring's residuals are kept, not recomputed) and with
     ``--document-mask``; the step also moves a few tensors of the zigzag layout outside the
     layers (0.1% more on ``context=4,fsdp=2``, 13% on ``context=2,fsdp=2,model=2``).
@@ -313,10 +313,9 @@ ESTIMATE_FAMILY = "gpt2"
 
 #: Coefficients of :func:`estimate`, fitted to the compiler's figures on 8 simulated CPU
 #: devices (gpt2-mini, gpt2 and gpt2-medium on data, fsdp and tensor-parallel meshes, each
-#: remat policy) by ``python bench/plan_accuracy.py --fit`` (refitted 2026-11-26 after the
-#: chunked loss began keeping its logits and accumulation began reducing once per step, and
-#: again with the ``dots-except-mlp-in`` policy's configurations added; no constant term,
-#: which a fit to the mini models takes up and the tiny ones then overshoot).
+#: remat policy, ``dots-except-mlp-in`` included) by ``python bench/plan_accuracy.py --fit``:
+#: steps whose chunked loss keeps its logits and whose accumulation reduces once per step; no
+#: constant term, which a fit to the mini models takes up and the tiny ones then overshoot.
 #: Each multiplies a feature of :func:`features`, in bytes; ``shared`` applies under every
 #: remat policy. The features come from any family's dimensions (:class:`~nnxscale.models.ModelDims`).
 COEFFICIENTS: dict[str, dict[str, float]] = {
@@ -375,8 +374,6 @@ LATER_COEFFICIENTS: dict[tuple[int, ...], dict[str, dict[str, float]]] = {
 
 def jaxlib_version() -> tuple[int, ...]:
     """The running jaxlib's version, e.g. ``(0, 12, 1)``."""
-    import jaxlib
-
     return tuple(int(part) for part in re.findall(r"\d+", jaxlib.__version__)[:3])
 
 
@@ -439,9 +436,6 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
     tp, tph, tpv = split("mlp", dims.mlp_width), split("heads", N), split("vocab", V)
     # Scores per query: every key (xla), or one tile of keys at a time (blockwise, the
     # ring, the accelerators' fused kernels), which the kernel's backward recomputes instead of keeping.
-    from nnxscale.layers.attention import BLOCK
-    from nnxscale.layers.loss import KEEP_BYTES, chunk_count
-
     tiled = attention_figures(cfg, lay["model"], rules)["attention"] not in ("xla", None)
     keys = min(BLOCK, T) if tiled else d.seq_len
     shards = rules.batch_shard_count * rules.length_shard_count  # as the families' chunked loss counts them
@@ -452,8 +446,6 @@ def features(cfg: TrainConfig, lay: dict) -> dict[str, float]:
     compute_itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
     kept = logit_chunks > 1 and rows_micro * d.seq_len * V * compute_itemsize / (shards * tpv) <= KEEP_BYTES
     logit_bytes = b * T * V / tpv * (compute_itemsize if kept else 4 / logit_chunks)  # all slices kept, or one in float32
-    from nnxscale.training.step import replica_axes
-
     parts = split_params(lay["rows"], rules)
     replicated = parts["replicated"] if rules.batch_shard_count > 1 else 0.0
     # The replicated weights' gradients: summed unreduced over the replica axes and reduced
@@ -514,13 +506,11 @@ def attention_figures(cfg: TrainConfig, model, rules, platform: Optional[str] = 
     default: the devices of ``rules``' mesh (this process's for an abstract mesh)."""
     if not getattr(model.config, "attention", None):  # your own module picks its own
         return {"attention": None, "attention_line": None}
-    from nnxscale.layers import attention
-
     c, head, context = model.config, model.dims.head_width, rules.length_shard_count
-    platform = platform or attention.platform_of(rules.mesh)  # the target's, for a mesh of its devices
+    platform = platform or platform_of(rules.mesh)  # the target's, for a mesh of its devices
     staged = rules.sizes.get(STAGE, 1) > 1  # the layers run in a pipeline's stages
     return {
-        "attention": "ring" if context > 1 else attention.resolve(c.attention, cfg.data.seq_len, c.dtype, head, cfg.data.document_mask, platform, staged),
-        "attention_line": attention.describe(c.attention, cfg.data.seq_len, c.dtype, head, context, cfg.data.document_mask, platform, staged),
+        "attention": "ring" if context > 1 else resolve_attention(c.attention, cfg.data.seq_len, c.dtype, head, cfg.data.document_mask, platform, staged),
+        "attention_line": describe_attention(c.attention, cfg.data.seq_len, c.dtype, head, context, cfg.data.document_mask, platform, staged),
     }
 

@@ -3,6 +3,7 @@ every chip a target names (:mod:`nnxscale.planning.targets`): peak FLOP/s per co
 HBM bandwidth, the links a collective can cross, and the few efficiency constants, each with
 the public source it comes from. HBM bandwidths and memory are the targets' own data
 (:data:`~nnxscale.planning.targets.GPU_CHIPS`); nothing here is fitted to a training run.
+A chip's figures are a :class:`Hardware` (its links :class:`Link` s), by chip key in :data:`CHIPS`.
 
 Efficiency constants (the only fitted numbers, each to a published microbenchmark):
 
@@ -15,9 +16,66 @@ Efficiency constants (the only fitted numbers, each to a published microbenchmar
 
 from __future__ import annotations
 
-from nnxscale.planning.steptime import Hardware, Link
+import dataclasses
+from typing import Optional
+
 from nnxscale.planning.targets import GPU_CHIPS
 from nnxscale.sharding.devices import CHIP_PEAK_FLOPS
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One interconnect as a device sees it: ``bandwidth`` bytes/s each device can send on it
+    (one direction, as published), ``efficiency`` the fraction a collective reaches (fitted to
+    a published collective benchmark), ``latency`` seconds per collective."""
+
+    name: str
+    bandwidth: float
+    latency: float
+    efficiency: float
+    sources: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def effective(self) -> float:
+        return self.bandwidth * self.efficiency
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One chip's figures for :func:`nnxscale.planning.steptime.predict`.
+
+    ``peak_flops``: dense FLOP/s of its matrix units per compute dtype name (``"bfloat16"``,
+    ``"float32"`` as XLA runs a float32 matmul there, ``"float8_e4m3fn"`` where it exists);
+    ``hbm_bandwidth`` bytes/s; ``links`` by name (``"nvlink"``, ``"network"``, ``"ici"``,
+    ``"dcn"``, ...), the slowest first-class choice for a collective being the one its group
+    crosses. Efficiency constants: ``matmul_efficiency`` (a large GEMM's achieved over peak),
+    ``memory_efficiency`` (a streaming kernel's achieved over the HBM bandwidth),
+    ``op_overhead`` (seconds per op launched), ``kernel_efficiency`` (by custom-call target:
+    target name or its prefix: an attention kernel's achieved over peak, where it differs from
+    a GEMM's). ``fresh_memory_bandwidth``: bytes/s at which a run's newly mapped buffers are
+    first written (page faults), where the runtime maps them anew each run (XLA:CPU); ``None``
+    where it keeps them. ``sources``: where each figure is published.
+    """
+
+    name: str
+    peak_flops: dict
+    hbm_bandwidth: float
+    links: dict
+    matmul_efficiency: float
+    memory_efficiency: float
+    op_overhead: float
+    sources: dict = dataclasses.field(default_factory=dict, compare=False)
+    kernel_efficiency: dict = dataclasses.field(default_factory=dict)
+    fresh_memory_bandwidth: Optional[float] = None
+
+    def peak(self, dtype: str) -> float:
+        """Dense FLOP/s at ``dtype`` (a name or an HLO element type); bfloat16's where unknown."""
+        name = _DTYPE_NAMES.get(dtype, dtype)
+        return self.peak_flops.get(name) or self.peak_flops["bfloat16"]
+
+
+_DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64", "s8": "int8", "u8": "int8",
+                "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2"}  # fmt: skip
 
 # ---------------------------------------------------------------------------------------
 # NVIDIA (SXM boards in HGX/DGX nodes of 8, NVSwitch inside a node, one NIC per GPU across)

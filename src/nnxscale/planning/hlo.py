@@ -1,6 +1,7 @@
 """What a compiled program communicates: its collectives by kind, counted through loops.
 
-Reads the text of a compiled, SPMD-partitioned XLA module (``compiled.as_text()``), where
+Reads the text of a compiled, SPMD-partitioned XLA module (``compiled.as_text()``, its
+computations and instructions as :mod:`nnxscale.sharding.hlo_text` reads them), where
 every shape is already a per-device shape, from any backend's compiler (XLA:CPU, the
 CUDA plugin's, libtpu's). Each collective is counted once per execution: an op inside the
 body of a ``while`` loop (a ``jax.lax.scan`` over layers, gradient accumulation, a ring)
@@ -49,22 +50,20 @@ import math
 import re
 from collections.abc import Iterable
 
-#: Collective kinds, in the order reports list them.
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute", "collective-broadcast")
+import numpy as np
 
-_DTYPE_BYTES = {
+from nnxscale.sharding.hlo_text import KINDS, Computation, Instruction, callees, collective_kind, named_computation, read_module
+
+#: Bytes per element of each HLO element type.
+DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0, "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25,
     "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "f8e3m4": 1,
     "f8e8m0fnu": 1, "f4e2m1fn": 0.5,
 }  # fmt: skip
-_OPCODES = {"ragged-all-to-all": "all-to-all"}  # opcodes counted under another kind
-#: A collective across TPU slices (DCN), written as a host transfer ``send`` (see the module docstring).
-_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+#: Which slices a DCN host transfer ``send`` spans (see the module docstring).
 _MEGASCALE_SLICES = re.compile(r'_xla_megascale_target="\{([^}]*)\}x')  # "{slices}x{devices in a slice}"
 _MEGASCALE_DEVICES = re.compile(r"_xla_megascale_target=\{\{([\d,]+)\}")  # {{global ids}}: slice x 100000 + device
-_MEGASCALE_KINDS = {"ALL_GATHER": "all-gather", "ALL_REDUCE": "all-reduce", "REDUCE_SCATTER": "reduce-scatter",
-                    "ALL_TO_ALL": "all-to-all"}  # fmt: skip
 
 
 def megascale_slices(attrs: str) -> int | None:
@@ -83,16 +82,9 @@ def megascale_slices(attrs: str) -> int | None:
     return n or None
 
 
-_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
-_INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
-_OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
-_CALLED = re.compile(r"\b(?:calls|to_apply|true_computation|false_computation)=%([\w.\-]+)")
-_CALLED_LIST = re.compile(r"\b(?:called_computations|branch_computations)=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-_OP_NAME = re.compile(r'\bop_name="([^"]*)"')
-_NUM_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
-_REPLICA_COUNT = re.compile(r"\breplica_count=(\d+)")
+#: The JAX operation an instruction came from, in its metadata.
+OP_NAME = re.compile(r'\bop_name="([^"]*)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,114 +123,10 @@ class Collective:
 # --------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class _Instr:
-    name: str
-    opcode: str
-    type: object  # an array (dtype, dims) or a list of types (a tuple)
-    operands: list[str]
-    attrs: str  # what follows the operands: ", dimensions={0}, metadata={...}, ..."
-    args: str = ""  # the text inside the parentheses: operands, or a constant's literal
-
-
-@dataclasses.dataclass
-class _Comp:
-    name: str
-    instrs: dict[str, _Instr]
-    root: str = ""
-
-
-def _skip_space(s: str, i: int) -> int:
-    while i < len(s):
-        if s[i].isspace() or s[i] == ",":
-            i += 1
-        elif s.startswith("/*", i):
-            i = s.index("*/", i) + 2
-        else:
-            break
-    return i
-
-
-def _parse_type(s: str, i: int = 0):
-    """``(type, end)`` for the HLO type starting at ``s[i]``: ``(dtype, dims)`` or a list."""
-    i = _skip_space(s, i)
-    if s[i] == "(":
-        items, i = [], i + 1
-        while True:
-            i = _skip_space(s, i)
-            if s[i] == ")":
-                return items, i + 1
-            item, i = _parse_type(s, i)
-            items.append(item)
-    m = _ARRAY.match(s, i)
-    if not m:
-        raise ValueError(f"cannot read an HLO type at {s[i:i + 40]!r}")
-    dims = tuple(int(d.lstrip("<=")) for d in m.group(2).split(",") if d.strip())
-    i = m.end()
-    if i < len(s) and s[i] == "{":  # the layout, e.g. {1,0:T(8,128)(2,1)S(1)}
-        i = s.index("}", i) + 1
-    return (m.group(1), dims), i
-
-
-def _closing(s: str, i: int) -> int:
-    """Index just past the parenthesis that closes the one at ``s[i]``."""
-    depth = 0
-    for j in range(i, len(s)):
-        depth += s[j] == "("
-        depth -= s[j] == ")"
-        if depth == 0:
-            return j + 1
-    return len(s)
-
-
-def _parse_instr(name: str, rhs: str) -> _Instr:
-    type_, i = _parse_type(rhs)
-    m = _OPCODE.match(rhs, i)
-    if not m:
-        return _Instr(name, "", type_, [], rhs[i:])
-    start = m.end() - 1
-    end = _closing(rhs, start)
-    operands = re.findall(r"%([\w.\-]+)", rhs[start:end])
-    return _Instr(name, m.group(1), type_, operands, rhs[end:], rhs[start + 1 : end - 1])
-
-
-def _read(hlo_text: str) -> tuple[dict[str, _Comp], str | None, int]:
-    """``(computations, entry name, devices in the module)`` of a module's text."""
-    comps: dict[str, _Comp] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        if not line.startswith(" "):
-            header = _HEADER.match(line)
-            if header:
-                current = _Comp(header.group(2), {})
-                comps[current.name] = current
-                entry = current.name if header.group(1) else entry
-                continue
-            if line.strip() == "}":
-                current = None
-            continue
-        m = _INSTR.match(line)
-        if current is None or not m:
-            continue
-        try:
-            instr = _parse_instr(m.group(2), m.group(3))
-        except (ValueError, IndexError) as e:  # a type this reader does not know: harmless unless it is a collective's
-            if any(f" {kind}" in m.group(3) for kind in KINDS):
-                raise ValueError(f"cannot read the collective %{m.group(2)} in computation %{current.name}: {e}") from None
-            continue
-        current.instrs[instr.name] = instr
-        if m.group(1):
-            current.root = instr.name
-    head = hlo_text[: hlo_text.find("\n")] if "\n" in hlo_text else hlo_text
-    parts = _NUM_PARTITIONS.search(head)
-    replicas = _REPLICA_COUNT.search(head)
-    devices = (int(parts.group(1)) if parts else 1) * (int(replicas.group(1)) if replicas else 1)
-    return comps, entry, devices
-
-
-def _leaves(t) -> list[tuple[str, tuple[int, ...]]]:
+def leaves(t) -> list[tuple[str, tuple[int, ...]]]:
+    """The arrays ``(dtype, dims)`` of an instruction's type, a tuple's flattened."""
     if isinstance(t, list):
-        return [leaf for item in t for leaf in _leaves(item)]
+        return [leaf for item in t for leaf in leaves(item)]
     return [t]
 
 
@@ -257,8 +145,6 @@ def group_members(attrs: str, devices: int, *, pairs: bool = True, order: bool =
         return [[int(x) for x in p.split(",")] for p in re.findall(r"\{([\d,]+)\}", m.group(1))]
     m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=(\S+))?\s*\{([^}]*)\}", attrs)
     if m:
-        import numpy as np
-
         sizes = [(k.strip("'\" "), int(v)) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))]
         names = [n for n, _ in sizes]
         grid = np.arange(math.prod(s for _, s in sizes)).reshape([s for _, s in sizes])
@@ -286,8 +172,6 @@ def group_members(attrs: str, devices: int, *, pairs: bool = True, order: bool =
 def _iota_list(text: str) -> list[int] | None:
     """``[2,4]<=[4,2]T(1,0)`` or ``([4,2]T(1,0))`` (an iota reshaped and transposed) or
     ``{0,1,...}`` as a flat list."""
-    import numpy as np
-
     m = re.fullmatch(r"\[[\d,]+\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
     m = m or re.fullmatch(r"\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", text.strip())
     if m:
@@ -310,47 +194,41 @@ def _dimension(attrs: str) -> int | None:
 # --------------------------------------------------------------------------------------
 
 
-def _collective(comp: _Comp, instr: _Instr, devices: int) -> Collective | None:
-    """``instr`` as a collective executed once, if it is one to count where it stands."""
-    opcode = instr.opcode
-    if opcode.endswith("-done"):
+def as_collective(comp: Computation, instr: Instruction, devices: int) -> Collective | None:
+    """``instr`` as a collective executed once, if it is one to count where it stands
+    (:func:`~nnxscale.sharding.hlo_text.collective_kind`)."""
+    kind = collective_kind(comp, instr)
+    if kind is None:
         return None
-    if opcode == "send" and (m := _MEGASCALE.search(instr.attrs)) and m.group(1) in _MEGASCALE_KINDS:
-        return _megascale(comp, instr, _MEGASCALE_KINDS[m.group(1)])
-    asynchronous = opcode.endswith("-start")
-    base = opcode.removesuffix("-start")
-    kind = _OPCODES.get(base, base)
-    if kind not in KINDS:
-        return None
-    if '"async_collective_fusion_config"' in instr.attrs and not _starts_async(comp):
-        return None  # TPU: a copy of a collective its start fusion already counted
-    if kind == "all-reduce" and comp.name.startswith("all-reduce-scatter"):
-        kind = "reduce-scatter"  # TPU: all-reduce, then each device keeps its slice
+    if instr.opcode == "send":  # a DCN host transfer
+        return _megascale(comp, instr, kind)
+    asynchronous = instr.opcode.endswith("-start")
+    base = instr.opcode.removesuffix("-start")
     group = _group_size(instr.attrs, devices)
     t = instr.type
     if asynchronous and base != "all-reduce" and isinstance(t, list) and len(t) >= 2:
         t = t[0] if kind == "reduce-scatter" else t[1]  # (operands, results[, contexts])
-        leaves = _leaves(t)
+        arrays = leaves(t)
     else:
-        leaves = _leaves(t)
+        arrays = leaves(t)
         if kind == "reduce-scatter" and base == "reduce-scatter":  # the result: scale back
             dim = _dimension(instr.attrs)
-            leaves = [(dt, tuple(d * group if k == dim else d for k, d in enumerate(dims))) for dt, dims in leaves]
-    return _record(comp, instr, kind, group, leaves)
+            arrays = [(dt, tuple(d * group if k == dim else d for k, d in enumerate(dims))) for dt, dims in arrays]
+    return _record(comp, instr, kind, group, arrays)
 
 
-def _record(comp: _Comp, instr: _Instr, kind: str, group: int, leaves: list) -> Collective:
-    """The :class:`Collective` of ``instr`` moving ``leaves`` (``(dtype, dims)``; tokens and
+def _record(comp: Computation, instr: Instruction, kind: str, group: int, arrays: list) -> Collective:
+    """The :class:`Collective` of ``instr`` moving ``arrays`` (``(dtype, dims)``; tokens and
     other non-array leaves dropped), executed once."""
-    leaves = [(dt, dims) for dt, dims in leaves if dt in _DTYPE_BYTES and dt != "token"]
-    nbytes = int(sum(math.prod(dims) * _DTYPE_BYTES[dt] for dt, dims in leaves))
-    dtype = "+".join(dict.fromkeys(dt for dt, _ in leaves))
-    source = _OP_NAME.search(instr.attrs)
-    shapes = tuple(dims for _, dims in leaves)
+    arrays = [(dt, dims) for dt, dims in arrays if dt in DTYPE_BYTES and dt != "token"]
+    nbytes = int(sum(math.prod(dims) * DTYPE_BYTES[dt] for dt, dims in arrays))
+    dtype = "+".join(dict.fromkeys(dt for dt, _ in arrays))
+    source = OP_NAME.search(instr.attrs)
+    shapes = tuple(dims for _, dims in arrays)
     return Collective(kind, instr.name, comp.name, nbytes, 1, group, dtype, shapes, source=source.group(1) if source else "")
 
 
-def _megascale(comp: _Comp, instr: _Instr, kind: str) -> Collective:
+def _megascale(comp: Computation, instr: Instruction, kind: str) -> Collective:
     """A DCN host transfer ``send`` as the collective it is: its buffer (the first element of
     ``(data, u32[], token[])``), for an all-gather times the slices (the gathered result)."""
     n = megascale_slices(instr.attrs) or 1
@@ -363,16 +241,10 @@ def _megascale(comp: _Comp, instr: _Instr, kind: str) -> Collective:
             t = recv.type[0]
         else:
             scale = n
-    leaves = _leaves(t)
+    arrays = leaves(t)
     if scale > 1:
-        leaves = [(dt, (*dims[:-1], dims[-1] * scale) if dims else (scale,)) for dt, dims in leaves]
-    return _record(comp, instr, kind, n, leaves)
-
-
-def _starts_async(comp: _Comp) -> bool:
-    return any(
-        i.opcode == "custom-call" and 'custom_call_target="AsyncCollectiveStart"' in i.attrs for i in comp.instrs.values()
-    )
+        arrays = [(dt, (*dims[:-1], dims[-1] * scale) if dims else (scale,)) for dt, dims in arrays]
+    return _record(comp, instr, kind, n, arrays)
 
 
 # --------------------------------------------------------------------------------------
@@ -380,7 +252,7 @@ def _starts_async(comp: _Comp) -> bool:
 # --------------------------------------------------------------------------------------
 
 
-def _through(comp: _Comp, name: str) -> _Instr | None:
+def underlying(comp: Computation, name: str) -> Instruction | None:
     """The instruction ``name`` stands for, looking through copies and bitcasts."""
     seen = 0
     instr = comp.instrs.get(name)
@@ -390,16 +262,16 @@ def _through(comp: _Comp, name: str) -> _Instr | None:
     return instr
 
 
-def _constant(comp: _Comp, name: str) -> int | None:
-    instr = _through(comp, name)
+def _constant(comp: Computation, name: str) -> int | None:
+    instr = underlying(comp, name)
     if instr is None or instr.opcode != "constant" or isinstance(instr.type, list) or instr.type[1]:
         return None
     return int(instr.args) if re.fullmatch(r"\s*-?\d+\s*", instr.args) else None
 
 
-def _counter(comp: _Comp, name: str) -> int | None:
+def _counter(comp: Computation, name: str) -> int | None:
     """The tuple index of a loop parameter that ``name`` reads, if it is one."""
-    instr = _through(comp, name)
+    instr = underlying(comp, name)
     if instr is None or instr.opcode != "get-tuple-element":
         return None
     param = comp.instrs.get(instr.operands[0]) if instr.operands else None
@@ -410,20 +282,20 @@ def _counter(comp: _Comp, name: str) -> int | None:
 _FLIPPED = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
 
 
-def _given(fused: _Comp, fusion: _Instr, name: str) -> str:
+def _given(fused: Computation, fusion: Instruction, name: str) -> str:
     """The operand ``fusion`` passes for ``name``, a parameter of its computation ``fused``
     (``""`` where ``name`` is no parameter)."""
-    param = _through(fused, name)
+    param = underlying(fused, name)
     k = int(param.args) if param is not None and param.opcode == "parameter" and param.args.strip().isdigit() else -1
     return fusion.operands[k] if 0 <= k < len(fusion.operands) else ""
 
 
-def _compare(comps: dict[str, _Comp], comp: _Comp, constant_bound: bool = True) -> tuple[int, str, int | None] | None:
+def _compare(comps: dict[str, Computation], comp: Computation, constant_bound: bool = True) -> tuple[int, str, int | None] | None:
     """``(index, direction, bound)`` when loop condition ``comp`` is ``param[index] <direction> bound``;
     ``constant_bound=False``: also where the bound is not a constant (``None`` then)."""
     root, where, outside = comp.instrs.get(comp.root), comp, None
-    if root is not None and root.opcode == "fusion" and _called(root):  # the compare fused: read it inside
-        where, outside = comps.get(_called(root)[0]), root
+    if root is not None and root.opcode == "fusion" and callees(root):  # the compare fused: read it inside
+        where, outside = comps.get(callees(root)[0]), root
         root = where.instrs.get(where.root) if where else None
     if root is None or root.opcode != "compare" or len(root.operands) < 2:
         return None
@@ -438,27 +310,27 @@ def _compare(comps: dict[str, _Comp], comp: _Comp, constant_bound: bool = True) 
     return None if (bound is None and constant_bound) or index is None or not direction else (index, direction, bound)
 
 
-def _loop_counter(comps: dict[str, _Comp], caller: _Comp, loop: _Instr, constant_bound: bool = True, fused_step: bool = True):
+def _loop_counter(comps: dict[str, Computation], caller: Computation, loop: Instruction, constant_bound: bool = True, fused_step: bool = True):
     """``(index, direction, bound, start, step, body, root)`` of a ``while`` whose condition
     compares a tuple element (its counter) with a bound (a constant, or anything with
     ``constant_bound=False``: ``None`` then) and whose body adds a constant ``step`` to it
     (the add fused too where ``fused_step``); ``start``: the counter's first value where it
     is a constant."""
-    cond = comps.get(_attr_comp(loop.attrs, "condition") or "")
-    body = comps.get(_attr_comp(loop.attrs, "body") or "")
+    cond = comps.get(named_computation(loop.attrs, "condition") or "")
+    body = comps.get(named_computation(loop.attrs, "body") or "")
     if cond is None or body is None or not loop.operands:
         return None
     test = _compare(comps, cond, constant_bound)
-    init_tuple = _through(caller, loop.operands[0])
+    init_tuple = underlying(caller, loop.operands[0])
     root = body.instrs.get(body.root)
     if test is None or init_tuple is None or init_tuple.opcode != "tuple" or root is None or root.opcode != "tuple":
         return None
     index, direction, bound = test
     if index >= len(init_tuple.operands) or index >= len(root.operands):
         return None
-    update = _through(body, root.operands[index])
-    inner = comps.get(_called(update)[0]) if update is not None and update.opcode == "fusion" and _called(update) else None
-    add = _through(inner, inner.root) if inner is not None else update
+    update = underlying(body, root.operands[index])
+    inner = comps.get(callees(update)[0]) if update is not None and update.opcode == "fusion" and callees(update) else None
+    add = underlying(inner, inner.root) if inner is not None else update
     if add is None or add.opcode != "add" or len(add.operands) != 2 or (inner is not None and not fused_step):
         return None
     if inner is None:
@@ -472,7 +344,7 @@ def _loop_counter(comps: dict[str, _Comp], caller: _Comp, loop: _Instr, constant
     return index, direction, bound, _constant(caller, init_tuple.operands[index]), step, body, root
 
 
-def _trip_count(comps: dict[str, _Comp], caller: _Comp, loop: _Instr) -> int | None:
+def trip_count(comps: dict[str, Computation], caller: Computation, loop: Instruction) -> int | None:
     """How often a ``while`` turns: recorded by the compiler, or read from the loop."""
     m = _TRIP.search(loop.attrs)
     if m:
@@ -487,7 +359,7 @@ def _trip_count(comps: dict[str, _Comp], caller: _Comp, loop: _Instr) -> int | N
     return max(0, -(-(stop - start) // step))
 
 
-def _trip_bound(comps: dict[str, _Comp], caller: _Comp, loop: _Instr) -> int | None:
+def trip_bound(comps: dict[str, Computation], caller: Computation, loop: Instruction) -> int | None:
     """At most how often a ``while`` turns whose bound is data (a ``fori_loop`` to a computed
     count, such as the expert tiles in use): the extent of the carried buffers its body fills
     a slice per turn, in place (a dynamic-update-slice of the carried buffer), where the counter
@@ -502,9 +374,9 @@ def _trip_bound(comps: dict[str, _Comp], caller: _Comp, loop: _Instr) -> int | N
     for k, name in enumerate(root.operands):
         if k == index:
             continue
-        writer = _through(body, name)
-        where = comps.get(_called(writer)[0]) if writer is not None and writer.opcode == "fusion" and _called(writer) else body
-        dus = _through(where, where.root if where is not body else name) if where is not None else None
+        writer = underlying(body, name)
+        where = comps.get(callees(writer)[0]) if writer is not None and writer.opcode == "fusion" and callees(writer) else body
+        dus = underlying(where, where.root if where is not body else name) if where is not None else None
         if dus is None or dus.opcode != "dynamic-update-slice" or len(dus.operands) < 2:
             continue
         target, piece = where.instrs.get(dus.operands[0]), where.instrs.get(dus.operands[1])
@@ -522,30 +394,18 @@ def _trip_bound(comps: dict[str, _Comp], caller: _Comp, loop: _Instr) -> int | N
     return min(extents) if extents else None
 
 
-def _from_counter(comps: dict[str, _Comp], body: _Comp, name: str, index: int, depth: int = 0) -> bool:
+def _from_counter(comps: dict[str, Computation], body: Computation, name: str, index: int, depth: int = 0) -> bool:
     """Whether scalar ``name`` of a loop body is computed from the counter (tuple element
     ``index``) and constants alone (the counter itself, or it wrapped or offset)."""
     if _counter(body, name) == index:
         return True
-    instr = _through(body, name)
+    instr = underlying(body, name)
     if instr is None or depth > 8 or instr.opcode not in ("fusion", "add", "subtract", "select", "compare", "clamp"):
         return False
     return any(_counter(body, o) == index or _from_counter(comps, body, o, index, depth + 1) for o in instr.operands) and all(
         _constant(body, o) is not None or _counter(body, o) == index or _from_counter(comps, body, o, index, depth + 1)
         for o in instr.operands
     )
-
-
-def _attr_comp(attrs: str, key: str) -> str | None:
-    m = re.search(rf"\b{key}=%([\w.\-]+)", attrs)
-    return m.group(1) if m else None
-
-
-def _called(instr: _Instr) -> list[str]:
-    names = _CALLED.findall(instr.attrs)
-    for group in _CALLED_LIST.findall(instr.attrs):
-        names += re.findall(r"%([\w.\-]+)", group)
-    return names
 
 
 # --------------------------------------------------------------------------------------
@@ -557,7 +417,7 @@ def _per_run(hlo_text: str, visit, weight) -> list:
     """Every record ``visit(comp, instr, devices)`` makes of a compiled module (an op executed
     once, or None), with how often one run executes it: loop bodies times their trip count
     (nested loops multiplied), the heaviest branch of a ``conditional`` by ``weight``."""
-    comps, entry, devices = _read(hlo_text)
+    comps, entry, devices = read_module(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation in this HLO text: pass compiled.as_text()")
     memo: dict[str, list] = {}
@@ -574,18 +434,18 @@ def _per_run(hlo_text: str, visit, weight) -> list:
             if instr.opcode.endswith("-done") or instr.opcode == "async-update":
                 continue  # they name the computation their start already called
             if instr.opcode == "while":
-                trip = _trip_count(comps, comp, instr)
+                trip = trip_count(comps, comp, instr)
                 for key, extra in (("body", 0), ("condition", 1)):  # the condition runs once more
-                    for op in expand(_attr_comp(instr.attrs, key) or "", depth + 1):
+                    for op in expand(named_computation(instr.attrs, key) or "", depth + 1):
                         runs, known = op.executions * ((trip or 1) + extra), op.trips_known and trip is not None
                         out.append(dataclasses.replace(op, executions=runs, trips_known=known))
             elif instr.opcode == "conditional":
-                branches = [expand(b, depth + 1) for b in _called(instr)]
+                branches = [expand(b, depth + 1) for b in callees(instr)]
                 heaviest = max(branches, key=lambda ops: sum(weight(op) for op in ops), default=None)
                 for ops in branches:
                     out += [dataclasses.replace(op, executions=op.executions * (ops is heaviest), in_branch=True) for op in ops]
             else:
-                for callee in _called(instr):
+                for callee in callees(instr):
                     out += expand(callee, depth + 1)
         memo[name] = out
         return out
@@ -602,7 +462,7 @@ def _per_run(hlo_text: str, visit, weight) -> list:
 
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective of a compiled module, with how often one run executes it."""
-    return _per_run(hlo_text, _collective, lambda op: op.total_bytes)
+    return _per_run(hlo_text, as_collective, lambda op: op.total_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -628,12 +488,12 @@ class Matmul:
         return self.flops * self.executions
 
 
-def _dims_of(comp: _Comp, name: str) -> tuple[int, ...] | None:
+def _dims_of(comp: Computation, name: str) -> tuple[int, ...] | None:
     instr = comp.instrs.get(name)
     if instr is None:
         return None
-    leaves = _leaves(instr.type)
-    return leaves[0][1] if len(leaves) == 1 else None
+    arrays = leaves(instr.type)
+    return arrays[0][1] if len(arrays) == 1 else None
 
 
 def _int_list(attrs: str, key: str) -> list[int]:
@@ -691,23 +551,23 @@ def _conv_flops(lhs: tuple[int, ...], out: tuple[int, ...], rhs: tuple[int, ...]
     return 2.0 * math.prod(out) * rhs[rhs_l.index("i")] * taps
 
 
-def _matmul(comp: _Comp, instr: _Instr, devices: int) -> Matmul | None:
+def as_matmul(comp: Computation, instr: Instruction, devices: int) -> Matmul | None:
     """``instr`` as a matrix product executed once, if it is one."""
     op = instr.opcode
     if op not in ("dot", "convolution") or len(instr.operands) < 2:
         return None
     lhs, rhs = _dims_of(comp, instr.operands[0]), _dims_of(comp, instr.operands[1])
-    out = _leaves(instr.type)[0][1] if _leaves(instr.type) else None
+    out = leaves(instr.type)[0][1] if leaves(instr.type) else None
     if lhs is None or rhs is None or out is None:
         return None
     flops = _dot_flops(lhs, rhs, instr.attrs) if op == "dot" else _conv_flops(lhs, out, rhs, instr.attrs)
-    source = _OP_NAME.search(instr.attrs)
+    source = OP_NAME.search(instr.attrs)
     return Matmul(op, instr.name, comp.name, flops, 1, source=source.group(1) if source else "")
 
 
 def matmuls(hlo_text: str) -> list[Matmul]:
     """Every matrix product of a compiled module, with how often one run executes it."""
-    return _per_run(hlo_text, _matmul, lambda m: m.total_flops)
+    return _per_run(hlo_text, as_matmul, lambda m: m.total_flops)
 
 
 def matmul_flops(hlo_text_or_ops) -> float:

@@ -10,21 +10,22 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+import jax
+from jax.sharding import AbstractMesh, AxisType
+
 from nnxscale.sharding.axes import EXPERT, entry_axes
 from nnxscale.sharding.layout import full_bytes
-from nnxscale.sharding.mesh import resolve_mesh_shape
+from nnxscale.sharding.mesh import parse_mesh_spec, resolve_mesh_shape
+from nnxscale.sharding.state import layouts, path_str
 from nnxscale.training.config import TrainConfig
+from nnxscale.training.state import setup
 
 
 def mesh_sizes(spec, devices: Optional[int] = None) -> dict[str, int]:
     """``{axis: size}`` of a mesh spec; ``-1`` takes ``devices`` (default: this job's)."""
-    from nnxscale.sharding.mesh import parse_mesh_spec
-
     axes = parse_mesh_spec(spec)
     if -1 in axes.values():
         if devices is None:
-            import jax
-
             devices = jax.device_count()
         return resolve_mesh_shape(axes, devices)
     if devices is not None:
@@ -44,12 +45,6 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int], s=None) -> dict[str,
     ``s``: the run's setup when the caller has built it already (on devices, to compile it):
     its shard sizes are the same, and its rules are not resolved again.
     """
-    import jax
-    from jax.sharding import AbstractMesh, AxisType
-
-    from nnxscale.sharding.state import layouts
-    from nnxscale.training.state import setup
-
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
     if s is None:
         s = setup(cfg, mesh, separator=plan_separator(cfg))
@@ -81,14 +76,10 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int], s=None) -> dict[str,
 def trained_rows(lay: dict) -> list:
     """The rows of ``lay`` (:func:`layout_figures`) whose parameters the step differentiates:
     under LoRA the adapters alone (the frozen base has no gradient to reduce), else all."""
-    import jax
-
-    from nnxscale.sharding.state import _path_str  # the rows' own paths
-
     rows = lay["rows"]
     if lay["model"].lora is None:
         return rows
-    trained = {_path_str(path) for path, _ in jax.tree_util.tree_flatten_with_path(lay["setup"].abstract["params"])[0]}
+    trained = {path_str(path) for path, _ in jax.tree_util.tree_flatten_with_path(lay["setup"].abstract["params"])[0]}
     return [r for r in rows if r.path in trained]
 
 

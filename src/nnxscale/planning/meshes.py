@@ -6,12 +6,18 @@ import dataclasses
 import math
 from typing import Optional
 
+from nnxscale.errors import MeshError
 from nnxscale.planning.compiler import MAX_COMPILE_DEVICES
+from nnxscale.planning.estimate import SAVED_FEATURES, coefficients, features
 from nnxscale.planning.layout import plan_separator
 from nnxscale.planning.report import StepPlan, compiles, plan
+from nnxscale.planning.steptime import format_seconds, rank_by_time
+from nnxscale.planning.targets import split_over_domains
 from nnxscale.sharding.layout import format_bytes
-from nnxscale.sharding.mesh import format_mesh
+from nnxscale.sharding.mesh import format_mesh, parse_mesh_spec
+from nnxscale.sharding.state import shared_abstract_models
 from nnxscale.training.config import ConfigError, TrainConfig, with_overrides
+from nnxscale.training.model import run_model
 
 
 #: From this many tokens per sequence a sweep also proposes meshes that split the sequence.
@@ -64,12 +70,8 @@ def sweep(
     proxy time: :func:`pipeline_plans`). With a ``target`` (:mod:`nnxscale.planning.targets`)
     the candidates are laid out for it (:func:`for_target`) and compiled by its compiler.
     """
-    from nnxscale.training.model import run_model
-
     if cfg.parallel.microbatches is not None:
         raise ConfigError("--sweep chooses the microbatches of the pipelines it plans: drop --microbatches")
-    from nnxscale.sharding.state import shared_abstract_models
-
     model = run_model(cfg, separator=plan_separator(cfg))
     dims, experts = model.dims, getattr(model.config, "num_local_experts", 0) if model.routed else 0
     with shared_abstract_models():  # each remat policy's model traced once, not once per mesh
@@ -86,8 +88,6 @@ def sweep(
                                       target=target, compare=False))  # fmt: skip  (the sweep compares them all)
                 except ConfigError as e:  # e.g. a batch the mesh cannot split: the same for every remat
                     skipped.setdefault(mesh, str(e))
-    from nnxscale.planning.steptime import rank_by_time
-
     return rank_by_time(sorted(plans, key=lambda p: p.peak_bytes)), skipped
 
 
@@ -99,10 +99,6 @@ def for_target(candidates: list[str], target) -> list[str]:
     """The candidate meshes laid out for ``target``: data and fsdp outermost (across nodes
     or slices), then expert, context and model (innermost); those whose context or model
     axis would cross a node or slice dropped."""
-    from nnxscale.errors import MeshError
-    from nnxscale.planning.targets import split_over_domains
-    from nnxscale.sharding.mesh import parse_mesh_spec
-
     out = []
     for spec in candidates:
         axes = parse_mesh_spec(spec)
@@ -118,8 +114,6 @@ def for_target(candidates: list[str], target) -> list[str]:
 
 def sweep_table(plans: list[StepPlan], skipped: Optional[dict[str, str]] = None) -> str:
     """One line per plan, fitting ones marked; then one line per candidate mesh that cannot run."""
-    from nnxscale.planning.steptime import format_seconds
-
     timed = any(p.step_time is not None for p in plans)
     header = f"{'mesh':<22}{'remat':<7}{'peak/device':>12}{'collectives':>13}  {'source':<10} fits" + (
         f"{'step':>10}{'tokens/s/dev':>14}{'MFU':>7}" if timed else "")
@@ -271,8 +265,6 @@ def scheduled_estimate(cfg: TrainConfig, p: StepPlan) -> StepPlan:
     M)``) or, without remat, each one stage input (``held_bytes``) and one item's layers
     while it is differentiated (``K / (S R M)``). Not calibrated against compiled pipelines:
     ``--compile auto`` gives the compiler's figures."""
-    from nnxscale.planning.estimate import SAVED_FEATURES, coefficients, features
-
     f = features(cfg, p.layout)
     kept = sum(coefficients().get(cfg.model.remat, {}).get(k, 0.0) * f[k] for k in SAVED_FEATURES)
     pipe = p.pipeline
@@ -315,8 +307,6 @@ def pipeline_lines(plans: list[StepPlan]) -> list[str]:
     """The sweep table's pipelines: per plan its schedule, microbatches, bubble, work items
     held per stage, peak, whether it fits, proxy time and predicted step time where it has
     one, in :func:`_pipeline_rank`'s order; the proposed one marked."""
-    from nnxscale.planning.steptime import format_seconds
-
     piped = sorted((p for p in plans if p.pipeline is not None and "proxy_seconds" in p.pipeline), key=_pipeline_rank)
     if not piped:
         return []

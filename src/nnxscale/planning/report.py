@@ -32,7 +32,10 @@ import math
 import re
 from typing import Any, Optional
 
-from nnxscale.planning import targets
+import jax
+
+from nnxscale.errors import NnxscaleError
+from nnxscale.planning import steptime, targets
 from nnxscale.planning.compiler import MAX_COMPILE_DEVICES, compile_for_target, compiled_figures, local_device_count, local_mesh
 from nnxscale.planning.estimate import (
     ESTIMATE_FAMILY,
@@ -51,6 +54,7 @@ from nnxscale.sharding.devices import MEMORY
 from nnxscale.sharding.layout import format_bytes
 from nnxscale.sharding.mesh import format_mesh
 from nnxscale.training.config import ConfigError, TrainConfig, with_overrides
+from nnxscale.training.state import pipeline_notes, setup
 
 
 #: Memory of one device, by name (``--device``), in bytes.
@@ -214,15 +218,33 @@ class StepPlan:
         return f" ({self.flops / expected - 1:+.0%} compiled)" if self.flops and expected else ""
 
     def __str__(self) -> str:
-        lines = [
+        lines = self._title_lines() + self._memory_lines() + self._collective_lines() + self._flops_lines()
+        if self.compile_seconds is not None:
+            lines.append(f"  compiled in {self.compile_seconds:.1f} s")
+        if self.step_time is not None:
+            lines += [""] + steptime.format_lines(self.step_time, self.target or "")
+        if self.pipeline:
+            lines += [""] + pipeline_lines(self.pipeline, self.source)
+        if self.context:
+            lines += [""] + context_lines(self.context, self.source)
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        return "\n".join(lines + self._verdict_lines())
+
+    def _title_lines(self) -> list[str]:
+        """What was planned: the model, mesh, rules, batch; the attention; the target."""
+        return [
             f"plan: {self.model} ({self.num_params:,} parameters) on mesh {format_mesh(self.mesh)}, rules {self.rules}, "
             f"remat {self.remat}, {self.dtype} compute, global batch {self.batch_size} x {self.seq_len}"
             + (f" in {self.grad_accum} micro-batches" if self.grad_accum > 1 else ""),
             *([self.attention_line] if self.attention_line else []),
             *([f"target: {self.target_line}"] if self.target_line else []),
-            "",
-            f"{'per device':<36}{'bytes':>11}  source",
         ]
+
+    def _memory_lines(self) -> list[str]:
+        """The bytes per device, each with its source; where the compiler refused the program,
+        what it said it needs instead of what was not measured."""
+        lines = ["", f"{'per device':<36}{'bytes':>11}  source"]
         rows = [
             ("parameters", self.param_bytes, "layout"),
             ("optimizer state (AdamW)", self.optimizer_bytes, "layout"),
@@ -239,70 +261,70 @@ class StepPlan:
         if self.estimated and self.source != "estimate":
             est = self.estimated["peak_bytes_per_device"]
             lines.append(f"  {'peak, analytical estimate':<34}{format_bytes(est):>11}  estimate ({est / max(self.peak_bytes, 1) - 1:+.0%})")
+        return lines
+
+    def _collective_lines(self) -> list[str]:
+        """The collectives per step by kind, as multiples of the parameter bytes, and the textbook's."""
         params = max(self.full_param_bytes, 1)
-        if refused is None:
-            lines += ["", f"collectives per step, per device ({self.source}; x = multiples of the {format_bytes(self.full_param_bytes)} of parameters)"]
+        if self.refused is None:
+            lines = ["", f"collectives per step, per device ({self.source}; x = multiples of the {format_bytes(self.full_param_bytes)} of parameters)"]
             for kind, value in self.collective_bytes.items():
                 if value:
                     lines.append(f"  {kind:<34}{format_bytes(value):>11}  {value / params:5.2f}x")
             lines.append(f"  {'total':<34}{format_bytes(self.collective_total):>11}  {self.collective_total / params:5.2f}x")
         else:
-            lines += ["", "collectives per step, per device: not counted (the target's compiler refused the program)"]
+            lines = ["", "collectives per step, per device: not counted (the target's compiler refused the program)"]
         if self.textbook:
             parts = "; ".join(f"{what} {x:.2f}x" for what, x in self.textbook)
             lines.append(f"  {'textbook for this layout':<34}{'':>11}  {sum(x for _, x in self.textbook):5.2f}x ({parts})")
-        if self.flops is not None:
-            lines += ["", "FLOPs per device per step (matrix products, loop bodies once per trip)"]
-            lines.append(f"  {'compiled program':<34}{self.flops:>11.3g}  {self.source}")
-            if self.flops_expected is not None:
-                label = "model formula (4N frozen + attn)" if self.flops_frozen else "model formula (6N + attention)"
-                lines.append(f"  {label:<34}{self.flops_expected:>11.3g}  per token x tokens / devices"
-                             f"{self._versus(self.flops_expected) if self.flops_recompute is None else ''}")  # fmt: skip
-            if self.flops_recompute is not None:
-                again = {"full": "each layer's forward again, less its last matmul (an output the backward does not need)",
-                         "dots-except-mlp-in": "attention's products and the MLP's input projections again"}.get(
-                             self.remat, "attention's products again")  # fmt: skip
-                versus = "" if self.flops_uncounted and self.flops_attention else self._versus(self.flops_recompute)
-                lines.append(f"  {'formula + remat ' + self.remat + ' recompute':<34}{self.flops_recompute:>11.3g}  {again}{versus}")
-            if self.flops_uncounted:
-                line = f"  not counted: the matmuls inside {', '.join(self.flops_uncounted)} (kernels: attention)"
-                if self.flops_attention:
-                    line += (f"; the formula less its attention ({self.flops_attention:.3g} with its recompute): "
-                             f"{self._versus((self.flops_recompute or self.flops_expected) - self.flops_attention).strip(' ()')}")  # fmt: skip
-                lines.append(line)
-        if self.compile_seconds is not None:
-            lines.append(f"  compiled in {self.compile_seconds:.1f} s")
-        if self.step_time is not None:
-            from nnxscale.planning.steptime import format_lines
+        return lines
 
-            lines += [""] + format_lines(self.step_time, self.target or "")
-        if self.pipeline:
-            lines += [""] + pipeline_lines(self.pipeline, self.source)
-        if self.context:
-            lines += [""] + context_lines(self.context, self.source)
-        for note in self.notes:
-            lines.append(f"note: {note}")
+    def _flops_lines(self) -> list[str]:
+        """The compiled program's FLOPs beside the model's formula and its recompute; none where not compiled."""
+        if self.flops is None:
+            return []
+        lines = ["", "FLOPs per device per step (matrix products, loop bodies once per trip)"]
+        lines.append(f"  {'compiled program':<34}{self.flops:>11.3g}  {self.source}")
+        if self.flops_expected is not None:
+            label = "model formula (4N frozen + attn)" if self.flops_frozen else "model formula (6N + attention)"
+            lines.append(f"  {label:<34}{self.flops_expected:>11.3g}  per token x tokens / devices"
+                         f"{self._versus(self.flops_expected) if self.flops_recompute is None else ''}")  # fmt: skip
+        if self.flops_recompute is not None:
+            again = {"full": "each layer's forward again, less its last matmul (an output the backward does not need)",
+                     "dots-except-mlp-in": "attention's products and the MLP's input projections again"}.get(
+                         self.remat, "attention's products again")  # fmt: skip
+            versus = "" if self.flops_uncounted and self.flops_attention else self._versus(self.flops_recompute)
+            lines.append(f"  {'formula + remat ' + self.remat + ' recompute':<34}{self.flops_recompute:>11.3g}  {again}{versus}")
+        if self.flops_uncounted:
+            line = f"  not counted: the matmuls inside {', '.join(self.flops_uncounted)} (kernels: attention)"
+            if self.flops_attention:
+                line += (f"; the formula less its attention ({self.flops_attention:.3g} with its recompute): "
+                         f"{self._versus((self.flops_recompute or self.flops_expected) - self.flops_attention).strip(' ()')}")  # fmt: skip
+            lines.append(line)
+        return lines
+
+    def _verdict_lines(self) -> list[str]:
+        """Whether the step fits the device's memory (what the compiler refused), and what to try where not."""
         if self.refused is not None:
             r = self.refused
             needs = (f"needs {format_bytes(r['needs'])} of {format_bytes(r['available'])} per chip" if r.get("needs")
                      else r["first_line"])  # fmt: skip
-            lines += ["", f"verdict: does not fit: {needs} (the target's compiler refused the program); "
-                          "try --remat full, a larger fsdp axis, --grad-accum or a smaller batch"]  # fmt: skip
-            lines += [f"  {b}" for b in r.get("buffers", [])]
-        elif self.device_memory is not None:
-            spare = self.device_memory - self.peak_bytes
-            if spare >= 0:
-                verdict = (
-                    f"fits: peak {format_bytes(self.peak_bytes)} of {format_bytes(self.device_memory)} per device, "
-                    f"{format_bytes(spare)} to spare"
-                )
-            else:
-                verdict = (
-                    f"does not fit: peak {format_bytes(self.peak_bytes)} per device is {format_bytes(-spare)} more than "
-                    f"{format_bytes(self.device_memory)}; try --remat full, a larger fsdp axis, --grad-accum or a smaller batch"
-                )
-            lines += ["", f"verdict: {verdict}"]
-        return "\n".join(lines)
+            return ["", f"verdict: does not fit: {needs} (the target's compiler refused the program); "
+                        "try --remat full, a larger fsdp axis, --grad-accum or a smaller batch"] + [f"  {b}" for b in r.get("buffers", [])]  # fmt: skip
+        if self.device_memory is None:
+            return []
+        spare = self.device_memory - self.peak_bytes
+        if spare >= 0:
+            verdict = (
+                f"fits: peak {format_bytes(self.peak_bytes)} of {format_bytes(self.device_memory)} per device, "
+                f"{format_bytes(spare)} to spare"
+            )
+        else:
+            verdict = (
+                f"does not fit: peak {format_bytes(self.peak_bytes)} per device is {format_bytes(-spare)} more than "
+                f"{format_bytes(self.device_memory)}; try --remat full, a larger fsdp axis, --grad-accum or a smaller batch"
+            )
+        return ["", f"verdict: {verdict}"]
 
 
 def compiles(compile: str, n: int, max_compile_devices: int, target=None) -> bool:
@@ -340,8 +362,6 @@ def plan(
 
     Nothing is allocated on any device.
     """
-    from nnxscale.training.state import setup
-
     if compile not in ("auto", "never", "always"):
         raise ConfigError(f"compile must be auto, never or always, got {compile!r}")
     cfg.validate()
@@ -360,32 +380,8 @@ def plan(
     s = setup(cfg, local_mesh(cfg, n), separator=plan_separator(cfg)) if here else None
     lay = layout_figures(cfg, sizes, s)
     est = estimate(cfg, lay)
-    common = dict(
-        model=cfg.model.name, mesh=sizes, rules=cfg.parallel.rules, remat=cfg.model.remat, dtype=cfg.model.dtype,
-        batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.optim.grad_accum,
-        num_params=lay["num_params"], full_param_bytes=lay["full_param_bytes"], param_bytes=lay["param_bytes"],
-        optimizer_bytes=lay["optimizer_bytes"], gradient_bytes=lay["gradient_bytes"], batch_bytes=lay["batch_bytes"],
-        textbook=textbook_collectives(cfg, lay, compiler_platform(target)), device_memory=device_memory, layout=lay,
-        target=None if target is None else target.name, target_line=None if target is None else target.describe(),
-        **{f"flops_{k}": v for k, v in formula_flops(cfg, lay, n).items()},
-        # A target's layout is on an abstract mesh: the attention is the one its devices run.
-        **attention_figures(cfg, lay["model"], lay["rules"], None if target is None else {"gpu": "nvidia", "tpu": "tpu"}[target.family]),
-    )  # fmt: skip
-    family = lay["model"].family.name
-    calibration = [] if family == ESTIMATE_FAMILY else [
-        f"the analytical estimate is fitted to {ESTIMATE_FAMILY}'s step (bench/plan_accuracy.py): for a {family} model "
-        "it is a rough guide; the compiled figures hold for any model"
-    ]  # fmt: skip
-    calibration += [n for n in (accumulation_note(cfg, lay),) if n]
-    pipe = lay["pipeline"]
-    if pipe is not None:
-        from nnxscale.training.state import pipeline_notes
-
-        calibration.append(
-            "the analytical estimate does not model the pipeline (fitted without one: no microbatch buffer, bubble or "
-            "permutes, and every layer's activations on every device): trust the compiled figures"
-        )
-        calibration += pipeline_notes(pipe, lay["rules"], [r.spec for r in lay["rows"] if r.is_param], routed=lay["model"].routed)
+    common = run_fields(cfg, lay, sizes, target, device_memory)
+    calibration = estimate_notes(cfg, lay)
     if estimated_only:
         notes = [] if compile == "never" else [f"{n} devices is more than --max-compile-devices {max_compile_devices}: estimated"]
         notes += placement + calibration
@@ -400,8 +396,54 @@ def plan(
                         source=compiled["source"], compile_seconds=compiled["compile_seconds"], notes=placement + calibration,
                         refused=compiled["refused"])  # fmt: skip
     notes = placement + list(calibration) + compiled_notes(cfg, lay, compiled)
+    result = compiled_plan(cfg, lay, est, compiled, common, notes, target)
+    if compare:
+        compare_alternative(result, cfg, target=target, devices=devices, device_memory=device_memory, compile=compile,
+                            max_compile_devices=max_compile_devices)  # fmt: skip
+    return result
+
+
+def run_fields(cfg: TrainConfig, lay: dict, sizes: dict[str, int], target, device_memory: Optional[int]) -> dict[str, Any]:
+    """The :class:`StepPlan` fields of the run itself, whichever figures give its temporaries,
+    peak and collectives: its settings, the layout's bytes, the textbook collectives, the FLOPs
+    formula, the attention it runs and the target."""
+    return dict(
+        model=cfg.model.name, mesh=sizes, rules=cfg.parallel.rules, remat=cfg.model.remat, dtype=cfg.model.dtype,
+        batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.optim.grad_accum,
+        num_params=lay["num_params"], full_param_bytes=lay["full_param_bytes"], param_bytes=lay["param_bytes"],
+        optimizer_bytes=lay["optimizer_bytes"], gradient_bytes=lay["gradient_bytes"], batch_bytes=lay["batch_bytes"],
+        textbook=textbook_collectives(cfg, lay, compiler_platform(target)), device_memory=device_memory, layout=lay,
+        target=None if target is None else target.name, target_line=None if target is None else target.describe(),
+        **{f"flops_{k}": v for k, v in formula_flops(cfg, lay, math.prod(sizes.values())).items()},
+        # A target's layout is on an abstract mesh: the attention is the one its devices run.
+        **attention_figures(cfg, lay["model"], lay["rules"], None if target is None else {"gpu": "nvidia", "tpu": "tpu"}[target.family]),
+    )  # fmt: skip
+
+
+def estimate_notes(cfg: TrainConfig, lay: dict) -> list[str]:
+    """How far to trust the analytical estimate for this run: fitted to one family, without
+    pipelines; what accumulation and a pipeline do to the step."""
+    family = lay["model"].family.name
+    notes = [] if family == ESTIMATE_FAMILY else [
+        f"the analytical estimate is fitted to {ESTIMATE_FAMILY}'s step (bench/plan_accuracy.py): for a {family} model "
+        "it is a rough guide; the compiled figures hold for any model"
+    ]  # fmt: skip
+    notes += [note for note in (accumulation_note(cfg, lay),) if note]
+    pipe = lay["pipeline"]
+    if pipe is not None:
+        notes.append(
+            "the analytical estimate does not model the pipeline (fitted without one: no microbatch buffer, bubble or "
+            "permutes, and every layer's activations on every device): trust the compiled figures"
+        )
+        notes += pipeline_notes(pipe, lay["rules"], [r.spec for r in lay["rows"] if r.is_param], routed=lay["model"].routed)
+    return notes
+
+
+def compiled_plan(cfg: TrainConfig, lay: dict, est: dict, compiled: dict, common: dict, notes: list, target) -> StepPlan:
+    """The plan of a compiled step: the compiler's figures (:func:`compiled_figures`,
+    :func:`compile_for_target`), the estimate's beside them, and the step's predicted time."""
     hlo_text, where = compiled.pop("hlo_text", None), compiled.pop("placement", None)
-    result = StepPlan(
+    return StepPlan(
         **common,
         temp_bytes=compiled["temp_bytes"],
         peak_bytes=compiled["peak_bytes"],
@@ -415,12 +457,8 @@ def plan(
         notes=notes,
         pipeline=pipeline_figures(cfg, lay, compiled["collective_bytes"]),
         context=context_figures(cfg, lay, compiled["collective_bytes"]),
-        step_time=predict_step(cfg, lay, sizes, target, hlo_text, where, compiled.get("fresh_bytes", 0.0)),
+        step_time=predict_step(cfg, lay, common["mesh"], target, hlo_text, where, compiled.get("fresh_bytes", 0.0)),
     )
-    if compare:
-        compare_alternative(result, cfg, target=target, devices=devices, device_memory=device_memory, compile=compile,
-                            max_compile_devices=max_compile_devices)  # fmt: skip
-    return result
 
 
 #: The share of a predicted step its exposed collectives take from which :func:`plan` compares another mesh.
@@ -436,9 +474,6 @@ def compare_alternative(p: StepPlan, cfg: TrainConfig, *, target=None, **kw) -> 
     each node, data across nodes) is predicted 1.70x faster: 21.4 ms per step"). Returns the
     alternative's plan; None where nothing was compared (collectives exposed less, no axes to
     move, or a mesh that cannot run this batch: then ``p.alternative`` holds its ``error``)."""
-    from nnxscale.errors import NnxscaleError
-    from nnxscale.planning import steptime
-
     st = p.step_time
     if st is None or st.exposed_collective_s < COMPARE_FROM * st.seconds:
         return None
@@ -479,8 +514,6 @@ def predict_step(cfg: TrainConfig, lay: dict, sizes: dict, target, hlo_text: Opt
     machine's XLA:CPU where its figures are registered (``register_hardware("cpu", ...)``); ``None``
     without a program or figures. ``fresh_bytes``: what the program maps anew each run, per device
     (:func:`nnxscale.planning.compiler.measure`'s)."""
-    from nnxscale.planning import steptime
-
     if not hlo_text:
         return None
     try:
@@ -500,15 +533,11 @@ def predict_step(cfg: TrainConfig, lay: dict, sizes: dict, target, hlo_text: Opt
 def compiler_platform(target=None) -> str:
     """``"cpu"``, ``"gpu"`` or ``"tpu"``: whose compiler builds the planned step (the target's,
     else this machine's)."""
-    import jax
-
     return target.family if target is not None else jax.default_backend()
 
 
 def compiled_notes(cfg: TrainConfig, lay: dict, compiled: dict) -> list[str]:
     """What to know when reading a compiled step's figures against the layout's."""
-    import jax
-
     notes = []
     if compiled["argument_bytes"] > lay["param_bytes"] + lay["optimizer_bytes"] + lay["batch_bytes"] + (64 << 10):
         notes.append("the compiled step's arguments exceed the layout's state and batch bytes")

@@ -1,8 +1,8 @@
 """How long a step takes on a chip: a roofline walk over the compiled, scheduled program.
 
 Pure arithmetic over the text of an optimized, scheduled XLA module (``compiled.as_text()``,
-``is_scheduled=true``) and one chip's published figures (:class:`Hardware`); no jax (but
-:func:`expected_trips`, which model code traces with).
+``is_scheduled=true``) and one chip's published figures (:class:`Hardware`); no jax
+(:func:`expected_trips`, which model code traces with, loads it when a scope is made).
 
 The model, in the order the program runs:
 
@@ -44,63 +44,10 @@ import math
 import re
 from typing import Optional
 
-from nnxscale.planning import hlo
-from nnxscale.planning.hlo import KINDS, _Comp, _Instr
-
-
-@dataclasses.dataclass(frozen=True)
-class Link:
-    """One interconnect as a device sees it: ``bandwidth`` bytes/s each device can send on it
-    (one direction, as published), ``efficiency`` the fraction a collective reaches (fitted to
-    a published collective benchmark), ``latency`` seconds per collective."""
-
-    name: str
-    bandwidth: float
-    latency: float
-    efficiency: float
-    sources: dict = dataclasses.field(default_factory=dict, compare=False)
-
-    @property
-    def effective(self) -> float:
-        return self.bandwidth * self.efficiency
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """One chip's figures for :func:`predict`.
-
-    ``peak_flops``: dense FLOP/s of its matrix units per compute dtype name (``"bfloat16"``,
-    ``"float32"`` as XLA runs a float32 matmul there, ``"float8_e4m3fn"`` where it exists);
-    ``hbm_bandwidth`` bytes/s; ``links`` by name (``"nvlink"``, ``"network"``, ``"ici"``,
-    ``"dcn"``, ...), the slowest first-class choice for a collective being the one its group
-    crosses. Efficiency constants: ``matmul_efficiency`` (a large GEMM's achieved over peak),
-    ``memory_efficiency`` (a streaming kernel's achieved over the HBM bandwidth),
-    ``op_overhead`` (seconds per op launched), ``kernel_efficiency`` (by custom-call target:
-    target name or its prefix: an attention kernel's achieved over peak, where it differs from
-    a GEMM's). ``fresh_memory_bandwidth``: bytes/s at which a run's newly mapped buffers are
-    first written (page faults), where the runtime maps them anew each run (XLA:CPU); ``None``
-    where it keeps them. ``sources``: where each figure is published.
-    """
-
-    name: str
-    peak_flops: dict
-    hbm_bandwidth: float
-    links: dict
-    matmul_efficiency: float
-    memory_efficiency: float
-    op_overhead: float
-    sources: dict = dataclasses.field(default_factory=dict, compare=False)
-    kernel_efficiency: dict = dataclasses.field(default_factory=dict)
-    fresh_memory_bandwidth: Optional[float] = None
-
-    def peak(self, dtype: str) -> float:
-        """Dense FLOP/s at ``dtype`` (a name or an HLO element type); bfloat16's where unknown."""
-        name = _DTYPE_NAMES.get(dtype, dtype)
-        return self.peak_flops.get(name) or self.peak_flops["bfloat16"]
-
-
-_DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64", "s8": "int8", "u8": "int8",
-                "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2"}  # fmt: skip
+from nnxscale.layers.trips import EXPECTED_TRIPS_PREFIX, expected_trips  # noqa: F401  (expected_trips re-exported)
+from nnxscale.planning import hardware, hlo, targets
+from nnxscale.planning.hardware import Hardware, Link  # noqa: F401  (re-exported: steptime.Hardware, steptime.Link)
+from nnxscale.sharding.hlo_text import KINDS, Computation, Instruction, callees, named_computation, read_module
 
 _REGISTERED: dict[str, Hardware] = {}
 
@@ -117,8 +64,6 @@ def hardware_for(target) -> Hardware:
     """The figures of one chip of ``target``: a :class:`~nnxscale.planning.targets.Target`, its
     name (``"h100x8"``, ``"v5p-128"``), a chip key (``"h100"``, ``"v5e"``) or ``"cpu"``.
     A :class:`KeyError` naming what is known where there are none (``"cpu"`` until registered)."""
-    from nnxscale.planning import hardware, targets
-
     key = target.chip if isinstance(target, targets.Target) else str(target).strip().lower()
     if key in _REGISTERED:
         return _REGISTERED[key]
@@ -140,9 +85,7 @@ def axis_links_for(sizes: dict, target) -> dict:
     """``{axis: link name}``: the link each mesh axis of ``sizes`` crosses on ``target``, as
     :func:`nnxscale.planning.targets.split_over_domains` lays it: an axis that spans several
     nodes (slices) crosses the network (DCN), else NVLink (ICI)."""
-    from nnxscale.planning.targets import split_over_domains
-
-    spans = split_over_domains(sizes, target)
+    spans = targets.split_over_domains(sizes, target)
     inside, between = ("nvlink", "network") if target.family == "gpu" else ("ici", "dcn")
     return {a: between if spans.get(a, 1) > 1 else inside for a in sizes}
 
@@ -277,15 +220,19 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "afte
 _FREE_CALLS = ("AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked", "Sharding", "SPMDFullToShardShape",
                "SPMDShardToFullShape", "MoveToHost", "MoveToDevice")  # fmt: skip
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_EXPECTED = re.compile(r"\bexpected_trips_(\d+)\b")
+_EXPECTED = re.compile(rf"\b{EXPECTED_TRIPS_PREFIX}(\d+)\b")  # nnxscale.layers.trips's name scope
 _FLOATS = {"bf16", "f16", "f32", "f8e4m3fn", "f8e5m2"}
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 
 
 class _Walk:
+    """One compiled program walked on one chip's figures: each computation's :class:`_Span`
+    (:meth:`span`), built from its ops' times (:meth:`op_time`) and its collectives'
+    (:meth:`collective`) as the schedule runs them (:class:`_Streams`)."""
+
     def __init__(self, hlo_text: str, hw: Hardware, axis_links: Optional[dict], mesh: Optional[dict], n_devices: int,
                  placement: Optional["Placement"] = None):
-        self.comps, self.entry, devices = hlo._read(hlo_text)
+        self.comps, self.entry, devices = read_module(hlo_text)
         if self.entry is None:
             raise ValueError("no ENTRY computation in this HLO text: pass compiled.as_text()")
         self.devices = devices if devices > 1 else n_devices
@@ -294,7 +241,7 @@ class _Walk:
         # out as the mesh's inner factors (the outer ones span the slices, create_hybrid_device_mesh's order).
         total = math.prod(self.mesh.values()) if self.mesh else 0
         if total > self.devices > 1 and total % self.devices == 0:
-            from nnxscale.sharding.mesh import process_split
+            from nnxscale.sharding.mesh import process_split  # sharding.mesh loads jax: this module is read without it
 
             spans = process_split(self.mesh, total // self.devices)[0]
             self.mesh = {a: size // spans.get(a, 1) for a, size in self.mesh.items()}
@@ -305,13 +252,13 @@ class _Walk:
     # ---- one op -------------------------------------------------------------------
 
     def _type_bytes(self, t) -> float:
-        return sum(math.prod(dims) * hlo._DTYPE_BYTES.get(dt, 0) for dt, dims in hlo._leaves(t))
+        return sum(math.prod(dims) * hlo.DTYPE_BYTES.get(dt, 0) for dt, dims in hlo.leaves(t))
 
-    def _operand_bytes(self, comp: _Comp, name: str) -> float:
+    def _operand_bytes(self, comp: Computation, name: str) -> float:
         instr = comp.instrs.get(name)
         return 0.0 if instr is None else self._type_bytes(instr.type)
 
-    def op_bytes(self, comp: _Comp, instr: _Instr) -> float:
+    def op_bytes(self, comp: Computation, instr: Instruction) -> float:
         """Bytes an op reads and writes in HBM: its operands and results, where a dynamic
         slice reads its slice and a dynamic-update-slice writes its update in place."""
         op = instr.opcode
@@ -319,12 +266,12 @@ class _Walk:
             return 2 * self._type_bytes(instr.type)
         if op == "dynamic-update-slice" and len(instr.operands) > 1:
             return 2 * self._operand_bytes(comp, instr.operands[1])
-        called = hlo._called(instr)
+        called = callees(instr)
         fused = self.comps.get(called[0]) if op == "fusion" and called else None
         if fused is None:
             return self._type_bytes(instr.type) + sum(self._operand_bytes(comp, o) for o in instr.operands)
         params = {int(i.args): i for i in fused.instrs.values() if i.opcode == "parameter" and i.args.strip().isdigit()}
-        users: dict[str, list[_Instr]] = {}
+        users: dict[str, list[Instruction]] = {}
         for i in fused.instrs.values():
             for o in i.operands:
                 users.setdefault(o, []).append(i)
@@ -345,7 +292,7 @@ class _Walk:
                 total += self._operand_bytes(comp, name)
         return total
 
-    def _readers(self, fused: _Comp, name: str, users: dict, depth: int = 0) -> list:
+    def _readers(self, fused: Computation, name: str, users: dict, depth: int = 0) -> list:
         """``(user, the name it reads)`` of ``name`` through bitcasts; a DUS's target is no reader."""
         out = []
         for u in users.get(name, []):
@@ -357,7 +304,7 @@ class _Walk:
                 out.append((u, name))
         return out
 
-    def _written(self, fused: _Comp, name: str, in_place: set) -> float:
+    def _written(self, fused: Computation, name: str, in_place: set) -> float:
         """Bytes a fusion's result ``name`` writes: a dynamic-update-slice writes its update."""
         i = fused.instrs.get(name)
         if i is None:
@@ -367,7 +314,7 @@ class _Walk:
         if i.opcode == "bitcast" and i.operands:
             return self._written(fused, i.operands[0], in_place)
         if i.opcode == "dynamic-update-slice" and len(i.operands) > 1:
-            target = hlo._through(fused, i.operands[0])
+            target = hlo.underlying(fused, i.operands[0])
             if target is not None and target.opcode == "parameter":
                 in_place.add(target.name)
             return self._operand_bytes(fused, i.operands[1])
@@ -380,28 +327,28 @@ class _Walk:
         comp = self.comps.get(name)
         flops = secs = 0.0
         for instr in (comp.instrs.values() if comp else ()):
-            m = hlo._matmul(comp, instr, self.devices)
+            m = hlo.as_matmul(comp, instr, self.devices)
             if m is not None:
                 lhs = comp.instrs.get(instr.operands[0])
-                dtype = hlo._leaves(lhs.type)[0][0] if lhs is not None else "bf16"
+                dtype = hlo.leaves(lhs.type)[0][0] if lhs is not None else "bf16"
                 flops += m.flops
                 secs += m.flops / (self.hw.peak(dtype) * self.hw.matmul_efficiency)
-            for callee in hlo._called(instr):
+            for callee in callees(instr):
                 f, s = self.comp_flops(callee, depth + 1)
                 flops, secs = flops + f, secs + s
         self.flops_memo[name] = (flops, secs)
         return flops, secs
 
-    def kernel_flops(self, instr: _Instr, comp: _Comp) -> float:
+    def kernel_flops(self, instr: Instruction, comp: Computation) -> float:
         """FLOPs of a library call or kernel the HLO does not show: a cuBLAS GEMM from its
         dimension numbers; an attention kernel from its query, key and value shapes."""
         target = _TARGET.search(instr.attrs)
         name = target.group(1) if target else ""
-        typed = [hlo._leaves(comp.instrs[o].type)[0] for o in instr.operands if o in comp.instrs and hlo._leaves(comp.instrs[o].type)]
+        typed = [hlo.leaves(comp.instrs[o].type)[0] for o in instr.operands if o in comp.instrs and hlo.leaves(comp.instrs[o].type)]
         shapes = [dims for _, dims in typed]
         if name.startswith("__cublas"):
             dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instr.attrs)
-            out = hlo._leaves(instr.type)[0][1] if hlo._leaves(instr.type) else ()
+            out = hlo.leaves(instr.type)[0][1] if hlo.leaves(instr.type) else ()
             if dims and shapes and out:
                 k = math.prod(shapes[0][int(d.strip('"'))] for d in dims.group(1).split(",") if d.strip())
                 return 2.0 * math.prod(out) * k
@@ -410,7 +357,7 @@ class _Walk:
             return _attention_flops(instr, [dims for dt, dims in typed if dt in _FLOATS], self.notes)
         return 0.0
 
-    def op_time(self, comp: _Comp, instr: _Instr) -> _Span:
+    def op_time(self, comp: Computation, instr: Instruction) -> _Span:
         flops = secs = kflops = 0.0
         if instr.opcode in ("dot", "convolution"):
             flops, secs = self._direct_flops(comp, instr)
@@ -420,7 +367,7 @@ class _Walk:
             name = target.group(1) if target else ""
             efficiency = next((e for k, e in self.hw.kernel_efficiency.items() if name.startswith(k)), self.hw.matmul_efficiency)
             secs = kflops / (self.hw.peak("bfloat16") * efficiency)
-        for callee in hlo._called(instr) if instr.opcode in ("fusion", "custom-call") else ():
+        for callee in callees(instr) if instr.opcode in ("fusion", "custom-call") else ():
             f, s = self.comp_flops(callee)
             flops, secs = flops + f, secs + s
         nbytes = self.op_bytes(comp, instr)
@@ -433,32 +380,32 @@ class _Walk:
         span.seconds = span.compute + span.memory + span.overhead
         return span
 
-    def _direct_flops(self, comp: _Comp, instr: _Instr) -> tuple[float, float]:
-        m = hlo._matmul(comp, instr, self.devices)
+    def _direct_flops(self, comp: Computation, instr: Instruction) -> tuple[float, float]:
+        m = hlo.as_matmul(comp, instr, self.devices)
         if m is None:
             return 0.0, 0.0
         lhs = comp.instrs.get(instr.operands[0])
-        dtype = hlo._leaves(lhs.type)[0][0] if lhs is not None else "bf16"
+        dtype = hlo.leaves(lhs.type)[0][0] if lhs is not None else "bf16"
         return m.flops, m.flops / (self.hw.peak(dtype) * self.hw.matmul_efficiency)
 
     # ---- collectives --------------------------------------------------------------
 
-    def collective(self, comp: _Comp, instr: _Instr) -> Optional[tuple[hlo.Collective, str, str, float]]:
+    def collective(self, comp: Computation, instr: Instruction) -> Optional[tuple[hlo.Collective, str, str, float]]:
         """``(record, link, axes, seconds)`` of a collective op (or a fusion that is one), else
         None; ``axes``: the mesh axes its groups span, comma-joined (``""``: not placed)."""
-        rec = hlo._collective(comp, instr, self.devices)
+        rec = hlo.as_collective(comp, instr, self.devices)
         where = comp, instr
-        if rec is None and instr.opcode in ("fusion", "async-start") and hlo._called(instr):
-            inner = self.comps.get(hlo._called(instr)[0])
+        if rec is None and instr.opcode in ("fusion", "async-start") and callees(instr):
+            inner = self.comps.get(callees(instr)[0])
             for i in (inner.instrs.values() if inner else ()):
-                rec = hlo._collective(inner, i, self.devices)
+                rec = hlo.as_collective(inner, i, self.devices)
                 if rec is not None:
                     where = inner, i
                     break
         if rec is None:
             return None
         attrs = where[1].attrs
-        if instr.opcode == "send":  # across TPU slices: a DCN host transfer (hlo._megascale)
+        if instr.opcode == "send":  # across TPU slices: a DCN host transfer (hlo.as_collective)
             link, seconds = self.dcn_seconds(rec)
             return rec, link, ",".join(a for a, lk in self.axis_links.items() if lk == link), seconds
         link, seconds = self.collective_seconds(rec, attrs)
@@ -533,180 +480,206 @@ class _Walk:
     # ---- the schedule -------------------------------------------------------------
 
     def span(self, name: str, depth: int = 0) -> _Span:
+        """One run of computation ``name``: its ops in schedule order on the two streams."""
         if name in self.memo:
             return self.memo[name]
         comp = self.comps.get(name)
-        out = _Span()
         if comp is None or depth > 64:
-            return out
-        t = net = 0.0  # the compute stream's clock; when the collective stream is free
-        pending: dict[str, tuple[float, tuple]] = {}  # a started collective: when it ends, its (kind, link, axes)
-        by_channel: dict[str, str] = {}
-        early: dict[str, float] = {}  # a loop body's done of a collective its previous turn started: when it waits
-
-        issued: list = []  # (begin, end, (kind, link, axes)) of this computation's collectives, one at a time on their stream
-
-        def expose(until: float) -> None:
-            """The compute stream waits from ``t`` to ``until``: the collectives running then are exposed."""
-            nonlocal t
-            for begin, end, key in issued:
-                overlap = min(end, until) - max(begin, t)
-                if overlap > 0:
-                    out.colls[key].exposed += overlap
-            t = max(t, until)
-
-        def wait(key: str) -> None:
-            end, _ = pending.pop(key)
-            expose(end)
-
-        by_token: dict[str, str] = {}  # a DCN transfer's token: its send (started), awaited at its recv-done
+            return _Span()
+        streams = _Streams()
         for instr in comp.instrs.values():
-            op = instr.opcode
-            if op == "recv-done" and instr.operands and (recv := comp.instrs.get(instr.operands[0])) is not None:
-                key = by_token.get(recv.operands[0] if recv.operands else "", "")
-                if key in pending:
-                    wait(key)
-                continue
-            if op == "recv" and "_xla_megascale" in instr.attrs:
-                continue  # the receiving half of a DCN transfer: priced at its send
-            if op in _FREE or (op == "custom-call" and (m := _TARGET.search(instr.attrs)) and m.group(1) in _FREE_CALLS):
-                continue
-            if op == "while":
-                trip = hlo._trip_count(self.comps, comp, instr)
-                if trip is None and (expected := _EXPECTED.findall(instr.attrs)):
-                    trip = int(expected[-1])  # the innermost scope's
-                    self.notes.add("a loop runs a data-dependent number of turns (a fori_loop to a computed count): "
-                                   "counted as the turns its code expects (expected_trips)")  # fmt: skip
-                if trip is None:
-                    trip = hlo._trip_bound(self.comps, comp, instr)
-                    if trip is not None:
-                        self.notes.add("a loop runs a data-dependent number of turns (a fori_loop to a computed count): "
-                                       "counted at its most, the extent of the buffers it fills a slice a turn")  # fmt: skip
-                if trip is None:
-                    self.notes.add("a loop's trip count could not be read: counted once")
-                    trip = 1
-                sub = _Span()
-                sub.add(self.span(hlo._attr_comp(instr.attrs, "body") or "", depth + 1), trip)
-                sub.add(self.span(hlo._attr_comp(instr.attrs, "condition") or "", depth + 1), trip + 1)
-                out.add(sub)
-                t += sub.seconds
-                continue
-            if op == "conditional":
-                branches = [self.span(b, depth + 1) for b in hlo._called(instr)]
-                if branches:
-                    sub = max(branches, key=lambda s: s.seconds)
-                    out.add(sub)
-                    t += sub.seconds
-                continue
-            if op == "call":
-                for callee in hlo._called(instr):
-                    sub = self.span(callee, depth + 1)
-                    out.add(sub)
-                    t += sub.seconds
-                continue
-            if op.endswith("-done") or (op == "fusion" and _calls_target(self, instr, "AsyncCollectiveDone")):
-                key = instr.operands[0] if op.endswith("-done") and instr.operands else ""
-                if key not in pending:
-                    key = by_channel.get(_channel(self, instr), "")
-                if key in pending:
-                    wait(key)
-                else:  # started at the end of the previous turn of this loop (a pipelined collective)
-                    for k in (_carried_start(comp, instr), "channel:" + _channel(self, instr)):
-                        early.setdefault(k, t)
-                continue
-            coll = self.collective(comp, instr)
-            if coll is not None:
-                rec, link, axes, seconds = coll
-                key = (rec.kind, link, axes)
-                c = out.colls.setdefault(key, CollectiveTime(*key))
-                c.bytes += rec.bytes
-                c.count += 1
-                c.seconds += seconds
-                begin = max(t, net)
-                net = begin + seconds
-                issued.append((begin, net, key))
-                asynchronous = (op.endswith("-start") or op == "async-start" or op == "send"
-                                or _calls_target(self, instr, "AsyncCollectiveStart"))  # fmt: skip
-                if op == "send" and len(instr.operands) > 1:
-                    by_token[instr.operands[1]] = instr.name
-                if asynchronous:
-                    pending[instr.name] = (net, key)
-                    ch = _channel(self, instr)
-                    if ch:
-                        by_channel[ch] = instr.name
-                else:
-                    expose(net)
-                continue
-            if op.endswith("-start") or op == "async-start":  # an async op that is no collective: its computation runs here
-                for callee in hlo._called(instr):
-                    sub = self.span(callee, depth + 1)
-                    out.add(sub)
-                    t += sub.seconds
-                if not hlo._called(instr):
-                    sub = self.op_time(comp, instr)
-                    out.add(sub)
-                    t += sub.seconds
-                continue
-            sub = self.op_time(comp, instr)
-            out.add(sub)
-            t += sub.seconds
-        end_of_turn = t
-        for key in list(pending):
-            ch = "channel:" + _channel(self, comp.instrs[key])
-            done_at = early.get(key, early.get(ch)) if ch != "channel:" else early.get(key)
-            if done_at is None:  # the scheduler closes every pair in its computation; be safe
-                wait(key)
-                continue
-            # Awaited in the next turn: hidden by the rest of this turn and the next one's ops before its done.
-            end, ckey = pending.pop(key)
-            waits = max(end - end_of_turn - done_at, 0.0)
-            out.colls[ckey].exposed += waits
-            t += waits
-        out.seconds = t
+            self.schedule(streams, comp, instr, depth)
+        out = streams.finish(lambda key: _channel(self, comp.instrs[key]))
         self.memo[name] = out
         return out
 
+    def schedule(self, s: "_Streams", comp: Computation, instr: Instruction, depth: int) -> None:
+        """Put one op of ``comp`` on the streams: what it runs on the compute stream, a
+        collective on the collective stream, a ``done`` as a wait for its collective."""
+        op = instr.opcode
+        if op == "recv-done" and instr.operands and (recv := comp.instrs.get(instr.operands[0])) is not None:
+            key = s.by_token.get(recv.operands[0] if recv.operands else "", "")
+            if key in s.pending:
+                s.wait(key)
+            return
+        if op == "recv" and "_xla_megascale" in instr.attrs:
+            return  # the receiving half of a DCN transfer: priced at its send
+        if op in _FREE or (op == "custom-call" and (m := _TARGET.search(instr.attrs)) and m.group(1) in _FREE_CALLS):
+            return
+        if op == "while":
+            s.compute(self.loop_span(comp, instr, depth))
+        elif op == "conditional":
+            branches = [self.span(b, depth + 1) for b in callees(instr)]
+            if branches:
+                s.compute(max(branches, key=lambda b: b.seconds))
+        elif op == "call":
+            for callee in callees(instr):
+                s.compute(self.span(callee, depth + 1))
+        elif op.endswith("-done") or (op == "fusion" and _calls_target(self, instr, "AsyncCollectiveDone")):
+            self.await_done(s, comp, instr)
+        elif (coll := self.collective(comp, instr)) is not None:
+            self.issue_collective(s, instr, coll)
+        elif op.endswith("-start") or op == "async-start":  # an async op that is no collective: its computation runs here
+            for callee in callees(instr):
+                s.compute(self.span(callee, depth + 1))
+            if not callees(instr):
+                s.compute(self.op_time(comp, instr))
+        else:
+            s.compute(self.op_time(comp, instr))
 
-def expected_trips(turns: int):
-    """A context to trace a loop in whose number of turns the data decides (a ``fori_loop`` to
-    a computed count): ``turns``, what the code expects it to run, is kept in the compiled
-    program's metadata (a name scope), and :func:`predict` counts the loop so many times.
-    Without it such a loop counts at its most where that can be read, else once.
+    def loop_span(self, comp: Computation, loop: Instruction, depth: int) -> _Span:
+        """One run of a ``while``: its body as many times as it turns, its condition once more."""
+        trip = self.turns(comp, loop)
+        sub = _Span()
+        sub.add(self.span(named_computation(loop.attrs, "body") or "", depth + 1), trip)
+        sub.add(self.span(named_computation(loop.attrs, "condition") or "", depth + 1), trip + 1)
+        return sub
 
-    >>> with expected_trips(20):
-    ...     y = jax.lax.fori_loop(0, used, body, init)  # doctest: +SKIP
-    """
-    import jax
+    def turns(self, comp: Computation, loop: Instruction) -> int:
+        """How often a ``while`` turns: its trip count where the compiler or the loop says it;
+        for a loop to a count the data decides, as often as its code expects
+        (:func:`expected_trips`), else at its most; else once. A note says which was guessed."""
+        trip = hlo.trip_count(self.comps, comp, loop)
+        if trip is None and (expected := _EXPECTED.findall(loop.attrs)):
+            trip = int(expected[-1])  # the innermost scope's
+            self.notes.add("a loop runs a data-dependent number of turns (a fori_loop to a computed count): "
+                           "counted as the turns its code expects (expected_trips)")  # fmt: skip
+        if trip is None:
+            trip = hlo.trip_bound(self.comps, comp, loop)
+            if trip is not None:
+                self.notes.add("a loop runs a data-dependent number of turns (a fori_loop to a computed count): "
+                               "counted at its most, the extent of the buffers it fills a slice a turn")  # fmt: skip
+        if trip is None:
+            self.notes.add("a loop's trip count could not be read: counted once")
+            trip = 1
+        return trip
 
-    return jax.named_scope(f"expected_trips_{max(int(turns), 0)}")
+    def await_done(self, s: "_Streams", comp: Computation, done: Instruction) -> None:
+        """A collective's ``done``: the compute stream waits for the collective it closes, or,
+        where that was started at the end of the previous turn of this loop (a pipelined
+        collective), marks where this turn waits for it (:meth:`_Streams.finish`)."""
+        key = done.operands[0] if done.opcode.endswith("-done") and done.operands else ""
+        if key not in s.pending:
+            key = s.by_channel.get(_channel(self, done), "")
+        if key in s.pending:
+            s.wait(key)
+        else:
+            for k in (_carried_start(comp, done), "channel:" + _channel(self, done)):
+                s.early.setdefault(k, s.t)
+
+    def issue_collective(self, s: "_Streams", instr: Instruction, coll: tuple) -> None:
+        """Start collective ``instr`` (:meth:`collective`'s ``coll``) on the collective stream:
+        an asynchronous one runs on until its ``done``, a synchronous one is waited for here."""
+        rec, link, axes, seconds = coll
+        op = instr.opcode
+        key = s.issue((rec.kind, link, axes), rec.bytes, seconds)
+        asynchronous = (op.endswith("-start") or op == "async-start" or op == "send"
+                        or _calls_target(self, instr, "AsyncCollectiveStart"))  # fmt: skip
+        if op == "send" and len(instr.operands) > 1:
+            s.by_token[instr.operands[1]] = instr.name
+        if asynchronous:
+            s.start(instr.name, key, _channel(self, instr))
+        else:
+            s.expose(s.net)
 
 
-def _carried_start(comp: _Comp, done: _Instr) -> str:
+class _Streams:
+    """One run of a computation on its two streams: the compute stream's clock ``t``; the
+    collective stream, which runs one collective at a time and is free from ``net``; the
+    collectives started and not yet awaited (``pending``: when each ends, its ``(kind, link,
+    axes)``), and the :class:`_Span` they add up to."""
+
+    def __init__(self):
+        self.out = _Span()
+        self.t = self.net = 0.0
+        self.pending: dict[str, tuple[float, tuple]] = {}
+        self.by_channel: dict[str, str] = {}  # a started collective's channel id: its name
+        self.by_token: dict[str, str] = {}  # a DCN transfer's token: its send (started), awaited at its recv-done
+        self.early: dict[str, float] = {}  # a loop body's done of a collective its previous turn started: when it waits
+        self.issued: list = []  # (begin, end, (kind, link, axes)) of this computation's collectives, one at a time on their stream
+
+    def compute(self, sub: _Span) -> None:
+        """Run ``sub`` on the compute stream."""
+        self.out.add(sub)
+        self.t += sub.seconds
+
+    def issue(self, key: tuple, nbytes: float, seconds: float) -> tuple:
+        """Queue a collective of ``seconds`` on the collective stream, from now or when the one
+        before it ends; ``key``: its ``(kind, link, axes)``, returned."""
+        c = self.out.colls.setdefault(key, CollectiveTime(*key))
+        c.bytes += nbytes
+        c.count += 1
+        c.seconds += seconds
+        begin = max(self.t, self.net)
+        self.net = begin + seconds
+        self.issued.append((begin, self.net, key))
+        return key
+
+    def start(self, name: str, key: tuple, channel: str) -> None:
+        """The collective just issued, ``name``, runs on until its ``done`` waits for it."""
+        self.pending[name] = (self.net, key)
+        if channel:
+            self.by_channel[channel] = name
+
+    def expose(self, until: float) -> None:
+        """The compute stream waits from ``t`` to ``until``: the collectives running then are exposed."""
+        for begin, end, key in self.issued:
+            overlap = min(end, until) - max(begin, self.t)
+            if overlap > 0:
+                self.out.colls[key].exposed += overlap
+        self.t = max(self.t, until)
+
+    def wait(self, name: str) -> None:
+        """The compute stream waits for pending collective ``name`` to end."""
+        end, _ = self.pending.pop(name)
+        self.expose(end)
+
+    def finish(self, channel_of) -> _Span:
+        """The run's span, once the collectives still pending are settled. One awaited in the
+        next turn of its loop (a ``done`` seen before its start: ``early``, by start name or by
+        ``channel:`` and its channel id, ``channel_of(name)``) is hidden by the rest of this turn
+        and the next one's ops before its ``done``; any other is waited for here."""
+        end_of_turn = self.t
+        for name in list(self.pending):
+            ch = "channel:" + channel_of(name)
+            done_at = self.early.get(name, self.early.get(ch)) if ch != "channel:" else self.early.get(name)
+            if done_at is None:  # the scheduler closes every pair in its computation; be safe
+                self.wait(name)
+                continue
+            end, key = self.pending.pop(name)
+            waits = max(end - end_of_turn - done_at, 0.0)
+            self.out.colls[key].exposed += waits
+            self.t += waits
+        self.out.seconds = self.t
+        return self.out
+
+
+def _carried_start(comp: Computation, done: Instruction) -> str:
     """The start a loop body's ``done`` waits for when that start is the previous turn's: the
     done reads a loop parameter's element that the body's root sets to the start."""
-    g = hlo._through(comp, done.operands[0]) if done.operands else None
+    g = hlo.underlying(comp, done.operands[0]) if done.operands else None
     m = re.search(r"\bindex=(\d+)", g.attrs) if g is not None and g.opcode == "get-tuple-element" else None
     root = comp.instrs.get(comp.root)
     if m is None or root is None or root.opcode != "tuple" or int(m.group(1)) >= len(root.operands):
         return ""
-    src = hlo._through(comp, root.operands[int(m.group(1))])
+    src = hlo.underlying(comp, root.operands[int(m.group(1))])
     return src.name if src is not None else ""
 
 
-def _calls_target(walk: _Walk, instr: _Instr, target: str) -> bool:
+def _calls_target(walk: _Walk, instr: Instruction, target: str) -> bool:
     if instr.opcode != "fusion":
         return False
-    called = hlo._called(instr)
+    called = callees(instr)
     comp = walk.comps.get(called[0]) if called else None
     return comp is not None and any(i.opcode == "custom-call" and f'custom_call_target="{target}"' in i.attrs for i in comp.instrs.values())
 
 
-def _channel(walk: _Walk, instr: _Instr) -> str:
+def _channel(walk: _Walk, instr: Instruction) -> str:
     """The channel id of a collective op or of the collective inside a fusion."""
     m = _CHANNEL.search(instr.attrs)
     if m:
         return m.group(1)
-    called = hlo._called(instr)
+    called = callees(instr)
     comp = walk.comps.get(called[0]) if called else None
     for i in comp.instrs.values() if comp else ():
         m = _CHANNEL.search(i.attrs)
@@ -715,7 +688,7 @@ def _channel(walk: _Walk, instr: _Instr) -> str:
     return ""
 
 
-def _attention_flops(instr: _Instr, shapes: list, notes: set) -> float:
+def _attention_flops(instr: Instruction, shapes: list, notes: set) -> float:
     """An attention kernel's FLOPs from its floating-point operands (``shapes``; a mask's block
     tables are integers). Its first two rank-3 or rank-4 operands
     are the query and the key: ``(H, T, D)`` per sequence (TPU splash), ``(B, T, H, D)`` or
@@ -727,7 +700,7 @@ def _attention_flops(instr: _Instr, shapes: list, notes: set) -> float:
     returns (``dq`` 3, ``dkv`` 4, dq, dk and dv fused 5, as FlashAttention-2's); a
     ``preprocess`` kernel (the backward's row sums) none. Unnamed: a forward with three
     activations in, a backward with more."""
-    source = hlo._OP_NAME.search(instr.attrs)
+    source = hlo.OP_NAME.search(instr.attrs)
     names = f"{instr.name} {source.group(1) if source else ''}".lower()
     if "preprocess" in names:
         return 0.0
@@ -739,7 +712,7 @@ def _attention_flops(instr: _Instr, shapes: list, notes: set) -> float:
     q, k = acts[0], acts[1]
     seq = k[-2] if len(k) == 3 else max(k[1], k[2])
     per_product = 2.0 * math.prod(q) * seq / 2  # causal: half the score matrix
-    grads = max(len([x for x in hlo._leaves(instr.type) if len(x[1]) in (3, 4)]), 1)
+    grads = max(len([x for x in hlo.leaves(instr.type) if len(x[1]) in (3, 4)]), 1)
     if "dkv" in names:
         products = 4
     elif re.search(r"(^|[^a-z])dq([^a-z]|$)", names):

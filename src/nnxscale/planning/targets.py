@@ -185,7 +185,7 @@ class Target:
 
     def describe(self) -> str:
         """One line: the chips, their memory, how they are connected."""
-        from nnxscale.sharding.layout import format_bytes
+        from nnxscale.sharding.layout import format_bytes  # loads jax: plain data until Target.devices
 
         groups = f"{self.domains} {self.domain}s of {self.domain_size}" if self.domains > 1 else f"one {self.domain}"
         between = f", {self.between} between {self.domain}s" if self.domains > 1 else ""
@@ -216,7 +216,7 @@ class Target:
 
     def devices(self) -> list:
         """The target's devices, compile-only (jax must run with ``jax_platforms="cpu"``)."""
-        from jax.experimental import topologies
+        from jax.experimental import topologies  # jax here only: the module docstring says why
 
         if self.family == "gpu":
             return list(topologies.get_topology_desc(platform="cuda", target_config=self.gpu_target_config(),
@@ -285,7 +285,7 @@ def catalog() -> list[Target]:
 
 def list_lines() -> list[str]:
     """``nnxscale plan --list-targets``: one line per listed target."""
-    from nnxscale.sharding.layout import format_bytes
+    from nnxscale.sharding.layout import format_bytes  # loads jax: plain data until Target.devices
 
     header = f"{'target':<11}{'chips':>6}{'memory/chip':>13}  {'extra':<8}interconnect"
     lines = [header, "-" * len(header)]
@@ -306,7 +306,7 @@ def split_over_domains(sizes: dict[str, int], target: Target) -> dict[str, int]:
     """How many of the target's domains (nodes, slices) each mesh axis spans: outer axes
     first, as ``create_hybrid_device_mesh`` lays them (``{axis: domains}``, 1 = inside one;
     :func:`nnxscale.sharding.mesh.process_split`'s arithmetic, domains for processes)."""
-    from nnxscale.sharding.mesh import format_mesh, process_split
+    from nnxscale.sharding.mesh import format_mesh, process_split  # loads jax: plain data until Target.devices
 
     n = math.prod(sizes.values())
     if n != target.chips:
@@ -381,7 +381,7 @@ def _fold(sizes: dict[str, int], axis: str, into: str) -> dict[str, int]:
 
 def mesh_sizes(spec, target: Target) -> dict[str, int]:
     """``{axis: size}`` of a mesh spec on ``target``: ``-1`` takes the chips left."""
-    from nnxscale.sharding.mesh import parse_mesh_spec, resolve_mesh_shape
+    from nnxscale.sharding.mesh import parse_mesh_spec, resolve_mesh_shape  # loads jax: plain data until Target.devices
 
     axes = parse_mesh_spec(spec)
     sizes = resolve_mesh_shape(axes, target.chips) if -1 in axes.values() else axes
@@ -392,8 +392,8 @@ def mesh_sizes(spec, target: Target) -> dict[str, int]:
 def device_mesh(sizes: dict[str, int], target: Target, devices):
     """A ``Mesh`` of ``sizes`` over the target's ``devices``: inside a domain by its physical
     layout (``create_device_mesh``), across domains by ``create_hybrid_device_mesh``."""
-    from jax.experimental import mesh_utils
-    from jax.sharding import AxisType, Mesh
+    from jax.experimental import mesh_utils  # loads jax: plain data until Target.devices
+    from jax.sharding import AxisType, Mesh  # loads jax: plain data until Target.devices
 
     spans = split_over_domains(sizes, target)
     shape = tuple(sizes.values())

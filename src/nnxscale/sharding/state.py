@@ -34,6 +34,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Optional
 
@@ -43,7 +44,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnxscale.jobs.distributed import cache_without_collectives
 from nnxscale.sharding.axes import STAGE, entry_axes
+from nnxscale.sharding.hlo_text import runs_collectives
 from nnxscale.sharding.layout import (
     LayoutError,
     format_bytes,
@@ -66,7 +69,8 @@ def _as_state(tree):
     return tree
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
+    """A tree path as a Variable's dotted name: ``h.0.attn.kernel``."""
     parts = []
     for k in path:
         key = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
@@ -140,7 +144,7 @@ def layouts(tree, mesh, rules=None) -> list[VariableLayout]:
     out = []
     for path, v in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]:
         if is_variable(v):
-            out.append(_layout_variable(_path_str(path), v, resolved))
+            out.append(_layout_variable(path_str(path), v, resolved))
     return out
 
 
@@ -152,7 +156,7 @@ def state_specs(tree, mesh, rules=None):
     resolved = resolve(rules, mesh)
     state = _as_state(tree)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)
-    specs = [_layout_variable(_path_str(path), v, resolved).spec if is_variable(v) else P() for path, v in flat]
+    specs = [_layout_variable(path_str(path), v, resolved).spec if is_variable(v) else P() for path, v in flat]
     return jax.tree_util.tree_unflatten(treedef, specs)
 
 
@@ -286,13 +290,10 @@ def compile_init(factory: Callable[[], nnx.Module], mesh, rules=None, *, group_b
 
         return jax.jit(create, out_shardings=[shardings[i] for i in group])
 
-    from nnxscale.jobs.distributed import cache_without_collectives
-    from nnxscale.planning.hlo import collectives
-
     with jax.set_mesh(mesh):
         with cache_without_collectives() as cached:  # random draws: every device its own shards
             compiled = [program(g).lower().compile() for g in groups]
-        if cached and any(collectives(c.as_text()) for c in compiled):  # an init that needs them
+        if cached and any(runs_collectives(c.as_text()) for c in compiled):  # an init that needs them
             compiled = [program(g).lower().compile() for g in groups]
     return InitProgram(graphdef, treedef, groups, compiled, mesh)
 
@@ -363,11 +364,8 @@ class Finding:
 ACTIVATION_NAMES = ("batch", "length")
 
 
-# One pass over the layouts on purpose (81 lines): each finding kind reads the same rows.
 def group_findings(findings) -> list[str]:
     """One line per distinct finding; the same finding on every layer (h.0 ... h.47) once."""
-    import re
-
     groups: dict[tuple, list] = {}
     for f in findings:
         key = (f.kind, re.sub(r"\.\d+\.", ".N.", f.path), f.message)

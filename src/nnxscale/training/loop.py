@@ -81,6 +81,7 @@ def train(
     mesh=None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    step_predictor: Optional[Callable] = None,
 ) -> TrainResult:
     """Train (or resume) the run in ``cfg.run_dir``. Everything ``nnxscale train`` does.
 
@@ -99,6 +100,12 @@ def train(
       mesh: a ``jax.sharding.Mesh`` instead of ``make_mesh(cfg.parallel.mesh)``.
       progress: draw a progress bar.
       log: where the run's lines go (resume, lint, weight decay, notes).
+      step_predictor: sets the first speed logged beside the step's predicted time:
+        ``step_predictor(setup, cfg)`` gives ``None`` where it has no figures for the run's
+        devices, else a function of the compiled step that gives its prediction (its
+        ``seconds``, ``hardware`` and ``bottleneck``). ``nnxscale.train`` and ``nnxscale
+        train`` hand it the planner's (:func:`nnxscale.planning.trainer.step_predictor`);
+        ``None``: no prediction.
 
     A first SIGINT (Ctrl-C) or SIGTERM stops the run at the next step with a checkpoint
     (``TrainResult.interrupted_by``); a second raises ``KeyboardInterrupt`` here, unsaved.
@@ -126,7 +133,7 @@ def train(
             log(f"lint: {line}")
         check_run_dir(cfg, run_dir)  # after validating the command itself, before writing anything
         with _opened(cfg, run_dir, log) as (ckpt, watch):
-            run = _Run(cfg, s, inputs, ckpt, watch, stop, log)
+            run = _Run(cfg, s, inputs, ckpt, watch, stop, log, step_predictor)
             run.restore_or_init(own_model=model is not None)
             run.write_run_files()
             run.describe()
@@ -137,10 +144,10 @@ def train(
     return run.result(run_dir, time.perf_counter() - t_start)
 
 
-def layout_findings(s: Setup) -> list[str]:
+def layout_findings(setup: Setup) -> list[str]:
     """The lint lines a run prints when it starts: tensors the mesh cannot split as the rules
     ask (an axis that does not divide is replicated; ``plan`` says the same)."""
-    return group_findings([f for f in lint(s.model_state, s.mesh, s.rules) if f.kind in LAYOUT_FINDINGS])
+    return group_findings([f for f in lint(setup.model_state, setup.mesh, setup.rules) if f.kind in LAYOUT_FINDINGS])
 
 
 @dataclasses.dataclass
@@ -153,8 +160,8 @@ class _Inputs:
     val_batches: list
 
     @classmethod
-    def load(cls, cfg: TrainConfig, s: Setup, tokenizer, kind: DataKind, log: Callable[[str], None]) -> _Inputs:
-        tokens = load_data(cfg, tokenizer, s.vocab_size(), kind)
+    def load(cls, cfg: TrainConfig, setup: Setup, tokenizer, kind: DataKind, log: Callable[[str], None]) -> _Inputs:
+        tokens = load_data(cfg, tokenizer, setup.vocab_size(), kind)
         if kind.rows:
             log(f"data: {tokens.description}")
         train_tokens, val_tokens = datalib.split(tokens, cfg.data.val_fraction)
@@ -167,14 +174,14 @@ class _Inputs:
         d = cfg.data
         # each process reads the rows its devices hold
         train_it = datalib.train_batches(
-            train_tokens, seq_len=d.seq_len, global_batch_size=d.batch_size, seed=cfg.seed, sharding=s.batch_sharding,
+            train_tokens, seq_len=d.seq_len, global_batch_size=d.batch_size, seed=cfg.seed, sharding=setup.batch_sharding,
             **rows,
         )  # fmt: skip
         val_batches = []
         if cfg.logging.eval_every and len(val_tokens) >= d.batch_size * (d.seq_len + 1):
             val_batches = datalib.eval_batches(
                 val_tokens, seq_len=d.seq_len, global_batch_size=d.batch_size, max_batches=d.eval_batches,
-                sharding=s.batch_sharding, **val_rows,
+                sharding=setup.batch_sharding, **val_rows,
             )  # fmt: skip
         elif cfg.logging.eval_every:
             log(
@@ -221,15 +228,17 @@ def _opened(cfg: TrainConfig, run_dir: Path, log: Callable[[str], None]):
 class _Run:
     """One training run in an opened run directory: its state, and the steps that move it."""
 
-    def __init__(self, cfg: TrainConfig, s: Setup, inputs: _Inputs, ckpt: Checkpointer, watch, stop, log):
-        self.cfg, self.s, self.inputs, self.ckpt, self.watch, self.stop, self.log = cfg, s, inputs, ckpt, watch, stop, log
+    def __init__(self, cfg: TrainConfig, setup: Setup, inputs: _Inputs, ckpt: Checkpointer, watch, stop, log,
+                 step_predictor: Optional[Callable] = None):  # fmt: skip
+        self.cfg, self.s, self.inputs, self.ckpt, self.watch, self.stop, self.log = cfg, setup, inputs, ckpt, watch, stop, log
+        self.step_predictor = step_predictor  # see train()
         self.is_main = jax.process_index() == 0
         self.metrics_path = Path(cfg.run_dir) / "metrics.jsonl"
         # A signal may reach one process only: every process stops at the step they agree on,
         # through a vote inside the step (read MAX_IN_FLIGHT steps later, when it is done).
-        self.vote = StopVote(s.mesh)
-        self.step_fn = make_train_step(s, vote=True) if self.vote.needed else make_train_step(s)
-        self.eval_fn = make_eval_step(s)
+        self.vote = StopVote(setup.mesh)
+        self.step_fn = make_train_step(setup, vote=True) if self.vote.needed else make_train_step(setup)
+        self.eval_fn = make_eval_step(setup)
         self.agreed: list[int] = []  # stop votes seen, in step order
         self.in_flight: collections.deque = collections.deque()  # (step, metrics) not yet accounted for
         self.completed: list = []  # (time, step) of the last step accounted for
@@ -419,26 +428,21 @@ class _Run:
         return record
 
     def predicted_step(self):
-        """The step's predicted time on these devices (:func:`nnxscale.planning.steptime.predict`
-        over the program the first step compiled: lowering it again is a cache hit, nothing is
-        compiled twice), or ``None`` where there are no figures for them (XLA:CPU, an unknown
-        accelerator: :func:`nnxscale.planning.calibration.local_hardware`) or the prediction fails."""
-        from nnxscale.planning import calibration, steptime
-
-        s, d = self.s, self.cfg.data
-        hw = calibration.local_hardware(s.mesh)
-        if hw is None:
+        """The step's predicted time on these devices, by the run's ``step_predictor`` (see
+        :func:`train`) over the program the first step compiled: lowering it again is a cache
+        hit, nothing is compiled twice. ``None`` without a predictor, where it has no figures
+        for these devices (XLA:CPU, an unknown accelerator), or where the prediction fails."""
+        s = self.s
+        predict = None if self.step_predictor is None else self.step_predictor(s, self.cfg)
+        if predict is None:
             return None
         args = (s.abstract, s.abstract_batch)
         if self.vote.needed:
             args += (jax.ShapeDtypeStruct((s.mesh.size,), np.int32, sharding=StopVote.sharding(s.mesh)),)
-        tokens = d.batch_size * d.seq_len
         try:
             with jax.set_mesh(s.mesh):
                 compiled = self.step_fn.lower(*args).compile()
-            return steptime.predict(compiled.as_text(), hw, n_devices=s.mesh.size, tokens_per_step=tokens,
-                                    model_flops_per_step=s.flops_per_token() * tokens, compute_dtype=self.cfg.model.dtype,
-                                    fresh_bytes=steptime.fresh_bytes_of(compiled.memory_analysis()))  # fmt: skip
+            return predict(compiled)
         except Exception as e:  # noqa: BLE001 - a diagnostic: it never stops the run
             self.log(f"note: the step-time prediction failed ({type(e).__name__}: {e}); training goes on")
             return None
