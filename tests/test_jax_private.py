@@ -10,8 +10,35 @@ from nnxscale.jobs import jax_private
 from nnxscale.errors import JaxVersionError, NnxscaleError
 
 
-def test_the_compilation_cache_can_be_reset():
-    jax_private.reset_compilation_cache()
+def test_after_a_reset_jax_reads_whether_its_compilation_cache_is_on_again(tmp_path):
+    """JAX decides once whether its persistent cache is in use; nnxscale turns it off in a CPU
+    job of several processes (jobs.distributed) and resets it so that JAX asks again. Here:
+    on, a new program's entry is written to the cache; off and reset, the next one's is not;
+    on and reset again, it is."""
+    names = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")  # fmt: skip
+    kept = {name: getattr(jax.config, name) for name in names}
+
+    def entries_after_compiling(scale: float) -> int:
+        jax.jit(lambda x: x * scale + 1.0).lower(jax.numpy.ones(3)).compile()  # a new program each time
+        return len(list(tmp_path.iterdir()))
+
+    try:
+        for name, value in zip(names, (True, str(tmp_path), 0.0, 0)):
+            jax.config.update(name, value)
+        jax_private.reset_compilation_cache()
+        on = entries_after_compiling(2.0)
+        jax.config.update("jax_enable_compilation_cache", False)
+        jax_private.reset_compilation_cache()
+        off = entries_after_compiling(3.0)
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax_private.reset_compilation_cache()
+        on_again = entries_after_compiling(4.0)
+    finally:
+        for name, value in kept.items():
+            jax.config.update(name, value)
+        jax_private.reset_compilation_cache()
+    assert on >= 1 and off == on and on_again > off, (on, off, on_again)
 
 
 def test_jax_lists_its_cluster_environments():

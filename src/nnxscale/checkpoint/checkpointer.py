@@ -66,6 +66,7 @@ from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 from nnxscale.checkpoint import integrity as integrity
 from nnxscale.errors import CheckpointError, DamagedCheckpointError, os_reason
+from nnxscale.jobs import jax_private
 from nnxscale.jobs.process import owns_process
 
 _STATE = "state"
@@ -626,8 +627,6 @@ def _sync(name: str) -> None:
     A barrier of JAX's coordination service, not a device collective (see the module
     docstring)."""
     if jax.process_count() > 1:
-        from nnxscale.jobs import jax_private
-
         jax_private.distributed_client().wait_at_barrier(f"nnxscale_{name}_{next(_barriers)}", 600_000)
 
 
@@ -635,8 +634,8 @@ _FILTERED_LOGGERS = ("absl", "asyncio", "concurrent.futures")
 
 
 #: What Orbax's threads log (absl, ERROR) when an asynchronous save fails, each also raised
-#: by ``Checkpointer.wait`` and reported there in one line (seen 2026-11-24 with a full
-#: disk, Orbax 0.12.8). Any other error Orbax logs reaches the user.
+#: by ``Checkpointer.wait`` and reported there in one line (Orbax 0.12.8 on a full disk).
+#: Any other error Orbax logs reaches the user.
 _SAVE_FAILURE_ECHOES = (
     "_SignalingThread.run() raised an exception",
     "Save Finalize thread",
@@ -806,13 +805,13 @@ def _steps_text(steps: Sequence[int]) -> str:
 #: TensorStore's statuses for data that is missing or cannot be decoded (it reports errors
 #: as ``ValueError("STATUS: ...")``): a truncated chunk is OUT_OF_RANGE, a deleted manifest
 #: NOT_FOUND, a chunk that no longer decompresses FAILED_PRECONDITION ("ZSTD_decompressStream()
-#: failed: Data corruption detected"; measured 2026-11-24, Orbax 0.12.8). PERMISSION_DENIED,
+#: failed: Data corruption detected"; Orbax 0.12.8). PERMISSION_DENIED,
 #: RESOURCE_EXHAUSTED, UNAVAILABLE and the rest are not damage.
 _DAMAGE_STATUSES = ("OUT_OF_RANGE:", "NOT_FOUND:", "DATA_LOSS:", "INVALID_ARGUMENT:", "FAILED_PRECONDITION:")
 #: TensorStore's words for an index of the OCDBT database that does not decode, in an error
 #: without a status: flipped bytes in a b-tree node read while opening an array say
 #: 'Error opening "zarr" driver: ... Error decoding b-tree node: ZSTD_decompressStream()
-#: failed: Data corruption detected' (measured 2026-11-24, Orbax 0.12.8).
+#: failed: Data corruption detected' (Orbax 0.12.8).
 _DAMAGE_PHRASES = ("Error decoding b-tree node", "Error decoding manifest", "Data corruption detected")
 
 

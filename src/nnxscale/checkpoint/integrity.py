@@ -52,6 +52,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from nnxscale.jobs import jax_private
 from nnxscale.sharding.axes import entry_axes
 
 #: Names the checksum above; stored with the checksums so a future change is recognized.
@@ -349,7 +350,6 @@ def global_sums(local: np.ndarray) -> np.ndarray:
     """
     if jax.process_count() == 1:
         return local
-    from nnxscale.jobs import jax_private
 
     client = jax_private.distributed_client()
     prefix = f"nnxscale/checksums/{next(_exchanges)}"

@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import jax
+from jax.experimental import multihost_utils
+
 from nnxscale.errors import RunLockedError, storage_error
 
 LOCK_NAME = "lock"
@@ -62,8 +65,6 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock or raise :class:`RunLockedError` naming the holder."""
-        import jax
-
         refused = None
         if jax.process_index() == 0:
             try:
@@ -71,8 +72,6 @@ class RunLock:
             except RunLockedError as e:
                 refused = e
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             got = bool(multihost_utils.broadcast_one_to_all(refused is None))
             if not got and refused is None:
                 refused = RunLockedError(f"run directory {self.path.parent} is in use by another trainer (see process 0)")

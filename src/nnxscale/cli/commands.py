@@ -15,9 +15,35 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
 import os
+import signal
 import sys
+import tempfile
+import traceback
+import typing
+from pathlib import Path
 from typing import Optional
+
+from nnxscale.errors import ConfigError, NnxscaleError
+from nnxscale.jobs import distributed, jax_private
+from nnxscale.jobs.launch import COMMANDS, launch
+from nnxscale.jobs.process import owned_by_command
+from nnxscale.sharding.devices import MEMORY
+from nnxscale.training.config import (
+    FIELD_TYPES,
+    TrainConfig,
+    fields_of,
+    flatten,
+    load_config_file,
+    upgrade,
+    with_overrides,
+)
+from nnxscale.training.observe import TENSORBOARD_DIR
+
+# Every other nnxscale module the commands use imports jax, which must start only after
+# configure_cpu_devices: each is imported inside the command that needs it.
 
 DEFAULT_CPU_DEVICES = 8
 #: Most simulated CPU devices: XLA's start-up grows faster than linearly with them
@@ -34,8 +60,6 @@ def configure_cpu_devices(n: Optional[int]) -> None:
     applied: a count asked for that differs from the running CPU backend's is one line on
     stderr, not silence.
     """
-    from nnxscale.errors import ConfigError
-
     asked = n is not None or "NNXSCALE_CPU_DEVICES" in os.environ
     source = "--cpu-devices"
     if n is None and "NNXSCALE_CPU_DEVICES" in os.environ:
@@ -70,9 +94,7 @@ def _note_devices_already_set(n: int, source: str, asked: bool) -> None:
     """jax is imported: XLA read its device count when its CPU backend started. Say so when
     ``n`` was asked for and the running backend has another count (a backend not started
     yet is left alone: asking would start it, before a job of several processes is joined)."""
-    import jax
-
-    from nnxscale.jobs import jax_private
+    import jax  # running already: this only reads it
 
     if not asked or not jax_private.backends_are_initialized() or jax.default_backend() != "cpu":
         return
@@ -84,14 +106,10 @@ def _note_devices_already_set(n: int, source: str, asked: bool) -> None:
 
 def _add_settings(p: argparse.ArgumentParser, paths=None, *, required=()) -> None:
     """One flag per setting in ``paths`` (default: every one), from its field's metadata."""
-    import typing
-
-    from nnxscale.training.config import TrainConfig, _FIELD_TYPES, fields_of, flatten
-
     settings, defaults = fields_of(), flatten(TrainConfig().to_dict())
     for path in paths or settings:
         meta = settings[path].metadata
-        kind = next((a for a in typing.get_args(_FIELD_TYPES[path]) if a is not type(None)), _FIELD_TYPES[path])
+        kind = next((a for a in typing.get_args(FIELD_TYPES[path]) if a is not type(None)), FIELD_TYPES[path])
         if path in required:
             options = {"required": True, "help": meta["help"]}
         else:
@@ -110,8 +128,6 @@ def _add_settings(p: argparse.ArgumentParser, paths=None, *, required=()) -> Non
 
 def _config(args):
     """The run's config: defaults < --config file < flags (only the flags given)."""
-    from nnxscale.training.config import TrainConfig, fields_of, load_config_file, upgrade, with_overrides
-
     cfg = TrainConfig()
     if getattr(args, "config", None):
         source = f"config file {args.config}"
@@ -133,8 +149,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _add_job(p: argparse.ArgumentParser) -> None:
-    from nnxscale.jobs import distributed as d
-
+    d = distributed
     g = p.add_argument_group(
         "multi-process job",
         "Join a job of several processes (jax.distributed): all three of --coordinator, --num-processes and "
@@ -317,12 +332,10 @@ def _launch_parser(sub) -> None:
 
 
 def _train(args) -> int:
-    from nnxscale.training.loop import train
+    from nnxscale.planning.trainer import train  # imports jax; the trainer with its step-time prediction
 
     result = train(_config(args), progress=not args.no_progress)
     if result.interrupted_by is not None:
-        import signal
-
         name = signal.Signals(result.interrupted_by).name
         if result.final_step == result.start_step:
             print(f"stopped by {name} before training step {result.start_step + 1}; nothing new to save.")
@@ -341,8 +354,6 @@ def _train(args) -> int:
     val = f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else ""
     tps = f", {result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s else ""
     skipped = f", {result.skipped_steps} steps skipped (non-finite loss or gradient)" if result.skipped_steps else ""
-    from nnxscale.training.observe import TENSORBOARD_DIR
-
     board = os.path.isdir(os.path.join(result.run_dir, TENSORBOARD_DIR))
     written = "metrics.jsonl, loss.png, checkpoints/" + (f", {TENSORBOARD_DIR}/" if board else "")
     print(
@@ -360,10 +371,7 @@ def _merge(base: dict, override: dict) -> dict:
 
 
 def _sample(args) -> int:
-    from pathlib import Path
-
-    from nnxscale.errors import ConfigError
-    from nnxscale.training.sampling import sample
+    from nnxscale.training.sampling import sample  # imports jax
 
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -396,6 +404,7 @@ def _sample(args) -> int:
 
 
 def _export(args) -> int:
+    # these import jax
     from nnxscale.sharding.layout import format_bytes
     from nnxscale.training.export import export
 
@@ -409,8 +418,8 @@ def _export(args) -> int:
 
 
 def _tokenize(args) -> int:
-    from nnxscale.data.text import Records, tokenize
-    from nnxscale.sharding.layout import format_bytes
+    from nnxscale.data.text import Records, tokenize  # tokenizers: slow to import
+    from nnxscale.sharding.layout import format_bytes  # imports jax
 
     records = Records(args.text_field, args.skip_bad_rows)
     info = tokenize(args.tokenizer, args.data, args.out, progress=not args.no_progress, records=records)
@@ -426,6 +435,7 @@ def _tokenize(args) -> int:
 
 
 def _init(args) -> int:
+    # these import jax
     from nnxscale.sharding.layout import format_bytes
     from nnxscale.training.seed import init_run
 
@@ -441,16 +451,11 @@ def _init(args) -> int:
 
 
 def _known_devices() -> list[str]:
-    from nnxscale.sharding.devices import (
-        MEMORY,  # plain data: jax must not start before --cpu-devices is set
-    )
-
     return list(MEMORY)
 
 
 def _plan(args) -> int:
-    import json
-
+    # these import jax
     from nnxscale.planning import compiler, meshes, report, targets
     from nnxscale.planning.layout import mesh_sizes
     from nnxscale.sharding.state import group_findings, lint, sharding_table
@@ -465,8 +470,6 @@ def _plan(args) -> int:
     if target is not None:
         target.check_installed()  # before anything is built: one line naming the extra
     if args.sweep:
-        import math
-
         devices = target.chips if target is not None else math.prod(mesh_sizes(cfg.parallel.mesh).values())
         # For a target each candidate is compiled by its compiler: the step time is predicted from that program.
         compile_ = args.compile or ("auto" if target is not None else "never")
@@ -505,8 +508,6 @@ def _plan(args) -> int:
 
 
 def _launch(args) -> int:
-    from nnxscale.jobs.launch import COMMANDS, launch
-
     command = args.child[1:] if args.child[:1] == ["--"] else args.child
     log_dir = args.log_dir
     if log_dir is None and command[:1] and command[0] in COMMANDS:
@@ -529,16 +530,12 @@ def _run_dir(args) -> Optional[str]:
     """The run directory a parsed device command writes to (``None`` for plan)."""
     if getattr(args, "run_dir", None) is not None or args.command != "train":
         return getattr(args, "run_dir", None)
-    from nnxscale.training.config import TrainConfig, load_config_file
-
     from_file = load_config_file(args.config).get("run_dir") if getattr(args, "config", None) else None
     return from_file or TrainConfig().run_dir
 
 
 def _join(args):
     """Join the job the flags, environment or cluster describe (a no-op for a single process)."""
-    from nnxscale.jobs import distributed as distributed
-
     fields = [f.name for f in dataclasses.fields(distributed.JobSpec)]  # the flags of _add_job
     job = distributed.join(distributed.JobSpec.from_flags(**{f: getattr(args, f) for f in fields}))
     if job.process_id != 0:  # results and progress come from process 0 only
@@ -562,10 +559,6 @@ def _start_jax_quietly(start, forced_cpu: bool) -> Optional[str]:
     process of its own and needs none of it here, so it is dropped (``forced_cpu``: this
     process was told to use the CPU), or, without a target, replaced by the line returned, for
     after the command's output (``NNXSCALE_DEBUG=1`` shows it all)."""
-    import tempfile
-
-    from nnxscale.errors import NnxscaleError
-
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
@@ -573,7 +566,7 @@ def _start_jax_quietly(start, forced_cpu: bool) -> Optional[str]:
         backend, failed = None, None
         try:
             start()
-            import jax
+            import jax  # started by now: this only reads it
 
             backend = jax.default_backend()
         except NnxscaleError:  # bad input: its one line says it all
@@ -603,8 +596,6 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from nnxscale.errors import NnxscaleError
-
     if args.command in ("launch", "tokenize"):  # never touch devices (launch starts processes that do)
         try:
             return {"launch": _launch, "tokenize": _tokenize}[args.command](args)
@@ -612,12 +603,8 @@ def main(argv=None) -> int:
             print(f"nnxscale: error: {e}", file=sys.stderr)
             return 2
     handler = {"train": _train, "sample": _sample, "init": _init, "plan": _plan, "export": _export}[args.command]
-    from nnxscale.jobs.distributed import current, leave
-
-    # In a job of several processes a failure must reach the others (leave): they may be
-    # waiting for this process in a collective.
-    from nnxscale.jobs.process import owned_by_command
-
+    # In a job of several processes a failure must reach the others (distributed.leave): they
+    # may be waiting for this process in a collective.
     quiet = args.command == "plan" and "jax" not in sys.modules and not os.environ.get("NNXSCALE_DEBUG")
     if getattr(args, "target", None) and "jax" not in sys.modules:
         # The target's compiler runs in a child process: this one needs no accelerator, and on a
@@ -636,18 +623,16 @@ def main(argv=None) -> int:
         return code
     except KeyboardInterrupt:
         print("nnxscale: interrupted", file=sys.stderr)
-        return leave(130, "interrupted by SIGINT")
+        return distributed.leave(130, "interrupted by SIGINT")
     except NnxscaleError as e:  # bad input: one line; anything else is a bug and keeps its traceback
         if os.environ.get("NNXSCALE_DEBUG"):
             raise
         print(f"nnxscale: error: {e}", file=sys.stderr)
-        return leave(2, str(e))
+        return distributed.leave(2, str(e))
     except Exception as e:
-        if current().is_multiprocess:  # the traceback now: leave() exits without returning
-            import traceback
-
+        if distributed.current().is_multiprocess:  # the traceback now: leave() exits without returning
             traceback.print_exc()
-            leave(1, f"{type(e).__name__}: {e}")
+            distributed.leave(1, f"{type(e).__name__}: {e}")
         raise
 
 

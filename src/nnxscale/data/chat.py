@@ -57,8 +57,12 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+import jinja2
 import numpy as np
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from nnxscale.data.text import SEPARATOR, open_parquet
 from nnxscale.errors import DataError, storage_error
 
 #: The target of a token the loss does not train (a prompt token's): Hugging Face's ``-100``.
@@ -98,12 +102,6 @@ class ChatTemplate:
     """
 
     def __init__(self, text: str, source: str, special: Optional[dict] = None, now: Optional[datetime.datetime] = None):
-        try:
-            import jinja2
-            from jinja2.ext import Extension
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:  # pragma: no cover - a dependency
-            raise DataError("chat templates need Jinja2: pip install 'jinja2>=3.1'") from None
         self.source, self.text, self.special = source, text, dict(special or {})
         self._now = now
         pieces: list = []  # the current render's text so far, as generated
@@ -335,8 +333,6 @@ def iter_rows(path: Path) -> Iterator[tuple[int, Any]]:
     a line that is not JSON gives a :class:`RowError` as its value."""
     name = path.name.lower()
     if name.endswith(".parquet"):
-        from nnxscale.data.text import open_parquet
-
         table = open_parquet(path)
         row = 0
         for batch in table.iter_batches(batch_size=1024):
@@ -395,8 +391,6 @@ def packing_separator(tokenizer, template: Optional[ChatTemplate]) -> Optional[i
     ``<|eot_id|>``, which ends every turn), then the first of ``<|endoftext|>``,
     ``<|end_of_text|>``, ``</s>``, ``<eos>`` the tokenizer has and the template does not
     write. ``None`` when none fits. Byte-level text: byte 0."""
-    from nnxscale.data.text import SEPARATOR
-
     if tokenizer is None or not hasattr(tokenizer, "token_id"):
         return SEPARATOR
     written: set[int] = set()

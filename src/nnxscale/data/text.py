@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 import numpy as np
+import tokenizers
 
 from nnxscale.errors import DataError, StorageError, storage_error
 from nnxscale.progress import ProgressBar
@@ -124,10 +125,9 @@ class TextTokenizer:
                 f"no tokenizer at {path}: give a tokenizer.json file or a directory holding one "
                 "(tokenizers are read from local files, never downloaded)"
             )
-        from tokenizers import Tokenizer
 
         try:
-            self._tokenizer = Tokenizer.from_file(str(file))
+            self._tokenizer = tokenizers.Tokenizer.from_file(str(file))
         except Exception as e:  # the library raises plain Exceptions for malformed files
             raise DataError(f"{file} is not a tokenizer.json of the tokenizers library ({_first_line(e)})") from None
         self.path = file
@@ -220,7 +220,7 @@ def open_parquet(path: Path):
     """A ``pyarrow.parquet.ParquetFile``; DataError naming the file when pyarrow is missing or
     the file is not Parquet."""
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # the parquet extra: optional
     except ImportError:
         raise DataError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow (or nnxscale[parquet])") from None
     try:

@@ -52,6 +52,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import faulthandler
 import json
 import os
 import socket
@@ -193,7 +194,7 @@ def join(spec: JobSpec = JobSpec()) -> Job:
     code 2.
     """
     global _job, _watchdog
-    import jax
+    import jax  # jax: not while the CLI starts
 
     if _job.is_multiprocess or spec.num_processes == 1:
         return _job
@@ -258,22 +259,21 @@ _cache_turned_off = False
 def _no_persistent_cache_in_a_cpu_job() -> None:
     """Turn JAX's persistent compilation cache off in a CPU job of several processes.
 
-    Seen on 2026-11-23 and 2026-11-24: when one process of a CPU job ran an executable read
-    from the cache and its peer one it had just compiled, their gloo collectives went out of
-    step ("Received data size doesn't match expected size (48 vs 4)") or hung in the first
-    step. JAX writes entries from process 0 only and lets every process read them; and even
-    with a cache per process, process 0's entry (from an earlier job) did not match process
-    1's fresh compilation. Also measured (2026-11-24, 2 x 4 devices, gpt2-tiny): with a cache
-    per process, each process writing its own entries, the next job hung in gloo's context
-    initialization although every process loaded only executables it had compiled itself;
-    and ``JAX_SHARE_BINARY_BETWEEN_HOSTS`` (one process compiles, the others receive its
-    executable) failed the same way in every job. Programs compiled in the same job always
+    When one process of a CPU job runs an executable read from the cache and its peer one it
+    has just compiled, their gloo collectives go out of step ("Received data size doesn't
+    match expected size (48 vs 4)") or hang in the first step. JAX writes entries from
+    process 0 only and lets every process read them, and process 0's entry (from an earlier
+    job) need not match process 1's fresh compilation. A cache per process, each writing its
+    own entries, hangs the next job in gloo's context initialization although every process
+    loads only executables it compiled itself (2 x 4 devices, gpt2-tiny); and
+    ``JAX_SHARE_BINARY_BETWEEN_HOSTS`` (one process compiles, the others receive its
+    executable) fails the same way (docs/multiprocess.md). Programs compiled in the same job always
     match, so a CPU job compiles every program with collectives itself (programs without any
     may use the cache: :func:`cache_without_collectives`). GPU and TPU jobs keep the cache,
     as JAX intends.
     """
     global _cache_turned_off
-    import jax
+    import jax  # jax: not while the CLI starts
 
     if jax.process_count() == 1 or jax.default_backend() != "cpu" or not jax.config.jax_enable_compilation_cache:
         return
@@ -283,7 +283,7 @@ def _no_persistent_cache_in_a_cpu_job() -> None:
 
 
 def _set_persistent_cache(on: bool) -> None:
-    import jax
+    import jax  # jax: not while the CLI starts
 
     jax.config.update("jax_enable_compilation_cache", on)
     jax_private.reset_compilation_cache()  # it remembers whether it is in use once asked
@@ -295,7 +295,7 @@ def cache_without_collectives():
     for programs that run no collective (the sharded init: every device draws its own
     shards), where a process's executable cannot go out of step with its peers'. A job's
     init then compiles once per cache instead of once per process and job (7 to 9 s of a
-    2 x 4-device job's start on 2 cores, measured 2026-11-24). Yields whether the cache was
+    2 x 4-device job's start on 2 cores). Yields whether the cache was
     turned on: the caller compiles again outside the block a program that turns out to run
     collectives. Elsewhere it does nothing and yields False."""
     if not _cache_turned_off:
@@ -394,7 +394,7 @@ class StopVote:
     """
 
     def __init__(self, mesh=None, lag: int = 2):
-        import jax
+        import jax  # jax: not while the CLI starts
 
         self.lag = lag
         self.needed = jax.process_count() > 1
@@ -402,8 +402,8 @@ class StopVote:
         if not self.needed:
             return
         if mesh is None:
-            import numpy as np
-            from jax.sharding import Mesh
+            import numpy as np  # jax: not while the CLI starts
+            from jax.sharding import Mesh  # jax: not while the CLI starts
 
             mesh = Mesh(np.array(jax.devices()), ("devices",))
         self._sharding = self.sharding(mesh)
@@ -413,15 +413,15 @@ class StopVote:
     @staticmethod
     def sharding(mesh):
         """Where the ballots live: one int32 per device of ``mesh``."""
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
+        from jax.sharding import NamedSharding  # jax: not while the CLI starts
+        from jax.sharding import PartitionSpec as P  # jax: not while the CLI starts
 
         return NamedSharding(mesh, P(tuple(mesh.axis_names)))
 
     def ballot(self, request: Optional[int]):
         """This process's request (``None``: carry on) on each of its devices, as the step's input."""
-        import jax
-        import numpy as np
+        import jax  # jax: not while the CLI starts
+        import numpy as np  # jax: not while the CLI starts
 
         flag = np.full((1,), request or 0, np.int32)
         return jax.make_array_from_callback(self._shape, self._sharding, lambda _: flag)
@@ -429,16 +429,16 @@ class StopVote:
     @staticmethod
     def reduce(ballots):
         """Inside the step: the agreed request, the largest signal number (0: carry on)."""
-        import jax.numpy as jnp
+        import jax.numpy as jnp  # jax: not while the CLI starts
 
         return jnp.max(ballots)
 
     def __call__(self, request: Optional[int], *, final: bool = False) -> Optional[int]:
         if not self.needed:
             return request
-        import jax
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
+        import jax  # jax: not while the CLI starts
+        from jax.sharding import NamedSharding  # jax: not while the CLI starts
+        from jax.sharding import PartitionSpec as P  # jax: not while the CLI starts
 
         if self._max is None:
             self._max = jax.jit(self.reduce, out_shardings=NamedSharding(self._sharding.mesh, P()))
@@ -521,8 +521,6 @@ def _dump_stacks(why: str) -> None:
     if stacks is None:
         return
     try:
-        import faulthandler
-
         stacks.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} {why}\n")
         stacks.flush()
         faulthandler.dump_traceback(stacks, all_threads=True)

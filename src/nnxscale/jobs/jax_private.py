@@ -19,7 +19,7 @@ from nnxscale.errors import JaxVersionError
 
 def _private(module: str, *attributes: str, used_for: str):
     """``jax._src.<module>.<attributes...>``, or a :class:`JaxVersionError` saying it is gone."""
-    import jax
+    import jax  # jax: not while the CLI starts
 
     name = ".".join(["jax._src", module, *attributes])
     try:
@@ -58,7 +58,7 @@ def hlo_cost_analysis(module) -> dict:
     """XLA's HLO cost analysis (``flops``, ``bytes accessed``, ...) of an optimized ``HloModule``
     (``compiled.runtime_executable().hlo_modules()``), run by this machine's CPU client: the
     count of a program compiled for a GPU that is not here, whose ``cost_analysis()`` is None."""
-    import jax
+    import jax  # jax: not while the CLI starts
 
     analyse = _private("lib", "_jax", "hlo_module_cost_analysis", used_for="to count the FLOPs of a program compiled for a GPU")
     return dict(analyse(jax.devices("cpu")[0].client, module))

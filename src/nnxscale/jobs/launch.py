@@ -27,6 +27,7 @@ This module never imports jax: the launcher only starts and watches processes.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -354,7 +355,5 @@ def _read_stall(logs: Optional[Path], pid: int) -> Optional[str]:
 def _die_with_parent() -> None:
     """In the child before exec: get SIGKILL if the launcher dies (Linux), so none is left behind."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from nnxscale.jobs import distributed
+
 #: Exit code of a process that made no progress for its limit (see the module docstring).
 EXIT_HUNG = 4
 ENV_HANG_TIMEOUT = "NNXSCALE_HANG_TIMEOUT"
@@ -89,7 +91,6 @@ class ProgressWatchdog:
         self._enabled_faulthandler = not faulthandler.is_enabled()  # the caller's own stays as it is
         if self._enabled_faulthandler:  # a crash or abort leaves the stacks here too
             faulthandler.enable(self._stacks, all_threads=True)
-        from nnxscale.jobs import distributed as distributed
 
         distributed.stacks_on_peer_failure(self._stacks)
         if threading.current_thread() is threading.main_thread():
@@ -106,7 +107,6 @@ class ProgressWatchdog:
             return
         self._stop.set()
         self._thread.join(timeout=2 * _CHECK_S)
-        from nnxscale.jobs import distributed as distributed
 
         distributed.stacks_on_peer_failure(None)
         try:
@@ -171,12 +171,10 @@ class ProgressWatchdog:
             hang_file(self.logs, self.process).write_text(line + "\n")
         except OSError as e:  # a full or stuck disk must not keep the process alive
             line += f" (could not write them: {e})"
-        from nnxscale.jobs.distributed import current, leave
-
         message = f"nnxscale: error: {line}. {self.resume_hint}".rstrip()
         print(message, file=sys.stderr, flush=True)
-        if current().is_multiprocess:
-            leave(EXIT_HUNG, line)  # tells the others, then exits
+        if distributed.current().is_multiprocess:
+            distributed.leave(EXIT_HUNG, line)  # tells the others, then exits
         os._exit(EXIT_HUNG)
 
 

@@ -50,12 +50,16 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import ConfigError
+from nnxscale.jobs import jax_private
 from nnxscale.layers.attention_names import IMPLEMENTATIONS
 from nnxscale.layers.kernels import pad_tokens, per_device
 from nnxscale.layers.kernels.gpu_flash import gpu_flash_attention
 from nnxscale.layers.kernels.splash import splash_attention
+from nnxscale.sharding.activations import current_rules
 from nnxscale.sharding.devices import installed_extra
 from nnxscale.sharding.mesh import context_mesh, varying_like
 
@@ -111,8 +115,6 @@ def platform_of(mesh=None) -> str:
 
 def _platform_here() -> str:
     """:func:`platform_of` the mesh of the activation rules in force (while tracing)."""
-    from nnxscale.sharding.activations import current_rules
-
     rules = current_rules()
     return platform_of(rules.mesh if rules is not None else None)
 
@@ -120,11 +122,9 @@ def _platform_here() -> str:
 def cudnn_applies(dtype, head_dim: int, platform: Optional[str] = None) -> bool:
     """Whether ``jax.nn.dot_product_attention(implementation="cudnn")`` can run (or be compiled)
     for ``platform`` (default: this process's devices)."""
-    from nnxscale.jobs.jax_private import cudnn_version
-
     platform = platform or platform_of()
     shape_ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 128 and head_dim % 8 == 0
-    return platform == "nvidia" and shape_ok and cudnn_version() is not None
+    return platform == "nvidia" and shape_ok and jax_private.cudnn_version() is not None
 
 
 #: Whether attention is traced inside a pipeline's stages (:func:`in_pipeline_stages`).
@@ -221,11 +221,9 @@ def cudnn_package() -> str:
 
 
 def _why_not_cudnn(dtype, head_dim: int, documents: bool) -> str:
-    from nnxscale.jobs.jax_private import cudnn_version
-
     if documents:
         return "cuDNN takes no document mask here"
-    if cudnn_version() is None:
+    if jax_private.cudnn_version() is None:
         return f"the cuDNN library is not installed ({cudnn_package()})"
     return f"cuDNN takes float16 or bfloat16 and head widths up to 128 in multiples of 8 (here {head_dim})"
 
@@ -285,10 +283,6 @@ def attention(
 
 def _ring_axis():
     """``(axis, mesh)`` when the activation rules in force split the sequence, else None."""
-    from jax.sharding import Mesh
-
-    from nnxscale.sharding.activations import current_rules
-
     rules = current_rules()
     if rules is None or rules.length_shard_count <= 1:
         return None
@@ -577,8 +571,6 @@ class _Ring(NamedTuple):
 
     def map(self, local, operands: int, results: int):
         """``local`` over this device's ``T / n`` tokens of every operand and result (axis 1)."""
-        from jax.sharding import PartitionSpec as P
-
         tokens = P(None, self.axis)
         return jax.shard_map(local, mesh=context_mesh(self.mesh), in_specs=(tokens,) * operands,
                              out_specs=(tokens,) * results, axis_names=frozenset({self.axis}), check_vma=False)  # fmt: skip

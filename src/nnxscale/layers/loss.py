@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from nnxscale.layers.attention import zigzag
 from nnxscale.sharding.activations import constrain, current_rules, manual_axes
 
 #: One slice's logits, counted in float32 (the loss's dtype), per device, stay under this.
@@ -75,7 +76,6 @@ def context_order(length: int):
     n = rules.length_shard_count if rules is not None else 1
     if n <= 1:
         return None
-    from nnxscale.layers.attention import zigzag
 
     order = zigzag(length, n)
     return None if (order == np.arange(length)).all() else order
@@ -131,10 +131,9 @@ def vocab_shards(vocab: int) -> int:
 
 # Chunks of the vocabulary, not of the tokens: each slice of the head and of its gradient
 # is touched once, so FSDP gathers the head and reduces its gradient once per step, as
-# without chunks. Chunks of tokens (before 2026-11-26) reduced the whole head gradient once
-# per chunk: 8.4 of the 10.4 GB of reduce-scatters of llama-3.2-1b's step on 8 H100s
-# (fsdp=8, 8 x 4,096 tokens), where XLA keeps a scan's gradient carry laid out like the
-# weight. Slice j holds words j, j + n, ..., so a vocabulary split over a mesh axis stays split.
+# without chunks. Chunks of tokens would reduce the whole head gradient once per chunk (XLA
+# keeps a scan's gradient carry laid out like the weight): 8.4 of the 10.4 GB of
+# reduce-scatters of llama-3.2-1b's step on 8 H100s (fsdp=8, 8 x 4,096 tokens). Slice j holds words j, j + n, ..., so a vocabulary split over a mesh axis stays split.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

@@ -25,8 +25,10 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from nnxscale.layers.attention import device_of
 from nnxscale.layers.loss import fewest_chunks, token_shards
 from nnxscale.sharding.activations import current_rules
+from nnxscale.sharding.devices import memory_of
 
 #: One chunk's float32 intermediate activation, per device, stays under this on XLA:CPU
 #: (and on an accelerator whose memory is not known).
@@ -45,15 +47,12 @@ def chunk_budget(mesh=None) -> int:
     are summed in float32. MaxText's 16B model on a v5e-256 (``fsdp=256``, 6 x 2,048 tokens per
     chip, intermediate 28,672): 14 chunks of 128 MiB predicted 12.11 s per step (2.60 s of
     memory-bound ops, 0.88 s of exposed collectives), one chunk 10.24 s (1.24 s and 0.38 s) at
-    8.4 GiB per chip instead of 6.3 of 16 (2026-11-26, ``nnxscale plan --target v5e-256``;
-    MaxText's published run: 10.06 s). So on an accelerator the budget is
+    8.4 GiB per chip instead of 6.3 of 16 (``nnxscale plan --target v5e-256``; MaxText's
+    published run: 10.06 s). So on an accelerator the budget is
     :data:`ACCELERATOR_SHARE` of its memory (one intermediate of 1/8; the backward holds a few
     in the compute dtype), never below :data:`CHUNK_BYTES`; on XLA:CPU, whose plans of long
     sequences it was sized for, :data:`CHUNK_BYTES`.
     """
-    from nnxscale.layers.attention import device_of
-    from nnxscale.sharding.devices import memory_of
-
     if mesh is None:
         rules = current_rules()
         mesh = None if rules is None else rules.mesh

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 from nnxscale.errors import ConfigError
 from nnxscale.layers.attention_names import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from nnxscale.layers.remat import REMAT_NAMES, remat_name
+from nnxscale.training.observe import parse_profile_steps
 
 #: Most steps a run can have: the train state counts steps in an int32.
 MAX_STEPS = 2**31 - 1
@@ -254,7 +255,7 @@ class TrainConfig:
         """Check every field's type and range (no devices, data or model needed); raise ConfigError."""
         fields = flatten(self.to_dict())
         for path, value in fields.items():
-            _typed(path, value, _FIELD_TYPES[path], strict=True)
+            _typed(path, value, FIELD_TYPES[path], strict=True)
         at_least = lambda low: (lambda v: v >= low, f"at least {low}")  # noqa: E731
         below_one = (lambda v: 0 <= v < 1, "in [0, 1)")
         steps = (lambda v: 1 <= v <= MAX_STEPS, f"in [1, {MAX_STEPS}]")
@@ -323,7 +324,6 @@ class TrainConfig:
             raise ConfigError(f"{', '.join(given)} set(s) LoRA adapters, which need --lora-rank R (e.g. --lora-rank 16)")
         if lora.targets is not None and not [t for t in lora.targets.split(",") if t.strip()]:
             raise ConfigError("--lora-targets is empty: name the layers to adapt (e.g. q,k,v,o) or leave it unset")
-        from nnxscale.training.observe import parse_profile_steps
 
         parse_profile_steps(self.logging.profile_steps)
         self._validate_pipeline()
@@ -573,6 +573,6 @@ def config_conflicts(saved: dict, new: dict) -> list[str]:
 #: Dotted path -> its dataclass field (with the flag and help in its metadata).
 _SETTINGS = fields_of(TrainConfig)
 #: Dotted field name -> its type, for every field of :class:`TrainConfig`.
-_FIELD_TYPES = {path: hint for path, _, hint in _walk(TrainConfig)}
+FIELD_TYPES = {path: hint for path, _, hint in _walk(TrainConfig)}
 #: A flag's name as a keyword (``seq_len`` for ``--seq-len``) -> the dotted field it sets.
 _BY_FLAG = {f.metadata["flag"][2:].replace("-", "_"): path for path, f in _SETTINGS.items()}

@@ -24,10 +24,15 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 from flax import nnx
+from safetensors.numpy import save_file
 
 from nnxscale.errors import ConfigError
 from nnxscale.layers import lora
 from nnxscale.models import is_pretrained_dir
+from nnxscale.training.config import TrainConfig
+from nnxscale.training.inputs import pretrained_source
+from nnxscale.training.rundir import saved_config
+from nnxscale.training.sampling import restore_model, sampling_mesh
 
 #: Files of a Hugging Face directory besides the weights that a merged export copies from the base.
 _HF_EXTRAS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -57,9 +62,7 @@ def peft_tensors(model, names) -> tuple[dict[str, np.ndarray], list[str]]:
 
 
 def _restored(run_dir, warn):
-    from nnxscale.training.sampling import _restore, sampling_mesh
-
-    s, model = _restore(run_dir, None, warn, sampling_mesh(run_dir, None, note=warn))
+    s, model = restore_model(run_dir, None, warn, sampling_mesh(run_dir, None, note=warn))
     if s.model.lora is None:
         raise ConfigError(f"{run_dir} trained every weight (no --lora-rank): its checkpoints are the whole model; "
                           "nnxscale export writes the adapters of a LoRA run")  # fmt: skip
@@ -73,11 +76,6 @@ def export(run_dir, *, peft: Optional[str] = None, merged: Optional[str] = None,
     base with the adapters folded in (``merged``). Returns ``{"peft": n tensors, "merged": dir}``."""
     if peft is None and merged is None:
         raise ConfigError("nothing to export: give --peft DIR (a PEFT adapter) and/or --merged DIR (a whole model)")
-    from safetensors.numpy import save_file
-
-    from nnxscale.training.inputs import pretrained_source
-    from nnxscale.training.rundir import saved_config
-    from nnxscale.training.config import TrainConfig
 
     s, model = _restored(run_dir, warn)
     cfg = TrainConfig.from_dict(saved_config(Path(run_dir)))

@@ -25,6 +25,7 @@ from nnxscale.models import (
     pretrained_family,
 )  # fmt: skip
 from nnxscale.training.config import ConfigError, TrainConfig, flag
+from nnxscale.training.preference import dpo_loss
 
 #: TrainConfig fields that set a family's config (see ``ModelFamily.run_options``).
 RUN_OPTIONS = ("dropout", "dtype", "remat", "attention", "capacity_factor")
@@ -204,8 +205,6 @@ def run_model(
             raise ConfigError(f"--loss-on completion: the {family.name} family's loss cannot skip a prompt's targets")
         objective = functools.partial(objective, ignored_targets=True)
     if cfg.objective == "dpo":
-        from nnxscale.training.preference import dpo_loss
-
         objective = functools.partial(dpo_loss, beta=cfg.dpo_beta, separator=separator)
         ignored_targets = True
     build = with_adapters(lambda rngs: family.build(config, rngs=rngs), spec)

@@ -30,7 +30,7 @@ class Scalars:
     """TensorBoard event files of a run's metrics records (see the module docstring)."""
 
     def __init__(self, run_dir, start_step: int = 0):
-        from tensorboardX import SummaryWriter
+        from tensorboardX import SummaryWriter  # protobuf: slow to import, for event files only
 
         # Whatever an earlier session logged after this run's start (its checkpoint, or step 0
         # when a run killed before its first save starts again) is replaced.
@@ -63,7 +63,7 @@ class WandbRun:
             raise ConfigError(f"--wandb {project}: the wandb package is not installed: pip install wandb (and wandb login)") from None
 
     def __init__(self, project: str, run_dir, config: dict):
-        import wandb
+        import wandb  # optional: --wandb only
 
         run_dir = Path(run_dir)
         id_file = run_dir / "wandb_id"
@@ -107,7 +107,7 @@ class ProfileWindow:
 
     def step(self, step: int):
         """A context for dispatching ``step``: the trace starts at ``A``; the step is annotated."""
-        import jax
+        import jax  # jax: not while the CLI starts
 
         if self.steps is None or not self.steps[0] <= step <= self.steps[1]:
             return contextlib.nullcontext()
@@ -123,7 +123,7 @@ class ProfileWindow:
             self.stop(outputs)
 
     def stop(self, outputs=None) -> None:
-        import jax
+        import jax  # jax: not while the CLI starts
 
         if not self.active:
             return

@@ -86,7 +86,7 @@ def plot_metrics(run_dir: Path) -> Optional[Path]:
         return None
     # A Figure of its own, drawn by the Agg canvas: pyplot's import (half a second of CPU in
     # every process that trains) and its global backend and figure registry are not needed.
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # slow to import: to draw only
 
     fig = Figure(figsize=(7, 4), dpi=110)
     ax = fig.subplots()

@@ -12,14 +12,16 @@ from flax import nnx
 
 from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
 from nnxscale.data import text as text
+from nnxscale.data.chat import ChatTemplate, RowError
 from nnxscale.errors import NnxscaleError
 from nnxscale.models.common.generate import Sampling, check_max_new_tokens, generate
 from nnxscale.sharding.axes import BATCH_AXES, CONTEXT, DATA, STAGE
 from nnxscale.sharding.mesh import format_mesh, make_mesh, resolve_mesh_shape
+from nnxscale.training import adapters as lora_state
 from nnxscale.training.config import ConfigError, TrainConfig, with_overrides
-from nnxscale.training.inputs import TOKENIZER_FILE
+from nnxscale.training.inputs import TOKENIZER_FILE, pretrained_source
 from nnxscale.training.rundir import saved_config
-from nnxscale.training.state import Setup, setup
+from nnxscale.training.state import Setup, load_init_params, setup
 
 
 def sampling_mesh(run_dir, mesh=None, *, note: Callable[[str], None] = print):
@@ -47,7 +49,8 @@ def sampling_mesh(run_dir, mesh=None, *, note: Callable[[str], None] = print):
     return make_mesh(folded)
 
 
-def _restore(run_dir, model: Optional[Callable], warn: Callable[[str], None], mesh=None) -> tuple[Setup, nnx.Module]:
+def restore_model(run_dir, model: Optional[Callable], warn: Callable[[str], None],
+                  mesh=None) -> tuple[Setup, nnx.Module]:  # fmt: skip
     """The setup of a run on ``mesh`` (default: one device of this process), and the model of
     its newest intact checkpoint laid out on it. Damaged newer checkpoints are skipped, each
     with a ``warn`` line."""
@@ -77,16 +80,12 @@ def _restore(run_dir, model: Optional[Callable], warn: Callable[[str], None], me
     return s, nnx.merge(s.graphdef, lora_base(s, cfg, state["params"], extras, f"{run_dir} (step {step})", warn, own_module))
 
 
-def lora_base(s: Setup, cfg: TrainConfig, adapters: dict, extras: dict, where: str, warn, own_module: bool) -> dict:
+def lora_base(setup: Setup, cfg: TrainConfig, adapters: dict, extras: dict, where: str, warn, own_module: bool) -> dict:
     """A LoRA run's model parameters: its restored ``adapters`` over its base, loaded again from
     where the run took it (refused in one line when that base is not the one they were trained on)."""
-    from nnxscale.training import adapters as lora_state
-    from nnxscale.training.inputs import pretrained_source
-    from nnxscale.training.state import load_init_params
-
     source = cfg.model.init_from or (None if own_module else pretrained_source(cfg))
-    lora_state.check_base(extras.get("adapters_base"), lora_state.base_record(cfg, source, s.model), where)
-    base = lora_state.load_base(s, source, lambda src: load_init_params(s, src, warn=warn))
+    lora_state.check_base(extras.get("adapters_base"), lora_state.base_record(cfg, source, setup.model), where)
+    base = lora_state.load_base(setup, source, lambda src: load_init_params(setup, src, warn=warn))
     return lora_state.merge_params(base, adapters)
 
 
@@ -98,7 +97,7 @@ def load_model(run_dir, *, model: Optional[Callable] = None, mesh=None, warn: Ca
     Damaged newer checkpoints are skipped, each with a ``warn`` line.
     """
     mesh = None if mesh is None else sampling_mesh(run_dir, mesh)
-    return _restore(run_dir, model, warn, mesh)[1]
+    return restore_model(run_dir, model, warn, mesh)[1]
 
 
 def run_decoder(run_dir, vocab_size: int, tokenizer=None):
@@ -122,8 +121,6 @@ def run_decoder(run_dir, vocab_size: int, tokenizer=None):
 
 def _chat_prompts(run_dir, tokenizer, decoder, texts: Sequence[str]) -> list[list[int]]:
     """Each text as a user's message in the chat template, the assistant's turn opened, encoded."""
-    from nnxscale.data.chat import ChatTemplate, RowError
-
     where = Path(tokenizer).expanduser() if tokenizer is not None else Path(run_dir)
     template = ChatTemplate.find(where if where.is_dir() else where.parent)
     if template is None or not hasattr(decoder, "encode_plain"):
@@ -168,7 +165,7 @@ def sample(
     texts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not texts or not all(isinstance(t, str) for t in texts):
         raise ConfigError("prompt: give a text, or a non-empty list of texts")
-    s, net = _restore(run_dir, model, warn, sampling_mesh(run_dir, mesh, note=warn))
+    s, net = restore_model(run_dir, model, warn, sampling_mesh(run_dir, mesh, note=warn))
     vocab = s.vocab_size()
     decoder = run_decoder(run_dir, vocab, tokenizer)
     if decoder.vocab_size > vocab:

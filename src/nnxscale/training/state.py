@@ -359,47 +359,48 @@ def _train_state(cfg: TrainConfig, tx, abs_params, param_sh, mesh, base_sh=None,
     return abstract, state_sh, state_from
 
 
-def init_state(s: Setup, params=None):
+def init_state(setup: Setup, params=None):
     """Create the train state directly in its sharded layout (or around given params), in
     the order the step runs it (:func:`run_order`). A LoRA run's given params are its base:
     fresh adapters join them."""
     if params is None:  # the one sharded-init path, shared with `nnxscale init`
-        params = pure_dict(nnx.state(sharded_init(s.factory, s.mesh, s.rules, abstract=(s.graphdef, s.model_state))))
-    elif s.model.lora is not None:
-        params = lora_state.merge_params(params, lora_state.init_adapters(s))
-    with jax.set_mesh(s.mesh):
-        state = jax.jit(s.init_fn, out_shardings=s.state_shardings, donate_argnums=0)(params)
-    return run_order(s, state)
+        abstract = (setup.graphdef, setup.model_state)
+        params = pure_dict(nnx.state(sharded_init(setup.factory, setup.mesh, setup.rules, abstract=abstract)))
+    elif setup.model.lora is not None:
+        params = lora_state.merge_params(params, lora_state.init_adapters(setup))
+    with jax.set_mesh(setup.mesh):
+        state = jax.jit(setup.init_fn, out_shardings=setup.state_shardings, donate_argnums=0)(params)
+    return run_order(setup, state)
 
 
-def run_order(s: Setup, state, *, donate: bool = True):
+def run_order(setup: Setup, state, *, donate: bool = True):
     """A train state in layer order (created, restored) -> the order the step runs it.
 
     For the circular pipeline that is stage order (:func:`nnxscale.layers.pipeline.to_stage_order`,
     parameters and optimizer moments alike, once per init or restore); otherwise the state
     itself. ``donate``: the layer-order state is used up.
     """
-    if s.pipeline is None or s.pipeline.repeats == 1:
+    if setup.pipeline is None or setup.pipeline.repeats == 1:
         return state
-    return to_stage_order(state, s.pipeline, s.state_shardings, donate=donate)
+    return to_stage_order(state, setup.pipeline, setup.state_shardings, donate=donate)
 
 
-def saved_order(s: Setup, state):
+def saved_order(setup: Setup, state):
     """The inverse of :func:`run_order`, for what leaves the run: checkpoints are always in
     layer order, so they move between pipelined and unpipelined meshes. ``state`` is kept
     (the circular pipeline's copy costs one more stacked state of memory while it is saved)."""
-    if s.pipeline is None or s.pipeline.repeats == 1:
+    if setup.pipeline is None or setup.pipeline.repeats == 1:
         return state
-    return to_layer_order(state, s.pipeline, {k: s.state_shardings[k] for k in state})
+    return to_layer_order(state, setup.pipeline, {k: setup.state_shardings[k] for k in state})
 
 
 _SCHEDULE_NAMES = {"gpipe": "GPipe", "circular": "circular", "1f1b": "1F1B"}
 
 
-def describe_pipeline(s: Setup) -> str:
+def describe_pipeline(setup: Setup) -> str:
     """One line: the run's pipeline layout (schedule, layers per stage, microbatches, bubble)."""
-    p, n = s.pipeline, s.stacked_layers
-    rows = s.cfg.data.batch_size // (s.rules.batch_shard_count * p.microbatches)
+    p, n = setup.pipeline, setup.stacked_layers
+    rows = setup.cfg.data.batch_size // (setup.rules.batch_shard_count * p.microbatches)
     groups = f", {p.repeats} groups of {n // (p.stages * p.repeats)} per stage" if p.repeats > 1 else ""
     return (
         f"pipeline: {_SCHEDULE_NAMES[p.schedule]} over {p.stages} stages, {n // p.stages} of {n} layers "
@@ -410,7 +411,7 @@ def describe_pipeline(s: Setup) -> str:
 
 
 
-def load_init_params(s: Setup, source: str, *, warn: Callable[[str], None] = print):
+def load_init_params(setup: Setup, source: str, *, warn: Callable[[str], None] = print):
     """Parameters from a seed checkpoint (``nnxscale init``, any run directory) or a Hugging
     Face directory of the run's family, in this run's layout and parameter dtypes.
 
@@ -421,7 +422,7 @@ def load_init_params(s: Setup, source: str, *, warn: Callable[[str], None] = pri
     """
     path = Path(source)
     if is_pretrained_dir(path) and not checkpoint_dir(path).exists():
-        family, m = pretrained_family(path), s.model
+        family, m = pretrained_family(path), setup.model
         if m.family is None:
             raise ConfigError(
                 f"--init-from {path} is a Hugging Face {family.name} directory, but this run trains your own module "
@@ -429,11 +430,12 @@ def load_init_params(s: Setup, source: str, *, warn: Callable[[str], None] = pri
             )
         if family is not m.family:
             raise ConfigError(f"--init-from {path} holds a {family.name} model, but --model {m.name} is a {m.family.name} preset")
-        model = family.from_pretrained(path, mesh=s.mesh, rules=s.rules)
+        model = family.from_pretrained(path, mesh=setup.mesh, rules=setup.rules)
         if differences := architecture_differences(family, model.config, m.config):
             raise ConfigError(f"--init-from {path} is not the architecture of --model {m.name} ({'; '.join(differences)})")
         params = pure_dict(nnx.state(model))
-        return jax.tree.map(lambda a, want: a if a.dtype == want.dtype else a.astype(want.dtype), params, _model_abstract(s))
+        wanted = _model_abstract(setup)
+        return jax.tree.map(lambda a, want: a if a.dtype == want.dtype else a.astype(want.dtype), params, wanted)
     ckpt_root = checkpoint_dir(path)
     if not ckpt_root.exists():
         raise ConfigError(
@@ -441,11 +443,11 @@ def load_init_params(s: Setup, source: str, *, warn: Callable[[str], None] = pri
             "nor an nnxscale run directory with checkpoints"
         )
     with Checkpointer(ckpt_root, async_save=False) as ckpt:
-        _, restored, _ = ckpt.restore_intact({"params": _model_abstract(s)}, warn=warn, part=True)
+        _, restored, _ = ckpt.restore_intact({"params": _model_abstract(setup)}, warn=warn, part=True)
     return restored["params"]
 
 
-def _model_abstract(s: Setup):
+def _model_abstract(setup: Setup):
     """What a seed checkpoint or a Hugging Face directory gives a run: its parameters, or a
     LoRA run's base."""
-    return s.abstract.get(lora_state.BASE, s.abstract["params"])
+    return setup.abstract.get(lora_state.BASE, setup.abstract["params"])

@@ -56,7 +56,7 @@ def loss_fn(graphdef, params, inputs, targets, key, loss: Callable, base=None):
     return out if isinstance(out, tuple) else (out, {})
 
 
-def make_train_step(s: Setup, *, vote: bool = False):
+def make_train_step(setup: Setup, *, vote: bool = False):
     """The jitted step: ``(state, batch) -> (state, metrics)``; donates the old state.
 
     ``vote``: the step takes a third argument, every process's stop request
@@ -64,12 +64,12 @@ def make_train_step(s: Setup, *, vote: bool = False):
     the vote's all-reduce is part of the step, so it can never run in a different order
     than the step's own collectives on some device (see docs/multiprocess.md).
     """
-    graphdef, tx, schedule, objective = s.graphdef, s.tx, s.schedule, s.model.loss
-    accum, separator, ignored = s.cfg.optim.grad_accum, s.model.separator, s.model.ignored_targets
-    replicas = replica_axes(s) if accum > 1 else ()
+    graphdef, tx, schedule, objective = setup.graphdef, setup.tx, setup.schedule, setup.model.loss
+    accum, separator, ignored = setup.cfg.optim.grad_accum, setup.model.separator, setup.model.ignored_targets
+    replicas = replica_axes(setup) if accum > 1 else ()
     grad_fn = jax.value_and_grad(lambda p, x, y, k, base=None: loss_fn(graphdef, p, x, y, k, objective, base), has_aux=True)
-    if s.pipeline is not None and s.pipeline.one_f_one_b:  # the schedule computes the gradients itself
-        grad_fn = functools.partial(pipeline_value_and_grad, objective, graphdef, pipeline=s.pipeline, mesh=s.mesh,
+    if setup.pipeline is not None and setup.pipeline.one_f_one_b:  # the schedule computes the gradients itself
+        grad_fn = functools.partial(pipeline_value_and_grad, objective, graphdef, pipeline=setup.pipeline, mesh=setup.mesh,
                                     separator=separator, ignored_targets=ignored)  # fmt: skip
 
     def step(state, batch, votes=None):
@@ -77,7 +77,7 @@ def make_train_step(s: Setup, *, vote: bool = False):
         key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), state["step"])
         x, y = batch["inputs"], batch["targets"]  # (B, T) int32
         frozen = {} if base is None else {"base": base}
-        if s.model.reference:  # --objective dpo (no micro-batches: they would split the pairs)
+        if setup.model.reference:  # --objective dpo (no micro-batches: they would split the pairs)
             reference = reference_log_probs(graphdef, state, x, y, separator=separator)
             dpo = functools.partial(objective, reference=reference)
             (loss, extras), grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, x, y, key, dpo, base), has_aux=True)(params)
@@ -98,7 +98,7 @@ def make_train_step(s: Setup, *, vote: bool = False):
                 return loss_i * w, jax.tree.map(lambda g: g * w, grads_i), w, extras_i
 
             if replicas:
-                weighed = replica_partial(weighed, s, replicas, weighted)
+                weighed = replica_partial(weighed, setup, replicas, weighted)
 
             def body(carry, xs):
                 loss_sum, grad_sum, weight_sum = carry
@@ -108,15 +108,16 @@ def make_train_step(s: Setup, *, vote: bool = False):
 
             zeros = jax.tree.map(jnp.zeros_like, params)
             if replicas:  # one partial sum per replica, each on its own devices
-                zeros = jax.tree.map(lambda z, sh: _stacked(z, sh, replicas, s.rules.sizes), params, s.param_shardings)
+                sizes = setup.rules.sizes
+                zeros = jax.tree.map(lambda z, sh: _stacked(z, sh, replicas, sizes), params, setup.param_shardings)
             carry = (jnp.float32(0), zeros, jnp.float32(0))
             (loss, grads, total), extras = jax.lax.scan(body, carry, (jnp.arange(accum), micro(x), micro(y)))
             if replicas:  # the one reduction over the replicas, after every micro-batch
-                grads = jax.tree.map(functools.partial(_replica_sum, dtype=jnp.dtype(s.cfg.model.dtype)), grads)
+                grads = jax.tree.map(functools.partial(_replica_sum, dtype=jnp.dtype(setup.cfg.model.dtype)), grads)
             total = total if weighted else accum
             loss, grads = loss / total, jax.tree.map(lambda g: g / total, grads)
             extras = jax.tree.map(lambda a: jnp.mean(a, axis=0), extras)
-        grads = jax.lax.with_sharding_constraint(grads, s.param_shardings)
+        grads = jax.lax.with_sharding_constraint(grads, setup.param_shardings)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]), **extras}
         if votes is not None:
             metrics["stop"] = StopVote.reduce(votes)
@@ -127,15 +128,15 @@ def make_train_step(s: Setup, *, vote: bool = False):
 
         return skip_nonfinite(state, update, metrics)
 
-    in_shardings = (s.state_shardings, s.batch_sharding)
+    in_shardings = (setup.state_shardings, setup.batch_sharding)
     if vote:
-        in_shardings += (StopVote.sharding(s.mesh),)
+        in_shardings += (StopVote.sharding(setup.mesh),)
     return DonatingStep(jax.jit(
-        _under_rules(step, s),
+        _under_rules(step, setup),
         in_shardings=in_shardings,
-        out_shardings=(s.state_shardings, None),
+        out_shardings=(setup.state_shardings, None),
         donate_argnums=0,
-        compiler_options=step_compiler_options(s),
+        compiler_options=step_compiler_options(setup),
     ))  # fmt: skip
 
 
@@ -163,7 +164,7 @@ class DonatingStep:
         return getattr(self.jitted, name)
 
 
-def replica_axes(s: Setup) -> tuple[str, ...]:
+def replica_axes(setup: Setup) -> tuple[str, ...]:
     """The batch axes of ``s``'s mesh that no parameter is split over (``data``, not ``fsdp``),
     where gradient accumulation sums each replica's gradients unreduced and reduces them once
     per step (:func:`replica_partial`); ``()`` where it cannot.
@@ -177,11 +178,11 @@ def replica_axes(s: Setup) -> tuple[str, ...]:
     itself). On an FSDP axis the gradient is reduce-scattered per micro-batch still: summing it
     unreduced would hold the whole, unsharded gradient on every device.
     """
-    if not sums_unreduced(s.model, s.pipeline):
+    if not sums_unreduced(setup.model, setup.pipeline):
         return ()
-    shardings = jax.tree.leaves([s.state_shardings["params"], s.state_shardings.get(BASE)])
+    shardings = jax.tree.leaves([setup.state_shardings["params"], setup.state_shardings.get(BASE)])
     split = {a for sh in shardings for entry in sh.spec for a in entry_axes(entry)}
-    return tuple(a for a in s.rules.batch_axes if a not in split and s.rules.sizes[a] > 1)
+    return tuple(a for a in setup.rules.batch_axes if a not in split and setup.rules.sizes[a] > 1)
 
 
 def sums_unreduced(model, pipeline=None) -> bool:
@@ -211,7 +212,7 @@ def _replica_sum(g, dtype):
     return jax.lax.reduce(g.astype(dtype), jnp.zeros((), dtype), jax.lax.add, (0,)).astype(g.dtype)
 
 
-def replica_partial(weighed: Callable, s: Setup, replicas: tuple, weighted: bool) -> Callable:
+def replica_partial(weighed: Callable, setup: Setup, replicas: tuple, weighted: bool) -> Callable:
     """``weighed(params, frozen, xm, ym, key) -> (loss, grads, weight, extras)`` of a micro-batch,
     run by each replica (``replicas``: mesh axes) on its own rows: ``grads`` come back unreduced,
     stacked ``(replicas, *shape)``, one partial sum per replica; ``loss`` and ``weight`` summed
@@ -226,12 +227,12 @@ def replica_partial(weighed: Callable, s: Setup, replicas: tuple, weighted: bool
         key = jax.random.fold_in(key, jax.lax.axis_index(replicas))  # each replica its own dropout
         loss, grads, w, extras = weighed(params, frozen, xm, ym, key)
         if not weighted:
-            w = w / math.prod(s.rules.sizes[a] for a in replicas)
+            w = w / math.prod(setup.rules.sizes[a] for a in replicas)
             loss, grads = loss * w, jax.tree.map(lambda g: g * w.astype(g.dtype), grads)
         total = lambda v: jax.lax.psum(v, replicas)  # noqa: E731
         return total(loss), jax.tree.map(lambda g: g[None], grads), total(w), jax.tree.map(lambda a: jax.lax.pmean(a, replicas), extras)
 
-    return jax.shard_map(local, mesh=s.mesh, in_specs=(P(), P(), rows, rows, P()), out_specs=(P(), rows, P(), P()),
+    return jax.shard_map(local, mesh=setup.mesh, in_specs=(P(), P(), rows, rows, P()), out_specs=(P(), rows, P(), P()),
                          axis_names=set(replicas), check_vma=False)  # fmt: skip
 
 
@@ -244,18 +245,18 @@ ENV_STEP_XLA_OPTIONS = "NNXSCALE_STEP_XLA_OPTIONS"
 #: of the layer loop, so the step holds a float32 copy of every layer's shard at once (one
 #: layer's is all a product needs). llama-3.1-8b with a bfloat16 LoRA base on ``fsdp=8``,
 #: 8 x 4,096, remat full: peak 9.8 GiB per device with the pass, 5.5 GiB without (every weight
-#: training: 23.3 and 22.2 GiB; 2026-11-26, jax 0.10.2, ``nnxscale plan ... --compile always``).
+#: training: 23.3 and 22.2 GiB; jax 0.10.2, ``nnxscale plan ... --compile always``).
 #: The pass only moves work, so the numbers are the same; other compilers are left as they are.
 CPU_BFLOAT16_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
-def step_compiler_options(s: Optional[Setup] = None) -> Optional[dict]:
+def step_compiler_options(setup: Optional[Setup] = None) -> Optional[dict]:
     """The XLA options the training step of ``s`` compiles with, or ``None``: on XLA:CPU with
     a bfloat16 compute dtype :data:`CPU_BFLOAT16_OPTIONS`, then ``NNXSCALE_STEP_XLA_OPTIONS``
     over them (unset or empty: nothing). Raises ConfigError in one line when that variable is
     not a JSON object."""
     options = {}
-    if s is not None and s.cfg.model.dtype == "bfloat16" and platform_of(s.mesh) == "cpu":
+    if setup is not None and setup.cfg.model.dtype == "bfloat16" and platform_of(setup.mesh) == "cpu":
         options.update(CPU_BFLOAT16_OPTIONS)
     text = os.environ.get(ENV_STEP_XLA_OPTIONS, "").strip()
     if not text:
@@ -281,13 +282,12 @@ def skip_nonfinite(state, update: Callable, metrics):
     reaches them or a checkpoint. The step counter advances either way (the batch is used
     up), and ``metrics["skipped"]`` is 1 for a skipped step, else 0.
 
-    A select per array between the updated and the old state, with no host round trip.
-    A ``lax.cond`` around the update was measured against it on 2026-11-26 (gpt2, data=8,
-    8 x 1,024, float32, ``--remat full``; temporaries per device, the donated state
-    1,493 MB aliased either way): the H100 compiler needs 934 MB with the select and
-    1,991 MB with the cond; XLA:CPU 1,751 MB and 1,103 MB; on TPU v5p (a 20.6M Llama,
-    docs/maxtext.md) both 430 MB. The select stays: the accelerators' compilers fuse it
-    into the update.
+    A select per array between the updated and the old state, with no host round trip,
+    rather than a ``lax.cond`` around the update: the accelerators' compilers fuse the select
+    into the update (gpt2, data=8, 8 x 1,024, float32, ``--remat full``, temporaries per
+    device beside the donated state's 1,493 MB: the H100 compiler needs 934 MB with the
+    select and 1,991 MB with the cond; XLA:CPU 1,751 MB and 1,103 MB; TPU v5p, a 20.6M
+    Llama, 430 MB either way).
     """
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
     params, opt_state = update(state["params"], state["opt_state"])
@@ -299,28 +299,28 @@ def skip_nonfinite(state, update: Callable, metrics):
     return kept, {**metrics, "skipped": jnp.where(ok, 0, 1).astype(jnp.int32)}
 
 
-def make_eval_step(s: Setup):
+def make_eval_step(setup: Setup):
     """The jitted evaluation: ``(state, batch) -> loss`` (the train state: a LoRA run's frozen
     base and DPO's reference are in it)."""
-    graphdef, objective, separator = s.graphdef, s.model.loss, s.model.separator
+    graphdef, objective, separator = setup.graphdef, setup.model.loss, setup.model.separator
 
     def evaluate(state, batch):
         x, y = batch["inputs"], batch["targets"]
         fn = objective
-        if s.model.reference:
+        if setup.model.reference:
             fn = functools.partial(objective, reference=reference_log_probs(graphdef, state, x, y, separator=separator))
         return loss_fn(graphdef, state["params"], x, y, None, fn, state.get(BASE))[0]
 
-    return jax.jit(_under_rules(evaluate, s), in_shardings=(s.state_shardings, s.batch_sharding))
+    return jax.jit(_under_rules(evaluate, setup), in_shardings=(setup.state_shardings, setup.batch_sharding))
 
 
-def _under_rules(fn: Callable, s: Setup) -> Callable:
+def _under_rules(fn: Callable, setup: Setup) -> Callable:
     """``fn`` traced with the run's rules in force, so the model's ``constrain`` calls apply
     them, and its pipeline, so :func:`nnxscale.scan_layers` runs the stages."""
 
     @functools.wraps(fn)
     def traced(*args):
-        with use_rules(s.rules), use_pipeline(s.pipeline, s.mesh):
+        with use_rules(setup.rules), use_pipeline(setup.pipeline, setup.mesh):
             return fn(*args)
 
     return traced

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from nnxscale.sharding.activations import current_rules, local_layout, manual_axes
 from nnxscale.sharding.axes import entry_axes
 from nnxscale.sharding.mesh import context_mesh
 
@@ -35,8 +36,6 @@ def per_device(kernel: Callable, q, k, v, q_segments, k_segments):
     heads, laid out as the activation rules in force lay ``q`` and ``k`` out (the length is
     whole here: a split sequence is a ring). Without rules or on one device, ``kernel`` as is.
     Segments are ``(B, T)`` / ``(B, S)`` arrays or None."""
-    from nnxscale.sharding.activations import current_rules, local_layout, manual_axes
-
     rules = current_rules()
     if rules is None or rules.num_devices == 1:
         return kernel(q, k, v, q_segments, k_segments)

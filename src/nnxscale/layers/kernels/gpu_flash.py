@@ -71,7 +71,7 @@ def shipped_kernel():
     """JAX's own Pallas GPU attention module where the installed jax ships it (to 0.12.0),
     else None (imported on first use: it pulls in the Triton backend)."""
     try:
-        from jax.experimental.pallas.ops.gpu import attention
+        from jax.experimental.pallas.ops.gpu import attention  # gone from jax 0.12.1
     except ImportError:
         return None
     return attention

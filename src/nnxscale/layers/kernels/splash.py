@@ -37,7 +37,7 @@ def splash_attention(q, k, v, q_segments=None, k_segments=None, *, causal: bool 
     when ``j <= i`` (``causal``) and, with segments ``(B, T)`` / ``(B, S)``, of its own
     document. Returns ``(B, T, N, H)`` in ``q``'s dtype. ``interpret``: run the kernel's own
     code in Pallas interpret mode (any backend; slow; for tests)."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash  # the TPU kernels: loaded for a TPU only
 
     B, T, N, H = q.shape
     S = k.shape[1]

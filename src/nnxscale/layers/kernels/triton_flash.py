@@ -148,7 +148,7 @@ def _specs(T: int, H: int, block: int, segments: bool):
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, interpret: bool, name: str):
-    from jax.experimental.pallas import triton as plgpu
+    from jax.experimental.pallas import triton as plgpu  # the Triton backend: loaded for a GPU kernel only
 
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2), interpret=interpret,

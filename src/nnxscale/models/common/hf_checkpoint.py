@@ -26,9 +26,12 @@ from typing import Any, Optional
 import jax
 import numpy as np
 from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from nnxscale.errors import ModelError, ModelFileNotFoundError
 from nnxscale.sharding.state import is_variable
+from nnxscale.sharding.state import state_shardings as shardings
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -157,8 +160,6 @@ class SafetensorsFiles(contextlib.ExitStack):
 
     def _handle(self, file: Path):
         if file not in self._open:
-            from safetensors import safe_open
-
             self._open[file] = self.enter_context(safe_open(str(file), framework="numpy"))
         return self._open[file]
 
@@ -258,7 +259,6 @@ def state_shardings(abstract, mesh, rules):
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.tree.map(lambda v: device, abstract, is_leaf=is_variable)
-    from nnxscale.sharding.state import state_shardings as shardings
 
     return shardings(abstract, mesh, rules)
 
@@ -285,8 +285,6 @@ def save_safetensors(tensors: Iterable[tuple[str, Callable[[], np.ndarray], int]
     gets a file of its own) and ``model.safetensors.index.json``. Only one file's tensors
     are on the host at a time. Weight files of an earlier save in ``path`` are removed.
     """
-    from safetensors.numpy import save_file
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = sorted(tensors, key=lambda t: _natural(t[0]))  # layer by layer, as HF writes them

@@ -78,7 +78,7 @@ class LlamaConfig(ModelConfig):
     def __post_init__(self):
         self._check_training_fields()
         if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling, "LlamaConfig.rope_scaling"))
+            object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling, "LlamaConfig.rope_scaling"))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ModelError(f"LlamaConfig.rope_scaling must be a RopeScaling, a dict of its fields or None, got {self.rope_scaling!r}")
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -129,7 +129,9 @@ class LlamaConfig(ModelConfig):
         return 6 * n + 12 * self.num_hidden_layers * self.num_attention_heads * self.head_size * int(seq_len)
 
 
-def _rope_scaling(d: dict, where: str) -> RopeScaling:
+def parse_rope_scaling(d: dict, where: str) -> RopeScaling:
+    """A ``rope_scaling`` mapping (llama3's) as :class:`RopeScaling`; ``where`` names its
+    source in the error for an unknown or missing key."""
     fields = [f.name for f in dataclasses.fields(RopeScaling)]
     extra = sorted(set(d) - set(fields) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
     missing = [k for k in fields if k not in d]

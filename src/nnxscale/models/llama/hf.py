@@ -21,7 +21,7 @@ from nnxscale.models.common.hf_checkpoint import (
     read_config,
     save_safetensors,
 )  # fmt: skip
-from nnxscale.models.llama.config import LlamaConfig, _rope_scaling
+from nnxscale.models.llama.config import LlamaConfig, parse_rope_scaling
 from nnxscale.models.llama.model import Llama
 
 _normal = nnx.initializers.normal(0.02)  # HF's initializer_range for every weight matrix
@@ -116,7 +116,7 @@ def _config_from_hf(hf: dict[str, Any], param_dtype: str, dtype: Optional[str], 
         head_dim=None if head_dim in (None, hf["hidden_size"] // N) else head_dim,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rope_scaling=_rope_scaling(rope, f"{where}: rope_scaling") if rope_type == "llama3" else None,
+        rope_scaling=parse_rope_scaling(rope, f"{where}: rope_scaling") if rope_type == "llama3" else None,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dtype=dtype or "float32", param_dtype=param_dtype,
     )  # fmt: skip

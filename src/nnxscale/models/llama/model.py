@@ -47,7 +47,8 @@ def _rotate(x, cos, sin):
     return x * cos + rotated * sin
 
 
-def _rms_norm(hidden_size, eps, dtype, param_dtype, rngs):
+def rms_norm(hidden_size, eps, dtype, param_dtype, rngs):
+    """Llama's RMSNorm (the families built on Llama's block share it), its scale on ``embed``."""
     return nnx.RMSNorm(
         hidden_size, epsilon=eps, dtype=dtype, param_dtype=param_dtype, scale_init=logical(_ones, "embed"), rngs=rngs
     )
@@ -124,10 +125,10 @@ def _dense(layer: nnx.Linear, x, w):
 class LlamaDecoderLayer(nnx.Module):
     def __init__(self, c: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.input_layernorm = _rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
+        self.input_layernorm = rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
         self.self_attn = LlamaAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size,
                                         impl=c.attention, **kw)  # fmt: skip
-        self.post_attention_layernorm = _rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
+        self.post_attention_layernorm = rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
         self.mlp = LlamaMLP(c.hidden_size, c.intermediate_size, **kw)
         self.dropout = c.dropout
 
@@ -164,7 +165,7 @@ class Llama(nnx.Module):
         self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, embedding_init=logical(_normal, "vocab", "embed"), **kw)
         layer = partial(self.layer_type, c)
         self.layers = stack_layers(lambda rngs: layer(**(kw | {"rngs": rngs})), c.num_hidden_layers, rngs=rngs)
-        self.norm = _rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
+        self.norm = rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
         if not c.tie_word_embeddings:
             self.lm_head = nnx.Linear(
                 c.hidden_size, c.vocab_size, use_bias=False, kernel_init=logical(_normal, "embed", "vocab"), **kw

@@ -10,7 +10,7 @@ from nnxscale.layers import lora
 from nnxscale.layers.moe import MoE
 from nnxscale.layers.stack import kept
 from nnxscale.models.common.dropout import dropout
-from nnxscale.models.llama.model import Llama, LlamaAttention, _rms_norm
+from nnxscale.models.llama.model import Llama, LlamaAttention, rms_norm
 from nnxscale.models.mixtral.config import MixtralConfig
 from nnxscale.sharding.activations import constrain
 
@@ -21,10 +21,10 @@ class MixtralDecoderLayer(nnx.Module):
 
     def __init__(self, c: MixtralConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.input_layernorm = _rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
+        self.input_layernorm = rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
         self.self_attn = LlamaAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size,
                                         impl=c.attention, **kw)  # fmt: skip
-        self.post_attention_layernorm = _rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
+        self.post_attention_layernorm = rms_norm(c.hidden_size, c.rms_norm_eps, **kw)
         self.block_sparse_moe = MoE(c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok,
                                     capacity_factor=c.capacity_factor, **kw)  # fmt: skip
         self.dropout = c.dropout
