@@ -6,14 +6,16 @@ The public API is what this file names, and the public names of its packages:
 - the packages of :data:`_SUBMODULES`, each with an ``__all__`` and a docstring saying what
   it holds. The tree shows the architecture, bottom to top:
 
-  ``errors`` (every user-facing error), ``sharding`` (meshes, axis names, layouts, logical
-  axis rules, state shardings, activations), ``layers`` (stacked and scanned blocks,
-  pipelines), ``models`` (families: GPT-2, Llama; Hugging Face in and out), ``data`` (text,
-  tokenizers, token files, sharded batches), ``checkpoint`` (Orbax checkpoints, checksums,
-  the run lock), ``jobs`` (several processes: ``jax.distributed``, the launcher, the
-  watchdog), ``training`` (config, setup, step, loop, sampling), ``planning`` (memory and
-  collectives per device before anything is allocated), ``cli`` (the command line), and
+  ``errors`` (every user-facing error), ``jobs`` (several processes: ``jax.distributed``,
+  the launcher, the watchdog), ``sharding`` (meshes, axis names, layouts, logical axis
+  rules, state shardings, activations), ``data`` (text, tokenizers, token files, sharded
+  batches), ``layers`` (stacked and scanned blocks, attention, pipelines), ``models``
+  (families: GPT-2, Llama, Mixtral; Hugging Face in and out), ``checkpoint`` (Orbax
+  checkpoints, checksums, the run lock), ``training`` (config, setup, step, loop,
+  sampling), ``planning`` (memory, collectives and step time per device before anything is
+  allocated; ``train`` handed the step-time prediction), ``cli`` (the command line), and
   ``teaching`` (the single-device simulations and shard_map layers, used by no trainer).
+  A module imports from its own package and those below it only.
 
 Naming: a module inside a package is that package's implementation; what the package's
 ``__init__`` names is its API.
