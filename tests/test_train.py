@@ -367,9 +367,16 @@ def test_gradient_accumulation_matches_one_big_batch(text_data, documents):
     lr = float(m1["lr"])
     assert lr == pytest.approx(TrainConfig().optim.lr)
     for k in p1:
-        moved = np.abs(p1[k] - before[k]).max()
-        assert moved > lr / 2, f"{k} did not move"  # Adam's first step moves each weight by ~lr
-        np.testing.assert_allclose(p2[k], p1[k], rtol=0, atol=lr / 100, err_msg=k)
+        moved = np.abs(p1[k] - before[k])
+        assert moved.max() > lr / 2, f"{k} did not move"  # Adam's first step moves each weight by ~lr
+        # That step is lr * g / (|g| + eps): a weight whose gradient is within a few eps of zero
+        # moves by less, by an amount the rounding of g decides (the micro-batches sum in
+        # another order: on jax 0.12.1 a weight whose gradient was 1.4 eps moved 0.58 lr in one
+        # run and 0.60 lr in the other). The weights that move by 0.9 lr or more have gradients
+        # of 9 eps or more, where rounding cannot matter: those must agree to 1% of lr.
+        full = moved > 0.9 * lr
+        np.testing.assert_allclose(p2[k][full], p1[k][full], rtol=0, atol=lr / 100, err_msg=k)
+        np.testing.assert_array_less(np.abs(p2[k] - p1[k]), lr, err_msg=k)
 
 
 # --------------------------------------------------------------------------------------
