@@ -114,7 +114,7 @@ def main() -> None:
         same = out_and_grads(exact, q, k, v, ct)
         name = f"{impl} {jnp.dtype(dtype).name}{' documents' if docs else ''}"
         results[name] = {**errors(got, want), "xla_same_dtype": errors(same, want)}
-        print(f"{name:32}" + "  ".join(f"{k} {v:.2e}" for k, v in results[name].items() if k != "xla_same_dtype")
+        print(f"{name:34}" + "  ".join(f"{k} {v:.2e}" for k, v in results[name].items() if k != "xla_same_dtype")
               + "   (XLA in the same dtype: " + "  ".join(f"{k} {v:.2e}" for k, v in results[name]["xla_same_dtype"].items())
               + ")", flush=True)  # fmt: skip
     print(json.dumps(results))
