@@ -53,7 +53,7 @@ def one(programs) -> dict:
     import argparse as a, dataclasses as d, typing as t  # the suite's corpus
     import jax
     from nnxscale.training.config import FLAT_NAMES, TrainConfig, with_overrides
-    from nnxscale.training.loop import train
+    from nnxscale.planning.trainer import train  # nnxscale.train
 
     sums = {k: 0.0 for k in EVENTS}
 

@@ -30,7 +30,7 @@ os.environ.setdefault(
 os.environ.setdefault("NNXSCALE_STEP_XLA_OPTIONS", '{"xla_backend_optimization_level": 1}')  # as tests' many_steps
 
 from nnxscale.training.config import TrainConfig, with_overrides  # noqa: E402
-from nnxscale.training.loop import train  # noqa: E402
+from nnxscale.planning.trainer import train  # noqa: E402  (nnxscale.train: the predicted step beside the measured)
 from nnxscale.training.rundir import read_metrics  # noqa: E402
 
 RUNS = {

@@ -424,7 +424,7 @@ def pack(examples: Sequence[Example], row_tokens: int, separator: Optional[int])
     used = 0
 
     def close():
-        nonlocal row_t, used
+        nonlocal used
         if not row_t:
             return
         fill = row_tokens - used

@@ -17,7 +17,6 @@ of :func:`nnxscale.planning.compiler.compile_for_target` does).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import re
 
