@@ -253,8 +253,9 @@ def test_from_pretrained_errors(checkpoint, tied_checkpoint, sharded_checkpoint,
         from_pretrained(_copy(tied, tmp_path / "untied", lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1})))
     unsupported = [
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
-        ({"attention_bias": True}, "attention_bias=True is not supported"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn' is not supported"),
+        ({"mlp_bias": True}, "mlp_bias=True is not supported"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type='dynamic' is not supported"),
+        ({"attention_bias": True}, "lacks the tensors.*self_attn.k_proj.bias"),  # supported: its biases must be there
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling needs exactly the fields.*missing.*low_freq_factor"),
         ({"model_type": "mistral"}, "model_type='mistral'.*Llama"),
         ({"num_attention_heads": 7}, "num_attention_heads=7 is not a multiple of num_key_value_heads=2"),

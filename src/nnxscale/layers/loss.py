@@ -93,7 +93,7 @@ def head_logits(x, head) -> jax.Array:
 
 
 def chunked_cross_entropy(hidden, targets, head, *, weights=None, chunks: Optional[int] = None,
-                          keep: Optional[bool] = None) -> jax.Array:  # fmt: skip
+                          keep: Optional[bool] = None, softcap: Optional[float] = None) -> jax.Array:  # fmt: skip
     """Mean next-token cross-entropy of :func:`head_logits` ``(hidden, head)`` against
     ``targets``, in slices of the vocabulary, float32.
 
@@ -107,6 +107,9 @@ def chunked_cross_entropy(hidden, targets, head, *, weights=None, chunks: Option
     (``optax.softmax_cross_entropy_with_integer_labels`` of the upcast logits), computed
     with an explicit backward (:func:`_vocab_ce`): the forward keeps each token's
     log-sum-exp; the backward recomputes one slice of the logits at a time.
+
+    ``softcap`` (Gemma 2's ``final_logit_softcapping``): the loss is over
+    ``softcap * tanh(logits / softcap)``, applied to each slice in float32.
     """
     B, T, C = hidden.shape
     V = head.shape[-1]
@@ -119,7 +122,8 @@ def chunked_cross_entropy(hidden, targets, head, *, weights=None, chunks: Option
     if keep is None:
         keep = B * T * V * hidden.dtype.itemsize / (token_shards() * vocab_shards(V)) <= KEEP_BYTES
     keep = bool(keep) and chunks > 1
-    total = _vocab_ce(hidden, head.astype(hidden.dtype), targets.astype(jnp.int32), w, chunks, keep)
+    total = _vocab_ce(hidden, head.astype(hidden.dtype), targets.astype(jnp.int32), w, chunks, keep,
+                      None if softcap is None else float(softcap))  # fmt: skip
     return total / jnp.sum(w)
 
 
@@ -136,11 +140,11 @@ def vocab_shards(vocab: int) -> int:
 # reduce-scatters of llama-3.2-1b's step on 8 H100s (fsdp=8, 8 x 4,096 tokens). Slice j holds words j, j + n, ..., so a vocabulary split over a mesh axis stays split.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _vocab_ce(x, head, targets, w, chunks, keep=False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _vocab_ce(x, head, targets, w, chunks, keep=False, softcap=None):
     """``sum(w * cross-entropy)`` over the tokens; ``x`` (B, T, C), ``head`` (C, V),
     ``targets`` (B, T) int32, ``w`` (B, T) float32, the logits in ``chunks`` vocabulary slices."""
-    return _ce_forward(x, head, targets, w, chunks, keep)[0]
+    return _ce_forward(x, head, targets, w, chunks, keep, softcap)[0]
 
 
 def _slices(head, chunks: int):
@@ -156,19 +160,25 @@ def _slices(head, chunks: int):
     return jnp.moveaxis(head.reshape(C, width, chunks), 2, 0), ids
 
 
-def _slice_logits(x, w_j, ids_j, logits=None):
+def capped(logits, softcap: Optional[float]):
+    """``softcap * tanh(logits / softcap)`` (the logits unchanged without a cap)."""
+    return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
+
+
+def _slice_logits(x, w_j, ids_j, logits=None, softcap=None):
     """One slice's logits, float32 ``(B, T, V / n)``, from the compute dtype's (padding: -inf);
     ``logits``: those in the compute dtype, kept from the forward (else computed)."""
-    logits = (head_logits(x, w_j) if logits is None else logits).astype(jnp.float32)
+    logits = capped((head_logits(x, w_j) if logits is None else logits).astype(jnp.float32), softcap)
     return jnp.where(ids_j >= 0, logits, -jnp.inf)
 
 
-def _ce_forward(x, head, targets, w, chunks, keep=False):
+def _ce_forward(x, head, targets, w, chunks, keep=False, softcap=None):
     B, T, _ = x.shape
     if chunks == 1:
         logits = head_logits(x, head)  # (B, T, V) in the compute dtype: kept for the backward
-        lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
-        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0].astype(jnp.float32)
+        full = capped(logits.astype(jnp.float32), softcap)
+        lse = jax.nn.logsumexp(full, axis=-1)
+        picked = jnp.take_along_axis(full, targets[..., None], axis=-1)[..., 0]
         return jnp.sum((lse - picked) * w), (x, head, targets, w, lse, logits)
     if keep:  # the head gathered once, held for the backward like the logits (not gathered again there)
         head = constrain(head, None, "vocab")
@@ -178,7 +188,7 @@ def _ce_forward(x, head, targets, w, chunks, keep=False):
         m, s, picked = carry
         w_j, ids_j = xs
         kept = head_logits(x, w_j)  # (B, T, V / n) in the compute dtype
-        logits = _slice_logits(x, w_j, ids_j, kept)
+        logits = _slice_logits(x, w_j, ids_j, kept, softcap)
         m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
         s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(logits - m_new[..., None]), axis=-1)
         picked = picked + jnp.sum(jnp.where(ids_j == targets[..., None], logits, 0.0), axis=-1)
@@ -190,13 +200,16 @@ def _ce_forward(x, head, targets, w, chunks, keep=False):
     return jnp.sum((lse - picked) * w), (x, head, targets, w, lse, kept)
 
 
-def _ce_backward(chunks, keep, res, g):
+def _ce_backward(chunks, keep, softcap, res, g):
     x, head, targets, w, lse, logits = res
     coef = g * w  # (B, T): d(sum) / d(each token's loss)
 
     def grads(logits, ids):  # d(loss)/d(logits) of a slice (B, T, v): (softmax - one-hot) x coef
         p = jnp.exp(logits - lse[..., None])
-        return ((p - (ids == targets[..., None])) * coef[..., None]).astype(x.dtype)
+        d = (p - (ids == targets[..., None])) * coef[..., None]
+        if softcap is not None:  # through the cap: d tanh(z / c) c / dz = 1 - tanh^2
+            d = d * (1.0 - jnp.square(jnp.where(jnp.isfinite(logits), logits, 0.0) / softcap))
+        return d.astype(x.dtype)
 
     def products(d, w_j):  # (dx, dW) of one slice: dx (B, T, C) float32, dW (C, v) in the head's dtype
         dx = jnp.einsum("btv,cv->btc", d, w_j.astype(x.dtype), preferred_element_type=jnp.float32)
@@ -207,14 +220,14 @@ def _ce_backward(chunks, keep, res, g):
         return dx, dw
 
     if chunks == 1:
-        d = grads(logits.astype(jnp.float32), jnp.arange(head.shape[-1], dtype=jnp.int32))
+        d = grads(capped(logits.astype(jnp.float32), softcap), jnp.arange(head.shape[-1], dtype=jnp.int32))
         dx, dw = products(d, head)
         return dx.astype(x.dtype), dw, None, None
     slices, ids = _slices(head, chunks)
 
     def body(dx, xs):
         w_j, ids_j, kept_j = xs
-        d = grads(_slice_logits(x, w_j, ids_j, kept_j), ids_j)
+        d = grads(_slice_logits(x, w_j, ids_j, kept_j, softcap), ids_j)
         dx_j, dw_j = products(d, w_j)
         return dx + dx_j, dw_j
 

@@ -15,6 +15,15 @@ of a sequence's assignments (:func:`capacity`, :func:`within_capacity`): the res
 dropped, add nothing and cost nothing, and on an expert axis each peer's slot of the
 exchange holds only what the capacity allows instead of all of a device's assignments.
 
+Other routers (:class:`Router`), as Hugging Face computes them: Qwen3-MoE's (softmax, the
+``k`` weights renormalized or not, ``norm_topk_prob``), DeepSeek-V2's (softmax, not
+renormalized, scaled by ``routed_scaling_factor``; optionally group-limited, a group scored by
+its best expert) and DeepSeek-V3's (sigmoid scores; a per-expert bias ``router_bias``, HF's
+``e_score_correction_bias``, added to them only to choose the experts; group-limited, a group
+scored by the sum of its best two; the chosen unbiased scores renormalized and scaled). With
+``shared``, DeepSeek's shared experts: one SwiGLU MLP (:class:`SharedExperts`) that every
+token goes through, its output added to the routed experts'.
+
 Besides its output, :class:`MoE` returns what training needs to keep the router balanced,
 per layer (:class:`RouterStats`): the Switch Transformer's load-balancing loss, the router
 z-loss (ST-MoE), and each expert's share of the assignments.
@@ -25,6 +34,7 @@ on an ``expert`` mesh axis, or FSDP's), their widths ``embed`` and ``mlp`` as a 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple, Optional
 
@@ -34,6 +44,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from nnxscale.errors import ModelError
 from nnxscale.layers import lora
 from nnxscale.layers.trips import expected_trips
 from nnxscale.sharding.activations import constrain, current_rules
@@ -66,12 +77,100 @@ class RouterStats(NamedTuple):
         return self.fraction / jnp.sum(self.fraction, axis=-1, keepdims=True)
 
 
-def route(logits, k: int):
+@dataclasses.dataclass(frozen=True)
+class Router:
+    """How a token's experts are chosen and weighed from its router logits (static: it is
+    hashed into the compiled program). The default is Mixtral's: softmax, the ``k`` most
+    likely experts, their probabilities renormalized over the ``k``.
+
+    Hugging Face's routers in these terms (``cfg``: the model's config):
+
+    - Mixtral: ``Router()``;
+    - Qwen3-MoE (``Qwen3MoeTopKRouter``): ``Router(norm_topk_prob=cfg.norm_topk_prob)``;
+    - DeepSeek-V2 (``DeepseekV2TopkRouter``): ``Router(norm_topk_prob=False,
+      routed_scaling_factor=cfg.routed_scaling_factor)``, and for ``topk_method
+      "group_limited_greedy"`` also ``n_group``, ``topk_group`` and ``group_top=1``;
+    - DeepSeek-V3 (``DeepseekV3TopkRouter``): ``Router("sigmoid", cfg.norm_topk_prob,
+      cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, score_bias=True)``.
+    """
+
+    #: "softmax" (Mixtral, Qwen3-MoE, DeepSeek-V2) or "sigmoid" (DeepSeek-V3): each expert's score.
+    scoring: str = "softmax"
+    #: Divide the chosen ``k`` scores by their sum (with sigmoid scores by ``sum + 1e-20``, as DeepSeek-V3).
+    norm_topk_prob: bool = True
+    #: Group-limited routing: the experts split into ``n_group`` groups of consecutive experts and
+    #: only those of a token's ``topk_group`` best groups may be chosen.
+    n_group: int = 1
+    topk_group: int = 1
+    #: The chosen weights multiplied by this, after the renormalization (DeepSeek).
+    routed_scaling_factor: float = 1.0
+    #: DeepSeek-V3's ``e_score_correction_bias``: the MoE holds a bias ``router_bias (E,)`` that
+    #: is added to the scores to choose the experts (and groups), not to weigh them.
+    score_bias: bool = False
+    #: A group's score is the sum of its ``group_top`` best scores: 2 in DeepSeek-V3; DeepSeek-V2's
+    #: group-limited greedy routing takes each group's best (1).
+    group_top: int = 2
+
+    def __post_init__(self):
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ModelError(f"the router's scoring {self.scoring!r} is not 'softmax' or 'sigmoid'")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ModelError(f"topk_group={self.topk_group} must be between 1 and n_group={self.n_group}")
+        if self.group_top < 1:
+            raise ModelError(f"group_top={self.group_top} must be at least 1")
+
+    def check(self, num_experts: int, k: int) -> None:
+        """Raise ModelError unless this router can choose ``k`` of ``num_experts`` experts."""
+        if num_experts % self.n_group:
+            raise ModelError(f"n_group={self.n_group} does not divide the {num_experts} experts")
+        per = num_experts // self.n_group
+        if self.n_group > 1 and self.group_top > per:
+            raise ModelError(f"group_top={self.group_top} is more than a group's {per} experts")
+        if k > self.topk_group * per:  # more than may be chosen: HF would pick excluded experts
+            raise ModelError(f"top_k={k} is more than the {self.topk_group * per} experts of "
+                             f"topk_group={self.topk_group} groups of {per}")  # fmt: skip
+
+
+def route(logits, k: int, router: Router = Router(), bias=None):
     """``(weights (N, k) float32, experts (N, k) int32)`` of router ``logits (N, E)``: the
-    ``k`` most likely experts of each token, their softmax probabilities renormalized over them."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, k)
-    return weights / jnp.sum(weights, axis=-1, keepdims=True), experts.astype(jnp.int32)
+    ``k`` experts of each token with the best scores (softmax probabilities or sigmoids,
+    ``router.scoring``), ``bias (E,)`` added to them and groups limited for the choice only,
+    weighed by their scores, renormalized over the ``k`` and scaled as ``router`` says.
+
+    Hugging Face's ``DeepseekV3TopkRouter.forward`` step by step: scores, ``scores + bias``
+    for the choice, groups, ``topk``, the unbiased scores gathered, ``/ (sum + 1e-20)``,
+    ``* routed_scaling_factor``. The bias reaches the choice only, which is discrete: it has
+    no gradient (zero)."""
+    logits = logits.astype(jnp.float32)
+    scores = jax.nn.softmax(logits, axis=-1) if router.scoring == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if bias is None else scores + jax.lax.stop_gradient(bias).astype(jnp.float32)
+    if router.topk_group < router.n_group:
+        choice = _limit_groups(choice, router)
+    if choice is scores:  # Mixtral, Qwen3-MoE, DeepSeek-V2's greedy: chosen and weighed by the same scores
+        weights, experts = jax.lax.top_k(scores, k)
+    else:
+        experts = jax.lax.top_k(choice, k)[1]
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if router.norm_topk_prob:
+        total = jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / (total if router.scoring == "softmax" else total + 1e-20)  # each as HF divides
+    if router.routed_scaling_factor != 1.0:
+        weights = weights * router.routed_scaling_factor
+    return weights, experts.astype(jnp.int32)
+
+
+def _limit_groups(choice, router: Router):
+    """``choice (N, E)`` with every expert outside each token's ``router.topk_group`` best
+    groups set to ``-inf``, so that it is not chosen; a group's score is the sum of its
+    ``router.group_top`` best (DeepSeek-V3's two; V2's group-limited greedy, one: the max)."""
+    N, E = choice.shape
+    G = router.n_group
+    grouped = choice.reshape(N, G, E // G)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, router.group_top)[0], axis=-1)  # (N, G)
+    best = jax.lax.top_k(group_scores, router.topk_group)[1]  # (N, topk_group)
+    eligible = jnp.any(best[:, :, None] == jnp.arange(G), axis=1)  # (N, G); a comparison, not a scatter
+    # -inf where HF's V2 puts 0 (its scores are positive): the same choice whenever k experts are eligible
+    return jnp.where(eligible[:, :, None], grouped, -jnp.inf).reshape(N, E)
 
 
 def route_stats(logits, experts, num_experts: int, kept=None) -> RouterStats:
@@ -79,7 +178,13 @@ def route_stats(logits, experts, num_experts: int, kept=None) -> RouterStats:
     ``load_balancing_loss_func`` for one layer: ``E * sum_e f_e * P_e`` with ``f_e`` the
     fraction of tokens sending one of their ``k`` assignments to ``e`` (summing to ``k``)
     and ``P_e`` the mean router probability of ``e``; ``k`` for a perfectly even router.
-    ``f_e`` counts the router's choices, dropped ones too (``kept``: which were not)."""
+    ``f_e`` counts the router's choices, dropped ones too (``kept``: which were not).
+
+    ``P_e`` and the z-loss are of the softmax of the logits whatever :class:`Router` scores
+    with: for sigmoid scores (DeepSeek-V3) that is the Switch loss over the softmax, not what
+    DeepSeek-V3 trains with. V3 balances its experts without an auxiliary loss, by nudging
+    ``router_bias`` after each step towards the underloaded experts; nnxscale does not do
+    that update (the bias stays as loaded)."""
     logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     counts = jnp.zeros((num_experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
@@ -313,14 +418,15 @@ def slot_rows(tokens: int, length: int, k: int, num_experts: int, size: int, cap
 
 
 def route_and_run(x, logits, k: int, w_gate, w_up, w_down, *, length: int, cap: Optional[int] = None, positions=None,
-                  exchange: Optional[tuple[str, int]] = None):  # fmt: skip
+                  exchange: Optional[tuple[str, int]] = None, router: Router = Router(), bias=None):  # fmt: skip
     """``(y (N, C), experts (N, k), kept (N, k) or None)``: tokens ``x`` routed by their
-    ``logits (N, E)`` to ``k`` experts each and run through them, on one device or one
-    shard. ``cap``: each expert takes at most ``cap`` assignments of a sequence (rows of
-    ``length`` tokens at ``positions``, :func:`within_capacity`); the others are dropped
-    (``kept`` False: they add nothing). ``exchange``: ``(axis, size)``, the experts are
+    ``logits (N, E)`` to ``k`` experts each (as ``router`` chooses and weighs them, with its
+    ``bias (E,)``: :func:`route`) and run through them, on one device or one shard.
+    ``cap``: each expert takes at most ``cap`` assignments of a sequence (rows of ``length``
+    tokens at ``positions``, :func:`within_capacity`); the others are dropped (``kept``
+    False: they add nothing). ``exchange``: ``(axis, size)``, the experts are
     split over that manual axis and the assignments travel to them (:func:`_exchange`)."""
-    weights, experts = route(logits, k)
+    weights, experts = route(logits, k, router, bias)
     N, E = logits.shape
     kept = None if cap is None else within_capacity(experts, E, length, cap, positions)
     if kept is not None:
@@ -333,30 +439,48 @@ def route_and_run(x, logits, k: int, w_gate, w_up, w_down, *, length: int, cap: 
 
 
 def sharded_moe(x, logits, k: int, w_gate, w_up, w_down, split: _Split, *, length: int, cap: Optional[int] = None,
-                positions=None):  # fmt: skip
+                positions=None, router: Router = Router(), bias=None):  # fmt: skip
     """:func:`route_and_run` on a mesh. Each batch shard routes and sorts its own tokens
     (``jax.shard_map`` manual over the batch axes; tensor-parallel axes stay with the
     compiler), so no device ever sorts, or holds, every token (left to the compiler, even
     the top-k of the router gathered every token's probabilities). With an expert axis the
     tokens travel to their experts' devices and back (:func:`_exchange`); otherwise every
     shard runs the experts, gathered like any weight of the layout (FSDP), on its tokens.
-    A shard holds whole sequences, so a capacity drops the same assignments on any mesh."""
+    A shard holds whole sequences, so a capacity drops the same assignments on any mesh.
+    The router's ``bias (E,)`` is whole on every device (it is tiny, and every token needs it)."""
     exchange = None if split.expert is None else (split.expert, split.size)
 
-    def local(x, logits, w_gate, w_up, w_down, positions):
+    def local(x, logits, w_gate, w_up, w_down, positions, bias):
         y, experts, kept = route_and_run(x, logits, k, w_gate, w_up, w_down, length=length, cap=cap, positions=positions,
-                                         exchange=exchange)  # fmt: skip
+                                         exchange=exchange, router=router, bias=bias)  # fmt: skip
         return (y, experts) if kept is None else (y, experts, kept)
 
-    operands = (x, logits, w_gate, w_up, w_down, positions)
+    operands = (x, logits, w_gate, w_up, w_down, positions, bias)
     if split.inside:  # a pipeline stage's shard_map is manual over the expert axis already
         out = local(*operands)
     else:
         tokens = P(split.batch if len(split.batch) > 1 else split.batch[0])
-        specs = (tokens, tokens) + (P(split.expert),) * 3 + (tokens,)  # the experts split over the expert axis, or whole
+        # the experts split over the expert axis, or whole; the router's bias whole
+        specs = (tokens, tokens) + (P(split.expert),) * 3 + (tokens, P())
         out = jax.shard_map(local, mesh=split.mesh, in_specs=specs, out_specs=(tokens,) * (2 if cap is None else 3),
                             axis_names=frozenset(split.batch), check_vma=False)(*operands)  # fmt: skip
     return out if cap is not None else (*out, None)
+
+
+class SharedExperts(nnx.Module):
+    """DeepSeek's shared experts (Hugging Face's ``shared_experts``, a ``DeepseekV3MLP`` of
+    width ``n_shared_experts * moe_intermediate_size``): one SwiGLU MLP that every token goes
+    through, ``down_proj(silu(gate_proj(x)) * up_proj(x))``, laid out as a dense MLP's."""
+
+    def __init__(self, hidden: int, width: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = nnx.Linear(hidden, width, kernel_init=logical(_normal, "embed", "mlp"), **kw)
+        self.up_proj = nnx.Linear(hidden, width, kernel_init=logical(_normal, "embed", "mlp"), **kw)
+        self.down_proj = nnx.Linear(width, hidden, kernel_init=logical(_normal, "mlp", "embed"), **kw)
+
+    def __call__(self, x):  # (B, T, C); called as layers, so LoRA adapts them as any nnx.Linear
+        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(constrain(h, "batch", "length", "mlp"))
 
 
 class MoE(nnx.Module):
@@ -365,6 +489,14 @@ class MoE(nnx.Module):
     held stacked, ``w1`` (gate projection), ``w3`` (up) ``(E, C, F)`` and ``w2`` (down)
     ``(E, F, C)``.
 
+    ``router`` (:class:`Router`): how the experts are chosen and weighed, Mixtral's by
+    default; with ``router.score_bias`` the layer holds ``router_bias (E,)``, float32,
+    replicated and never decayed (DeepSeek-V3's ``e_score_correction_bias``: zeros until
+    loaded; it only decides the choice, so it gets no gradient). ``shared``: the width of
+    DeepSeek's shared experts (``n_shared_experts * moe_intermediate_size``), held as
+    ``shared_experts`` (:class:`SharedExperts`), whose output is added to the routed one; 0:
+    none.
+
     ``__call__(x (B, T, C))`` returns ``(y (B, T, C), RouterStats)``.
     """
 
@@ -372,17 +504,24 @@ class MoE(nnx.Module):
     lora_weights = {"w1": (1, 1), "w3": (1, 1), "w2": (1, 1)}
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *, dtype, param_dtype,
-                 rngs: nnx.Rngs, capacity_factor: Optional[float] = None):  # fmt: skip
+                 rngs: nnx.Rngs, capacity_factor: Optional[float] = None, router: Router = Router(),
+                 shared: int = 0):  # fmt: skip
         C, F, E = hidden, intermediate, num_experts
+        router.check(E, top_k)
         self.top_k = top_k
         self.dtype = dtype
         self.capacity_factor = capacity_factor
+        self.router = router
         self.gate = nnx.Linear(C, E, use_bias=False, dtype=jnp.float32, param_dtype=param_dtype,
                                kernel_init=logical(_normal, "embed", None), rngs=rngs)  # fmt: skip
         init = lambda names, shape: nnx.Param(_normal(rngs.params(), shape, param_dtype), **{LOGICAL_KEY: names})  # noqa: E731
         self.w1 = init(("expert", "embed", "mlp"), (E, C, F))
         self.w3 = init(("expert", "embed", "mlp"), (E, C, F))
         self.w2 = init(("expert", "mlp", "embed"), (E, F, C))
+        if router.score_bias:  # float32 as HF's buffer; whole on every device (tiny); not a matrix, so no decay
+            self.router_bias = nnx.Param(jnp.zeros((E,), jnp.float32), weight_decay=False, **{LOGICAL_KEY: (None,)})
+        if shared:
+            self.shared_experts = SharedExperts(C, shared, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, *, dropless: bool = False, positions=None):
         """``dropless``: every assignment reaches its expert whatever ``capacity_factor``
@@ -400,10 +539,14 @@ class MoE(nnx.Module):
         if cap is not None:
             where = jnp.broadcast_to(jnp.arange(T) if positions is None else positions, (B, T)).reshape(B * T).astype(jnp.int32)
         split = _split(E)
-        kw = dict(length=T, cap=cap, positions=where)
+        bias = self.router_bias[...] if self.router.score_bias else None
+        kw = dict(length=T, cap=cap, positions=where, router=self.router, bias=bias)
         if split is None:
             y, experts, kept = route_and_run(tokens.astype(self.dtype), logits, self.top_k, *experts_w, **kw)
         else:
             y, experts, kept = sharded_moe(tokens.astype(self.dtype), logits, self.top_k, *experts_w, split, **kw)
         stats = route_stats(logits, experts, E, kept)
-        return constrain(y.reshape(B, T, C), "batch", "length", "embed"), stats
+        y = y.reshape(B, T, C)
+        if hasattr(self, "shared_experts"):
+            y = y + self.shared_experts(x)
+        return constrain(y, "batch", "length", "embed"), stats

@@ -28,7 +28,8 @@ import optax
 
 from nnxscale.errors import ModelError
 from nnxscale.layers.loss import chunked_cross_entropy, context_order
-from nnxscale.models import gpt2, llama, mixtral
+from nnxscale.models import deepseek, gemma, gpt2, llama, mistral, mixtral, qwen
+from nnxscale.models.decoder import Decoder, hf_param_of
 from nnxscale.models.common.documents import IGNORED, document_layout, trained_weights
 
 
@@ -75,7 +76,8 @@ def chunked_next_token_loss(model, inputs, targets, *, rngs=None, separator: Opt
     is over the others (:func:`~nnxscale.models.common.documents.trained_weights`).
     """
     hidden, targets, weights, extras = hidden_and_weights(model, inputs, targets, rngs, separator, ignored_targets)
-    ce = chunked_cross_entropy(hidden, targets, model.head(), weights=weights)
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)  # Gemma 2
+    ce = chunked_cross_entropy(hidden, targets, model.head(), weights=weights, softcap=softcap)
     if extras is None:
         return ce
     return ce + extras.pop("router_aux_term") + extras.pop("router_z_term"), extras
@@ -150,15 +152,35 @@ class LoraNames:
 
     targets: Mapping[str, tuple[str, ...]]
     default: tuple[str, ...]
-    hf_param: Callable[..., Any]
+    hf_param: Optional[Callable[..., Any]] = None
     hf_prefix: str = ""
     fan_in_fan_out: bool = False
+    #: ``hf_param_of(config)`` -> ``hf_param``, for a family whose naming depends on the
+    #: config (the decoder's stacks); else :attr:`hf_param` serves every config.
+    hf_param_of: Optional[Callable[[Any], Callable[..., Any]]] = None
 
-    def resolve(self, names: Optional[str]) -> tuple[str, ...]:
+    def namer(self, config) -> Callable[..., Any]:
+        """``hf_param(path, shape)`` for a model with ``config``."""
+        return self.hf_param_of(config) if self.hf_param_of is not None else self.hf_param
+
+    #: ``present(config, path suffix)``: whether a model of ``config`` has the weight (a name
+    #: may stand for weights of several architectures: ``q`` is latent attention's ``q_a_proj``).
+    present: Optional[Callable[[Any, str], bool]] = None
+
+    def resolve(self, names: Optional[str], config=None) -> tuple[str, ...]:
         """Weight path suffixes of ``--lora-targets`` (comma-separated; default :attr:`default`);
-        a name the family does not know is taken as a path suffix of its own."""
+        a name the family does not know is taken as a path suffix of its own. With ``config``,
+        only the weights such a model has (a name that leaves none is an error naming it)."""
         chosen = self.default if names is None else [n.strip() for n in names.split(",") if n.strip()]
-        return tuple(dict.fromkeys(p for n in chosen for p in self.targets.get(n, (n,))))
+        out = []
+        for n in chosen:
+            paths = self.targets.get(n, (n,))
+            if config is not None and self.present is not None and n in self.targets:
+                paths = tuple(p for p in paths if self.present(config, p))
+                if not paths and names is not None:
+                    raise ModelError(f"--lora-targets {n!r}: this model has none of {', '.join(self.targets[n])}")
+            out += paths
+        return tuple(dict.fromkeys(out))
 
 
 _LLAMA_ATTENTION = {"q": ("self_attn.q_proj",), "k": ("self_attn.k_proj",), "v": ("self_attn.v_proj",),
@@ -204,6 +226,8 @@ class ModelFamily:
     run_options: tuple[str, ...] = ("dropout", "dtype", "remat", "attention")
     loss: Callable[..., Any] = next_token_loss
     lora: Optional[LoraNames] = None
+    #: ``routed(config)``: whether the model routes tokens to experts (returns router statistics).
+    routed: Callable[[Any], bool] = lambda config: False
 
     def flops_per_token(self, config, seq_len: int) -> int:
         """Training FLOPs per token at ``seq_len`` (the config's own formula)."""
@@ -223,6 +247,55 @@ def _llama_dims(c: llama.LlamaConfig) -> ModelDims:
 
 def _mixtral_dims(c: mixtral.MixtralConfig) -> ModelDims:
     return dataclasses.replace(_llama_dims(c), mlp_width=c.num_experts_per_tok * c.intermediate_size)
+
+
+def _decoder_dims(c) -> ModelDims:
+    """The decoder's shape for the planner: a mixture's MLP width is what one token runs
+    through (its experts and the shared ones); latent attention's head width is the query's."""
+    mlp = c.intermediate_size
+    if c.num_local_experts:
+        mlp = (c.num_experts_per_tok + c.n_shared_experts) * c.expert_size
+    return ModelDims(layers=c.num_hidden_layers, width=c.hidden_size, heads=c.num_attention_heads,
+                     kv_heads=c.num_key_value_heads, mlp_width=mlp, vocab_size=c.vocab_size,
+                     context=c.max_position_embeddings, head_dim=c.head_size, mlp_inputs=2)  # fmt: skip
+
+
+#: LoRA names every decoder family shares: the attention's projections (latent attention's
+#: too), the MLP's, a mixture's experts and shared experts.
+_DECODER_TARGETS = {
+    "q": ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj"), "k": ("self_attn.k_proj",),
+    "v": ("self_attn.v_proj",), "o": ("self_attn.o_proj",), "kv": ("self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"),
+    "gate": ("mlp.gate_proj", "mlp.w1", "shared_experts.gate_proj"), "up": ("mlp.up_proj", "mlp.w3", "shared_experts.up_proj"),
+    "down": ("mlp.down_proj", "mlp.w2", "shared_experts.down_proj"),
+}  # fmt: skip
+
+
+def _decoder_has(c, path: str) -> bool:
+    """Whether a decoder of config ``c`` has a weight at ``path`` (a :data:`_DECODER_TARGETS` path)."""
+    leaf = path.split(".")[-1]
+    if path.startswith("self_attn."):
+        if c.latent:
+            return leaf in (("q_proj",) if c.q_lora_rank is None else ("q_a_proj", "q_b_proj")) + (
+                "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+        return leaf in ("q_proj", "k_proj", "v_proj", "o_proj")
+    if path.startswith("shared_experts."):
+        return c.routed and c.n_shared_experts > 0
+    if leaf in ("w1", "w2", "w3"):
+        return c.routed
+    return not c.routed or bool(c.dense_layers)  # a dense MLP somewhere
+
+
+def _decoder_family(name: str, module, hf_model_types: tuple[str, ...], default=("q", "k", "v", "o", "gate", "up", "down")):
+    """A family of the decoder: its presets, its Hugging Face translation (``module.HF``) and
+    the decoder's loss, dims and LoRA names."""
+    hf = module.HF
+    return ModelFamily(
+        name=name, presets=module.PRESETS, build=Decoder, dims=_decoder_dims, from_pretrained=hf.from_pretrained,
+        save_pretrained=hf.save_pretrained, pretrained_config=hf.pretrained_config, hf_model_types=hf_model_types,
+        loss=chunked_next_token_loss, run_options=("dropout", "dtype", "remat", "attention", "capacity_factor"),
+        lora=LoraNames(targets=_DECODER_TARGETS, default=default, hf_param_of=hf_param_of, present=_decoder_has),
+        routed=lambda c: c.routed,
+    )  # fmt: skip
 
 
 #: Every registered family, by name.
@@ -255,7 +328,7 @@ FAMILIES: dict[str, ModelFamily] = {
         loss=chunked_next_token_loss,
         lora=LoraNames(
             targets={**_LLAMA_ATTENTION, "gate": ("mlp.gate_proj",), "up": ("mlp.up_proj",), "down": ("mlp.down_proj",)},
-            default=("q", "k", "v", "o", "gate", "up", "down"), hf_param=llama.hf._hf_param,
+            default=("q", "k", "v", "o", "gate", "up", "down"), hf_param_of=hf_param_of,
         ),
     ),
     "mixtral": ModelFamily(
@@ -271,9 +344,14 @@ FAMILIES: dict[str, ModelFamily] = {
         run_options=("dropout", "dtype", "remat", "attention", "capacity_factor"),
         lora=LoraNames(
             targets={**_LLAMA_ATTENTION, **{w: (f"block_sparse_moe.{w}",) for w in ("w1", "w2", "w3")}},
-            default=("q", "k", "v", "o", "w1", "w2", "w3"), hf_param=mixtral.hf._hf_param,
+            default=("q", "k", "v", "o", "w1", "w2", "w3"), hf_param_of=hf_param_of,
         ),
+        routed=lambda c: True,
     ),
+    "qwen": _decoder_family("qwen", qwen, ("qwen2", "qwen3", "qwen3_moe")),
+    "mistral": _decoder_family("mistral", mistral, ("mistral",)),
+    "gemma": _decoder_family("gemma", gemma, ("gemma2", "gemma3_text", "gemma3")),
+    "deepseek": _decoder_family("deepseek", deepseek, ("deepseek_v3",)),
 }
 
 
@@ -325,6 +403,37 @@ def pretrained_family(path) -> ModelFamily:
     raise ModelError(f"{config_file} has model_type {model_type!r}, which no model family loads: known types {known}")
 
 
+def from_pretrained(path, *, mesh=None, rules=None, dtype: Optional[str] = None):
+    """The model of the Hugging Face directory ``path``, whatever its architecture: the family
+    its ``config.json``'s ``model_type`` names loads it (:func:`pretrained_family`), created in
+    the layout ``rules`` give on ``mesh`` (each device reads only its slice), computing in
+    ``dtype`` (default float32)."""
+    return pretrained_family(path).from_pretrained(path, mesh=mesh, rules=rules, dtype=dtype)
+
+
+def family_of(config) -> ModelFamily:
+    """The family whose Hugging Face format holds a model of ``config``: by its class for
+    GPT-2, Llama and Mixtral; a :class:`~nnxscale.models.decoder.DecoderConfig` by the
+    switches it sets (latent attention: DeepSeek; Gemma's norms: Gemma; q/k norms, biases or
+    experts: Qwen; a window: Mistral; none: Llama, whose format holds it)."""
+    for family in FAMILIES.values():
+        if type(config) is type(next(iter(family.presets.values()))) and family.name in ("gpt2", "llama", "mixtral"):
+            return family
+    if config.latent:
+        return FAMILIES["deepseek"]
+    if config.norm_offset:
+        return FAMILIES["gemma"]
+    if config.qk_norm or config.qkv_bias or config.num_local_experts:
+        return FAMILIES["qwen"]
+    return FAMILIES["mistral"] if config.sliding_window else FAMILIES["llama"]
+
+
+def save_pretrained(model, path, **kw) -> None:
+    """Write ``model`` as a Hugging Face directory that transformers loads with identical
+    tensors, in the format of its family (:func:`family_of`)."""
+    family_of(model.config).save_pretrained(model, path, **kw)
+
+
 def architecture_differences(family: ModelFamily, a, b) -> list[str]:
     """Fields in which configs ``a`` and ``b`` describe different networks, as ``name: a vs b``.
 
@@ -344,14 +453,21 @@ __all__ = [
     "ModelFamily",
     "architecture_differences",
     "chunked_next_token_loss",
+    "family_of",
     "find_preset",
+    "from_pretrained",
     "gpt2",
     "hidden_and_weights",
     "is_config_dir",
     "is_pretrained_dir",
+    "deepseek",
+    "gemma",
     "llama",
+    "mistral",
     "mixtral",
     "next_token_loss",
     "pretrained_family",
     "preset_names",
+    "qwen",
+    "save_pretrained",
 ]

@@ -31,8 +31,12 @@ How each backend writes the same things, all read here:
   ``all-reduce-scatter``: counted as the reduce-scatter they are.
 - Loop trip counts come from ``known_trip_count`` (GPU, CPU) or, where the compiler does
   not record it (TPU), from the loop itself: a counter from a constant, stepped by a
-  constant, compared with a constant. A loop whose count cannot be read is counted once
-  and its collectives say so (``trips_known=False``).
+  constant, compared with a constant. A loop to a count the data decides (a ``fori_loop``
+  to the expert tiles in use, :mod:`nnxscale.layers.moe`) turns as often as its code
+  expects (:func:`nnxscale.layers.trips.expected_trips`, kept in its metadata), else at its
+  most (:func:`trip_bound`): :func:`loop_turns`, as the step-time prediction counts it. A
+  loop whose count cannot be read is counted once. Either way its ops say so
+  (``trips_known=False``).
 - A ``conditional`` runs one branch: the branch moving the most bytes is counted (an upper
   bound), the others are listed with ``executions=0``; all say ``in_branch=True``.
 - Collective matmuls (windowed einsums) are collective-permutes in a loop: counted as such.
@@ -52,6 +56,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from nnxscale.layers.trips import EXPECTED_TRIPS_PREFIX
 from nnxscale.sharding.hlo_text import KINDS, Computation, Instruction, callees, collective_kind, named_computation, read_module
 
 #: Bytes per element of each HLO element type.
@@ -394,6 +399,24 @@ def trip_bound(comps: dict[str, Computation], caller: Computation, loop: Instruc
     return min(extents) if extents else None
 
 
+_EXPECTED = re.compile(rf"\b{EXPECTED_TRIPS_PREFIX}(\d+)\b")  # nnxscale.layers.trips's name scope
+
+
+def loop_turns(comps: dict[str, Computation], caller: Computation, loop: Instruction) -> tuple[int | None, str]:
+    """How often a ``while`` is counted to turn, and how that was read: ``"count"`` (recorded
+    by the compiler or read from the loop, :func:`trip_count`); for a loop to a count the data
+    decides, ``"expected"`` (as often as its code expects: the innermost
+    :func:`nnxscale.layers.trips.expected_trips` scope in its metadata) or ``"bound"`` (at its
+    most, :func:`trip_bound`); ``(None, "unknown")`` where none can be read."""
+    trip = trip_count(comps, caller, loop)
+    if trip is not None:
+        return trip, "count"
+    if expected := _EXPECTED.findall(loop.attrs):
+        return int(expected[-1]), "expected"
+    trip = trip_bound(comps, caller, loop)
+    return (trip, "bound") if trip is not None else (None, "unknown")
+
+
 def _from_counter(comps: dict[str, Computation], body: Computation, name: str, index: int, depth: int = 0) -> bool:
     """Whether scalar ``name`` of a loop body is computed from the counter (tuple element
     ``index``) and constants alone (the counter itself, or it wrapped or offset)."""
@@ -434,10 +457,10 @@ def _per_run(hlo_text: str, visit, weight) -> list:
             if instr.opcode.endswith("-done") or instr.opcode == "async-update":
                 continue  # they name the computation their start already called
             if instr.opcode == "while":
-                trip = trip_count(comps, comp, instr)
+                trip, how = loop_turns(comps, comp, instr)
                 for key, extra in (("body", 0), ("condition", 1)):  # the condition runs once more
                     for op in expand(named_computation(instr.attrs, key) or "", depth + 1):
-                        runs, known = op.executions * ((trip or 1) + extra), op.trips_known and trip is not None
+                        runs, known = op.executions * ((trip or 1) + extra), op.trips_known and how == "count"
                         out.append(dataclasses.replace(op, executions=runs, trips_known=known))
             elif instr.opcode == "conditional":
                 branches = [expand(b, depth + 1) for b in callees(instr)]
@@ -571,8 +594,10 @@ def matmuls(hlo_text: str) -> list[Matmul]:
 
 
 def matmul_flops(hlo_text_or_ops) -> float:
-    """FLOPs per device of one run in matrix products, loop bodies counted once per trip:
-    what the analytical ``6N + attention`` per token counts (elementwise work is left out)."""
+    """FLOPs per device of one run in matrix products, loop bodies counted once per trip
+    (a loop to a data-decided count as :func:`loop_turns` counts it: the expert tiles' loops of
+    :mod:`nnxscale.layers.moe` as often as they are expected to turn): what the analytical
+    ``6N + attention`` per token counts (elementwise work is left out)."""
     ops = matmuls(hlo_text_or_ops) if isinstance(hlo_text_or_ops, str) else hlo_text_or_ops
     return float(sum(m.total_flops for m in ops))
 

@@ -44,7 +44,7 @@ import math
 import re
 from typing import Optional
 
-from nnxscale.layers.trips import EXPECTED_TRIPS_PREFIX, expected_trips  # noqa: F401  (expected_trips re-exported)
+from nnxscale.layers.trips import expected_trips  # noqa: F401  (re-exported)
 from nnxscale.planning import hardware, hlo, targets
 from nnxscale.planning.hardware import Hardware, Link  # noqa: F401  (re-exported: steptime.Hardware, steptime.Link)
 from nnxscale.sharding.hlo_text import KINDS, Computation, Instruction, callees, named_computation, read_module
@@ -220,7 +220,6 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "afte
 _FREE_CALLS = ("AllocateBuffer", "AssumeGatherIndicesInBound", "GatherScatterIndicesBitpacked", "Sharding", "SPMDFullToShardShape",
                "SPMDShardToFullShape", "MoveToHost", "MoveToDevice")  # fmt: skip
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_EXPECTED = re.compile(rf"\b{EXPECTED_TRIPS_PREFIX}(\d+)\b")  # nnxscale.layers.trips's name scope
 _FLOATS = {"bf16", "f16", "f32", "f8e4m3fn", "f8e5m2"}
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 
@@ -539,16 +538,13 @@ class _Walk:
         """How often a ``while`` turns: its trip count where the compiler or the loop says it;
         for a loop to a count the data decides, as often as its code expects
         (:func:`expected_trips`), else at its most; else once. A note says which was guessed."""
-        trip = hlo.trip_count(self.comps, comp, loop)
-        if trip is None and (expected := _EXPECTED.findall(loop.attrs)):
-            trip = int(expected[-1])  # the innermost scope's
+        trip, how = hlo.loop_turns(self.comps, comp, loop)
+        if how == "expected":
             self.notes.add("a loop runs a data-dependent number of turns (a fori_loop to a computed count): "
                            "counted as the turns its code expects (expected_trips)")  # fmt: skip
-        if trip is None:
-            trip = hlo.trip_bound(self.comps, comp, loop)
-            if trip is not None:
-                self.notes.add("a loop runs a data-dependent number of turns (a fori_loop to a computed count): "
-                               "counted at its most, the extent of the buffers it fills a slice a turn")  # fmt: skip
+        elif how == "bound":
+            self.notes.add("a loop runs a data-dependent number of turns (a fori_loop to a computed count): "
+                           "counted at its most, the extent of the buffers it fills a slice a turn")  # fmt: skip
         if trip is None:
             self.notes.add("a loop's trip count could not be read: counted once")
             trip = 1

@@ -45,7 +45,7 @@ def peft_tensors(model, names) -> tuple[dict[str, np.ndarray], list[str]]:
     tensors, targets = {}, set()
     for path, module, wname, adapter in lora.adapted(model):
         kernel = getattr(module, wname).get_value()
-        param = names.hf_param(tuple((path.split(".") if path else []) + [wname]), tuple(kernel.shape))
+        param = names.namer(model.config)(tuple((path.split(".") if path else []) + [wname]), tuple(kernel.shape))
         a, b = np.asarray(jax.device_get(adapter.a[...])), np.asarray(jax.device_get(adapter.b[...]))
         lead = a.ndim - adapter.n_in - 1
         if (param.depth if param.stacked else 0) != lead:

@@ -58,8 +58,8 @@ class RunModel:
 
     @property
     def routed(self) -> bool:
-        """Whether the family's model is a mixture of experts (its class sets ``routed``)."""
-        return self.family is not None and bool(getattr(self.family.build, "routed", False))
+        """Whether the family's model is a mixture of experts (``ModelFamily.routed``)."""
+        return self.family is not None and bool(self.family.routed(self.config))
 
     def describe(self) -> dict:
         """What ``config.json`` records of the model: the family and its config."""
@@ -68,7 +68,7 @@ class RunModel:
         return {"family": self.family.name, **dataclasses.asdict(self.config)}
 
 
-def lora_spec(cfg: TrainConfig, family: Optional[ModelFamily]) -> Optional[lora_layers.LoraSpec]:
+def lora_spec(cfg: TrainConfig, family: Optional[ModelFamily], config=None) -> Optional[lora_layers.LoraSpec]:
     """The adapters ``cfg.lora`` asks for (``None`` without ``--lora-rank``): the family's
     target names resolved to weight paths; for your own module the names are path suffixes,
     and by default every linear layer of its stacked layers (:func:`nnxscale.stack_layers`)."""
@@ -76,7 +76,7 @@ def lora_spec(cfg: TrainConfig, family: Optional[ModelFamily]) -> Optional[lora_
     if settings.rank is None:
         return None
     if family is not None and family.lora is not None:
-        targets = family.lora.resolve(settings.targets)
+        targets = family.lora.resolve(settings.targets, config)
     elif settings.targets is not None:
         targets = tuple(dict.fromkeys(t.strip() for t in settings.targets.split(",") if t.strip()))
     else:
@@ -190,7 +190,7 @@ def run_model(
         given = ", ".join(f"{flag('model.' + k)} {changed[k]}" for k in unsupported)
         raise ConfigError(f"{given}: {cfg.model.name} ({family.name}) has no such option; it takes {', '.join(family.run_options)}")
     config = dataclasses.replace(preset, **{k: getattr(cfg.model, k) for k in family.run_options})
-    spec = lora_spec(cfg, family)
+    spec = lora_spec(cfg, family, config)
     if spec is not None:  # the frozen base is stored in the compute dtype (the adapters are float32)
         config = dataclasses.replace(config, param_dtype=cfg.model.dtype)
     objective = loss or family.loss

@@ -9,7 +9,8 @@
 
 Both take the layout of :func:`~nnxscale.layers.attention.attention` (queries ``(B, T, N, H)``,
 keys and values ``(B, S, K, H)``), a causal mask by position in the sequence and document ids,
-and pad any length to whole tiles. A Pallas kernel is one opaque call to the compiler, which
+a sliding window, a logit soft cap and a softmax scale (splash also values of another width,
+``(B, S, K, Hv)``), and pad any length to whole tiles. A Pallas kernel is one opaque call to the compiler, which
 cannot split it over a mesh as it splits plain JAX: :func:`per_device` runs it on each device's
 rows and heads (``jax.shard_map`` over the mesh axes that split them). Each kernel runs in Pallas
 interpret mode (``interpret=True``) on any machine, which is how the tests check it on CPU.

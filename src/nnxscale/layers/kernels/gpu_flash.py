@@ -8,7 +8,13 @@ backward recomputing the tiles from it; both take one document id per token for 
 keys alike (self-attention: ``T == S``) and as many key/value heads as query heads, so
 grouped-query keys and values are repeated per query head here (their gradients summed back by
 the repeat's own gradient). nnxscale uses it on NVIDIA GPUs where cuDNN's fused attention does
-not apply here: document masks, float32.
+not apply here: document masks, float32, logit soft-capping.
+
+The switches of :func:`~nnxscale.layers.attention.attention`: JAX's kernel takes a scale
+(``sm_scale``) but neither a sliding window nor a soft cap, so with either of them nnxscale's
+kernel runs (it skips the key tiles outside the window and masks inside the tiles at its
+edge). Neither kernel takes values of another width than the keys (their tiles are one
+width): :func:`~nnxscale.layers.attention.resolve` leaves this kernel out for them.
 """
 
 from __future__ import annotations
@@ -33,16 +39,22 @@ def applies(T: int, S: int) -> bool:
 
 
 def gpu_flash_attention(q, k, v, q_segments=None, k_segments=None, *, causal: bool = True,
-                        block: Optional[int] = None, interpret: bool = False, own: bool = False):  # fmt: skip
+                        block: Optional[int] = None, interpret: bool = False, own: bool = False,
+                        window: Optional[int] = None, softcap: Optional[float] = None,
+                        scale: Optional[float] = None):  # fmt: skip
     """Attention of ``q (B, T, N, H)`` over ``k, v (B, S, K, H)``, query ``i`` seeing key ``j``
-    when ``j <= i`` (``causal``) and, with segments ``(B, T)`` (``k_segments`` the same
-    array: self-attention), of its own document. Returns ``(B, T, N, H)`` in ``q``'s dtype.
-    ``interpret``: run the kernel's own code in Pallas interpret mode (any backend; for tests).
-    ``own``: nnxscale's kernel even where jax ships its own (to compare the two)."""
+    when ``j <= i`` (``causal``), ``i - j < window`` (a window) and, with segments ``(B, T)``
+    (``k_segments`` the same array: self-attention), of its own document. Returns
+    ``(B, T, N, H)`` in ``q``'s dtype. ``softcap``, ``scale``: as
+    :func:`~nnxscale.layers.attention.attention`'s. ``interpret``: run the kernel's own code in
+    Pallas interpret mode (any backend; for tests). ``own``: nnxscale's kernel even where jax
+    ships its own (to compare the two)."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     if not applies(T, S):
         raise ValueError(f"the Pallas GPU kernel takes self-attention only (as many keys as queries), got T={T}, S={S}")
+    if v.shape[-1] != H:
+        raise ValueError(f"the Pallas GPU kernel takes values as wide as the keys only, got {v.shape[-1]} and {H}")
     # Tiles of a power of two tokens (Triton's), whole backward tiles among them.
     b = min(block or BLOCK, max(BACKWARD_BLOCK, 1 << (T - 1).bit_length()))
     n = padded(T, b)
@@ -56,11 +68,13 @@ def gpu_flash_attention(q, k, v, q_segments=None, k_segments=None, *, causal: bo
     if segments is not None:
         segments = pad_tokens(jnp.asarray(segments, jnp.int32), n, fill=-1)
     bb = min(BACKWARD_BLOCK, b)
-    q, k, v, scale = pad_tokens(q, n), pad_tokens(k, n), pad_tokens(v, n), 1.0 / math.sqrt(H)
-    shipped = None if own else shipped_kernel()
+    q, k, v = pad_tokens(q, n), pad_tokens(k, n), pad_tokens(v, n)
+    scale = 1.0 / math.sqrt(H) if scale is None else scale
+    # JAX's kernel has neither a window nor a cap: nnxscale's takes them.
+    shipped = None if own or window is not None or softcap is not None else shipped_kernel()
     if shipped is None:
         out = triton_flash.flash_attention(q, k, v, segments, scale=scale, causal=causal, block=b, backward_block=bb,
-                                           interpret=interpret)  # fmt: skip
+                                           interpret=interpret, window=window, softcap=softcap)  # fmt: skip
     else:
         sizes = shipped.BlockSizes(block_q=b, block_k=b, block_q_dkv=bb, block_kv_dkv=bb, block_q_dq=bb, block_kv_dq=bb)
         out = shipped.mha(q, k, v, segments, sm_scale=scale, causal=causal, block_sizes=sizes, interpret=interpret)

@@ -8,6 +8,13 @@ multi-head kernel reads key/value head ``n // (N / K)`` for query head ``n``, wh
 grouped-query attention as nnxscale defines it. The mask is static (causal or full, by
 position in the sequence) and document ids are ``SegmentIds``, so document masks cost no
 ``(T, S)`` array either. It does not scale the scores: the queries are scaled before.
+
+The switches of :func:`~nnxscale.layers.attention.attention`: a sliding window is splash's
+``LocalMask`` with the window ``(window - 1, 0)`` (causal local attention, one static mask
+whose hidden tiles the kernel skips as it skips the causal mask's); ``softcap`` is its
+``attn_logits_soft_cap`` (applied to the scaled scores, as Gemma 2 defines it); ``scale`` scales
+the queries; values of another width than the keys it takes as they are (its kernels read the
+values' width apart from the keys').
 """
 
 from __future__ import annotations
@@ -32,11 +39,14 @@ def tile(n: int, block: Optional[int] = None) -> int:
 
 
 def splash_attention(q, k, v, q_segments=None, k_segments=None, *, causal: bool = True,
-                     block: Optional[int] = None, interpret: bool = False):  # fmt: skip
-    """Attention of ``q (B, T, N, H)`` over ``k, v (B, S, K, H)``, query ``i`` seeing key ``j``
-    when ``j <= i`` (``causal``) and, with segments ``(B, T)`` / ``(B, S)``, of its own
-    document. Returns ``(B, T, N, H)`` in ``q``'s dtype. ``interpret``: run the kernel's own
-    code in Pallas interpret mode (any backend; slow; for tests)."""
+                     block: Optional[int] = None, interpret: bool = False, window: Optional[int] = None,
+                     softcap: Optional[float] = None, scale: Optional[float] = None):  # fmt: skip
+    """Attention of ``q (B, T, N, H)`` over ``k (B, S, K, H)``, ``v (B, S, K, Hv)``, query ``i``
+    seeing key ``j`` when ``j <= i`` (``causal``), ``i - j < window`` (a window) and, with
+    segments ``(B, T)`` / ``(B, S)``, of its own document. Returns ``(B, T, N, Hv)`` in
+    ``q``'s dtype. ``softcap``, ``scale``: as :func:`~nnxscale.layers.attention.attention`'s.
+    ``interpret``: run the kernel's own code in Pallas interpret mode (any backend; slow; for
+    tests)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash  # the TPU kernels: loaded for a TPU only
 
     B, T, N, H = q.shape
@@ -49,14 +59,13 @@ def splash_attention(q, k, v, q_segments=None, k_segments=None, *, causal: bool 
     if q_segments is None and Sp > S and not (causal and T <= S):
         q_segments, k_segments = jnp.zeros((B, T), jnp.int32), jnp.zeros((B, S), jnp.int32)
     heads_first = lambda x, n: jnp.swapaxes(pad_tokens(x, n), 1, 2)  # noqa: E731  (B, n, heads, H) -> (B, heads, n, H)
-    qh = heads_first(q * jnp.asarray(1.0 / math.sqrt(H), q.dtype), Tp)
+    qh = heads_first(q * jnp.asarray(1.0 / math.sqrt(H) if scale is None else scale, q.dtype), Tp)
     kh, vh = heads_first(k, Sp), heads_first(v, Sp)
-    mask_of = splash.CausalMask if causal else splash.FullMask
     kernel = splash.make_splash_mha_single_device(
-        splash.MultiHeadMask([mask_of((Tp, Sp)) for _ in range(N)]),
+        splash.MultiHeadMask([_mask(splash, (Tp, Sp), causal, window) for _ in range(N)]),
         block_sizes=splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                                       block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk),
-        interpret=interpret,
+        attn_logits_soft_cap=softcap, interpret=interpret,
     )  # fmt: skip
     if q_segments is None:
         out = jax.vmap(kernel)(qh, kh, vh)
@@ -67,3 +76,12 @@ def splash_attention(q, k, v, q_segments=None, k_segments=None, *, causal: bool 
         )
         out = jax.vmap(kernel)(qh, kh, vh, ids)
     return jnp.swapaxes(out, 1, 2)[:, :T].astype(q.dtype)
+
+
+def _mask(splash, shape: tuple[int, int], causal: bool, window: Optional[int]):
+    """One head's static mask: causal, full, or a window ``i - j < window`` (``LocalMask``'s
+    ``(window - 1, 0)`` is causal local attention; without the causal mask nothing limits
+    the right, ``None``)."""
+    if window is None:
+        return splash.CausalMask(shape) if causal else splash.FullMask(shape)
+    return splash.LocalMask(shape, window_size=(window - 1, 0 if causal else None), offset=0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import math
 from functools import partial
 from typing import Callable, Optional, Sequence
@@ -141,7 +142,9 @@ def _round(graphdef, params, tokens, lengths, limit, step0, done, controls, seed
 
     out = jnp.full((B, cache_len), -1, jnp.int32)
     if cached:
-        cache = model.init_cache(B, cache_len)
+        # a ring cache (sliding-window layers) must hold every padded prompt position at once
+        takes_prefill = "prefill" in inspect.signature(model.init_cache).parameters
+        cache = model.init_cache(B, cache_len, prefill=W) if takes_prefill else model.init_cache(B, cache_len)
         positions = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))
         h, cache = model.hidden_states(tokens, positions=positions, cache=cache)  # (B, W, C)
         last = constrain(h[rows, lengths - 1][:, None], "batch", "length", "embed")  # (B, 1, C)
