@@ -42,9 +42,9 @@ def test_plan_from_a_published_config_json_alone(tmp_path, capsys):
     assert "holds config.json but no weights" in err and "nnxscale plan works from config.json alone" in err, err
     assert not (tmp_path / "run").exists()  # refused before anything was written
     (tmp_path / "qwen").mkdir()
-    (tmp_path / "qwen" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (tmp_path / "qwen" / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     assert main(["plan", "--model", str(tmp_path / "qwen"), "--mesh", "fsdp=8", "--compile", "never"]) == 2
-    assert "model_type 'qwen2', which no model family loads" in capsys.readouterr().err
+    assert "model_type 'mamba', which no model family loads" in capsys.readouterr().err
 
 
 REGISTRY = Path(__file__).parent.parent / "bench" / "published_runs.json"

@@ -134,7 +134,7 @@ def platform_of(mesh=None) -> str:
     return device.platform
 
 
-def _platform_here() -> str:
+def platform_here() -> str:
     """:func:`platform_of` the mesh of the activation rules in force (while tracing)."""
     rules = current_rules()
     return platform_of(rules.mesh if rules is not None else None)
@@ -330,7 +330,7 @@ def attention(
     _check_switches(q, k, v, window, softcap)
     switches = dict(window=window, softcap=softcap, scale=scale)
     plain = q_positions is None and k_positions is None and q_segments is None and k_segments is None
-    impl = resolve(impl, T, q.dtype, H, documents=q_segments is not None, platform=_platform_here(), window=window,
+    impl = resolve(impl, T, q.dtype, H, documents=q_segments is not None, platform=platform_here(), window=window,
                    softcap=softcap, v_head_dim=v.shape[-1], causal=causal)  # fmt: skip
     masks = dict(q_positions=q_positions, k_positions=k_positions, q_segments=q_segments, k_segments=k_segments)
     ring = _ring_axis()

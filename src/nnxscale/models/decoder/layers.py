@@ -145,11 +145,13 @@ class LatentAttention(nnx.Module):
         else:
             self.q_a_proj = nnx.Linear(C, c.q_lora_rank, use_bias=False, kernel_init=logical(_normal, "embed", None), **kw)
             self.q_a_layernorm = norm(c.q_lora_rank)
-            self.q_b_proj = heads(c.q_lora_rank, H, None)
+            # the latent axis takes FSDP's split (its rules shard "embed" parameters): the
+            # up-projections are latent attention's largest weights and hold no embed axis
+            self.q_b_proj = heads(c.q_lora_rank, H, "embed")
         self.kv_a_proj_with_mqa = nnx.Linear(C, r + c.qk_rope_head_dim, use_bias=False,
                                              kernel_init=logical(_normal, "embed", None), **kw)  # fmt: skip
         self.kv_a_layernorm = norm(r)
-        self.kv_b_proj = heads(r, c.qk_nope_head_dim + Hv, None)
+        self.kv_b_proj = heads(r, c.qk_nope_head_dim + Hv, "embed")
         self.o_proj = nnx.Einsum("btnh,nhc->btc", (N, Hv, C), kernel_init=logical(_normal, "heads", "kv", "embed"), **kw)
 
     def __call__(self, x, cos, sin, positions=None, segments=None, cache=None):  # cos, sin ([B,] T, qk_rope_head_dim)
