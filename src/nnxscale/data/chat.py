@@ -19,7 +19,9 @@ system and user turns and the prompt are context only: their targets are
 :data:`IGNORED`, which the loss skips. Assistant turns are found by rendering the
 conversation's prefixes: the text the template adds for message ``i`` is
 ``render(messages[:i + 1])`` minus ``render(messages[:i], add_generation_prompt=True)``,
-which is exactly what a model sampled with that prompt writes. A template with
+which is exactly what a model sampled with that prompt writes. A template that writes an
+earlier answer differently once a user message follows it (Qwen3 drops its ``<think>``
+block) trains that answer as the whole conversation writes it. A template with
 ``{% generation %}`` blocks (Hugging Face's marker for ``return_assistant_tokens_mask``)
 says it itself, and those blocks are used instead. Each span is encoded on its own (no
 special tokens added), so the prompt's tokens are those ``sample --chat`` feeds the model.
@@ -171,6 +173,19 @@ class ChatTemplate:
             return cls(text, f"{directory / TOKENIZER_CONFIG} (chat_template)", special, now)
         return None
 
+    def turn_end(self) -> Optional[str]:
+        """The text the template writes right after an assistant's answer, up to whitespace
+        (``<end_of_turn>`` for Gemma, ``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama 3):
+        where a reply ends, whatever the tokenizer's end-of-text token is; None when the
+        template writes nothing there."""
+        try:
+            text = self.render(_PROBE[:2])
+        except RowError:
+            return None
+        at = text.rfind("Hello")
+        tail = text[at + len("Hello") :].strip().split()
+        return tail[0] if at >= 0 and tail else None
+
     def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> str:
         """The conversation as text, as ``apply_chat_template(messages, tokenize=False)``.
 
@@ -209,13 +224,17 @@ class ChatTemplate:
                 continue
             prompt = self.render(messages[:i], add_generation_prompt=True)
             turn = self.render(messages[: i + 1])
-            if not (turn.startswith(prompt) and text.startswith(turn)):
+            if turn.startswith(prompt) and text.startswith(turn):
+                spans.append((len(prompt), len(turn)))
+                continue
+            end = _rewritten_answer_end(prompt, turn, text)
+            if end is None:
                 raise RowError(
                     f"the chat template renders message {i + 1}'s conversation so far differently from the whole "
                     "(a template that rewrites earlier turns), so its assistant turns cannot be found by prefix: "
                     "give the template {% generation %} blocks, or use --loss-on all"
                 )
-            spans.append((len(prompt), len(turn)))
+            spans.append((len(prompt), end))
         return text, spans
 
 
@@ -529,3 +548,17 @@ def _row_examples(value, kind: str, renderer: Renderer) -> list[Example]:
 def data_time(files: Sequence[Path]) -> datetime.datetime:
     """The newest modification time of the data files: ``strftime_now`` in training."""
     return datetime.datetime.fromtimestamp(max((os.stat(p).st_mtime for p in files), default=0))
+
+
+def _rewritten_answer_end(prompt: str, turn: str, text: str) -> Optional[int]:
+    """Where an answer ends in the whole ``text`` when the template writes it differently once
+    a user message follows (Qwen3 drops the answer's ``<think>`` block there): the longest tail
+    of the answer as written alone (``turn`` after ``prompt``) that follows the prompt in the
+    whole text, if it is more than whitespace; None if there is none."""
+    if not (turn.startswith(prompt) and text.startswith(prompt)):
+        return None
+    added, rest = turn[len(prompt) :], text[len(prompt) :]
+    k = next((k for k in range(1, len(added)) if rest.startswith(added[k:])), None)
+    if k is None or not added[k:].strip():
+        return None
+    return len(prompt) + len(added) - k

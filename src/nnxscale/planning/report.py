@@ -310,7 +310,7 @@ class StepPlan:
             needs = (f"needs {format_bytes(r['needs'])} of {format_bytes(r['available'])} per chip" if r.get("needs")
                      else r["first_line"])  # fmt: skip
             return ["", f"verdict: does not fit: {needs} (the target's compiler refused the program); "
-                        "try --remat full, a larger fsdp axis, --grad-accum or a smaller batch"] + [f"  {b}" for b in r.get("buffers", [])]  # fmt: skip
+                        f"try {self._what_to_try()}"] + [f"  {b}" for b in r.get("buffers", [])]  # fmt: skip
         if self.device_memory is None:
             return []
         spare = self.device_memory - self.peak_bytes
@@ -322,9 +322,14 @@ class StepPlan:
         else:
             verdict = (
                 f"does not fit: peak {format_bytes(self.peak_bytes)} per device is {format_bytes(-spare)} more than "
-                f"{format_bytes(self.device_memory)}; try --remat full, a larger fsdp axis, --grad-accum or a smaller batch"
+                f"{format_bytes(self.device_memory)}; try {self._what_to_try()}"
             )
         return ["", f"verdict: {verdict}"]
+
+    def _what_to_try(self) -> str:
+        """What lowers the peak, less what the plan already does (``--remat full`` when it is set)."""
+        tries = ["a larger fsdp axis", "--grad-accum", "a smaller batch"]
+        return ", ".join((["--remat full"] if self.remat != "full" else []) + tries[:-1]) + " or " + tries[-1]
 
 
 def compiles(compile: str, n: int, max_compile_devices: int, target=None) -> bool:
@@ -543,14 +548,16 @@ def compiled_notes(cfg: TrainConfig, lay: dict, compiled: dict) -> list[str]:
         notes.append("the compiled step's arguments exceed the layout's state and batch bytes")
     if split_params(lay["rows"], lay["rules"])["experts"]:
         e = lay["rules"].sizes[EXPERT]
-        wide = "; with bfloat16 compute XLA:CPU sends them as float32, 2x more" if cfg.model.dtype == "bfloat16" else ""
+        on_cpu = compiled.get("platform", jax.default_backend()) == "cpu"
+        wide = "; with bfloat16 compute XLA:CPU sends them as float32, 2x more" if cfg.model.dtype == "bfloat16" and on_cpu else ""
         factor = getattr(lay["model"].config, "capacity_factor", None)
         if factor:
             notes.append(f"the compiled all-to-all sends slots the capacity sizes: each of the {e} peers' holds what capacity "
                          f"factor {factor:g} lets a device send it, {slot_factor(cfg, lay):.3g}x the textbook's{wide}")  # fmt: skip
         else:
-            notes.append(f"the compiled all-to-all is dropless on CPU: each of the {e} peers' slots holds all of a device's "
-                         f"(token, expert) assignments, {e}x the textbook's (XLA:CPU has no ragged_all_to_all){wide}")  # fmt: skip
+            notes.append(f"the compiled all-to-all is dropless: each of the {e} peers' slots holds all of a device's "
+                         f"(token, expert) assignments, {e}x the textbook's (fixed slots: XLA:CPU has no "
+                         f"ragged_all_to_all, and one program serves every platform){wide}")  # fmt: skip
     on_cpu = compiled.get("platform", jax.default_backend()) == "cpu"
     if lay["pipeline"] is not None and cfg.model.dtype == "bfloat16" and on_cpu:
         notes.append("with bfloat16 compute XLA:CPU sends the pipeline's permutes as float32 (the lowered program's are "

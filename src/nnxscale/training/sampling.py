@@ -119,8 +119,10 @@ def run_decoder(run_dir, vocab_size: int, tokenizer=None):
     )
 
 
-def _chat_prompts(run_dir, tokenizer, decoder, texts: Sequence[str]) -> list[list[int]]:
-    """Each text as a user's message in the chat template, the assistant's turn opened, encoded."""
+def _chat_prompts(run_dir, tokenizer, decoder, texts: Sequence[str]) -> tuple[list[list[int]], Optional[int]]:
+    """Each text as a user's message in the chat template, the assistant's turn opened,
+    encoded; and the token that ends an assistant's turn in the template, where the tokenizer
+    has it as one token (Gemma's ``<end_of_turn>`` is not its ``eos_token``)."""
     where = Path(tokenizer).expanduser() if tokenizer is not None else Path(run_dir)
     template = ChatTemplate.find(where if where.is_dir() else where.parent)
     if template is None or not hasattr(decoder, "encode_plain"):
@@ -130,7 +132,8 @@ def _chat_prompts(run_dir, tokenizer, decoder, texts: Sequence[str]) -> list[lis
         rendered = [template.render([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
     except RowError as e:
         raise ConfigError(f"--chat: {template.source}: {e}") from None
-    return decoder.encode_plain(rendered)
+    end = template.turn_end()
+    return decoder.encode_plain(rendered), (decoder.token_id(end) if end and hasattr(decoder, "token_id") else None)
 
 
 def sample(
@@ -158,7 +161,8 @@ def sample(
     the run directory from the tokenizer's, or beside ``tokenizer``) with the assistant's
     turn opened (:meth:`nnxscale.data.chat.ChatTemplate.render`, ``add_generation_prompt``),
     and the reply alone is returned; it ends at the tokenizer's end-of-text token
-    (``eos_token``: ``<|eot_id|>`` for Llama 3 Instruct, ``<|im_end|>`` for ChatML models).
+    (``eos_token``: ``<|eot_id|>`` for Llama 3 Instruct, ``<|im_end|>`` for ChatML models) or
+    at the token the template ends an assistant's turn with (Gemma's ``<end_of_turn>``).
     """
     sampling = Sampling(temperature, top_k, top_p, seed).check()
     check_max_new_tokens(max_new_tokens)  # before the checkpoint is read
@@ -171,17 +175,19 @@ def sample(
     if decoder.vocab_size > vocab:
         raise ConfigError(f"tokenizer {decoder.path} has {decoder.vocab_size:,} tokens, more than the model's {vocab:,}")
     context = s.model.dims.context if s.model.dims is not None else s.cfg.data.seq_len
+    stops = [decoder.separator]
     if chat:
-        encoded = _chat_prompts(run_dir, tokenizer, decoder, texts)
+        encoded, turn_end = _chat_prompts(run_dir, tokenizer, decoder, texts)
+        stops.append(turn_end)
     else:
         encoded = [decoder.encode(t) for t in texts]
     start = [list(ids) or [decoder.separator or 0] for ids in encoded]
-    stop = decoder.separator
+    stop = sorted({t for t in stops if t is not None}) or None
     new = generate(net, start, max_new_tokens=max_new_tokens, context=context, sampling=sampling, stop=stop,
                    rules=s.rules, cache=cache, vocab=decoder.vocab_size, note=warn)  # fmt: skip
     out = []
     for text_in, ids, more in zip(texts, encoded, new):
-        more = more[:-1] if more and more[-1] == stop else more
+        more = more[:-1] if more and stop and more[-1] in stop else more
         if chat:
             out.append(decoder.decode(more))
             continue

@@ -26,7 +26,7 @@ import functools
 import inspect
 import math
 from functools import partial
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -137,7 +137,7 @@ def _round(graphdef, params, tokens, lengths, limit, step0, done, controls, seed
     def emit(out, done, tok, i):
         tok = jnp.where(done, -1, tok)
         out = out.at[:, i].set(tok)
-        done = done | (tok == stop)  # -1 without a stop token: never a token
+        done = done | jnp.any(tok[:, None] == stop[None, :], axis=-1)  # -1 without a stop token: never a token
         return out, done
 
     out = jnp.full((B, cache_len), -1, jnp.int32)
@@ -227,7 +227,7 @@ class Generator:
         return stack
 
     def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(), *,
-                 stop: Optional[int] = None, vocab: Optional[int] = None, length: Optional[int] = None) -> list[list[int]]:  # fmt: skip
+                 stop: Union[int, Sequence[int], None] = None, vocab: Optional[int] = None, length: Optional[int] = None) -> list[list[int]]:  # fmt: skip
         """The new tokens of each prompt (ending with ``stop`` where it was drawn).
         ``vocab``: draw only tokens below it (a tokenizer smaller than the model's vocabulary).
         ``length``: the cache's length (recomputing: the window's), at most the context;
@@ -265,7 +265,7 @@ class Generator:
                     lengths[i] = len(r)
                 program = _round_program(self.graphdef, self.rules, self.cache, cache_len)
                 controls = (np.bool_(sampling.temperature == 0), np.float32(sampling.temperature), np.int32(sampling.top_k),
-                            np.float32(sampling.top_p), np.int32(-1 if stop is None else stop),
+                            np.float32(sampling.top_p), _stops(stop),
                             np.int32(np.iinfo(np.int32).max if vocab is None else vocab))  # fmt: skip
                 args = self._put(tokens, lengths, np.int32(limit), np.int32(step), done, controls, np.uint32(sampling.seed))
                 out, done_now = program(self.params, *args)
@@ -278,7 +278,7 @@ class Generator:
 
 
 def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, context: int,
-             sampling: Sampling = Sampling(), stop: Optional[int] = None, rules=None, cache: Optional[bool] = None,
+             sampling: Sampling = Sampling(), stop: Union[int, Sequence[int], None] = None, rules=None, cache: Optional[bool] = None,
              vocab: Optional[int] = None, note: Callable[[str], None] = print) -> list[list[int]]:  # fmt: skip
     """Continue each token prompt of ``prompts`` with up to ``max_new_tokens`` tokens.
 
@@ -286,7 +286,7 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
     parameters laid out by ``rules`` (a :class:`~nnxscale.MeshRules`; ``None``: one device).
     ``context``: the longest sequence it takes. ``cache``: ``None`` decodes with the KV cache
     where the model has one and otherwise recomputes, saying so once through ``note``;
-    ``False`` always recomputes. ``stop``: the end-of-text token, after which a row stops.
+    ``False`` always recomputes. ``stop``: the end-of-text token (or several), after which a row stops.
     Returns the new tokens of each prompt, ``stop`` included where it was drawn.
     """
     if cache is None:
@@ -295,3 +295,11 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
             note(f"{type(model).__name__} has no KV cache (init_cache and hidden_states(..., cache=)): every new token "
                  "recomputes the whole sequence")  # fmt: skip
     return Generator(model, context, rules, cache)(prompts, max_new_tokens, sampling, stop=stop, vocab=vocab)
+
+
+def _stops(stop) -> np.ndarray:
+    """The stop tokens as an int32 array (``[-1]``: none), an argument of the compiled round."""
+    if stop is None:
+        return np.full((1,), -1, np.int32)
+    ids = [stop] if isinstance(stop, (int, np.integer)) else list(stop)
+    return np.asarray(ids or [-1], np.int32)
