@@ -21,7 +21,7 @@ from nnxscale.models.decoder import LayerKind, layer_segments
 
 DATA = Path(__file__).parent / "data"
 FIXTURES = ["hf_qwen2", "hf_qwen3", "hf_qwen3_moe", "hf_qwen3_moe_norm", "hf_mistral", "hf_gemma2", "hf_gemma3_text",
-            "hf_gemma3", "hf_deepseek_v3", "hf_deepseek_v2_lite_style"]  # fmt: skip
+            "hf_gemma3", "hf_deepseek_v3", "hf_deepseek_v2_lite_style", "hf_deepseek_v2"]  # fmt: skip
 PUBLISHED = {k: v for k, v in json.loads((Path(__file__).parent.parent / "tools" / "published_counts.json").read_text()).items()
              if not k.startswith("_")}  # fmt: skip
 
@@ -85,11 +85,10 @@ def test_the_published_configs_translate_to_the_presets():
     for preset, published in PUBLISHED.items():
         family, config = find_preset(preset)
         hf = published["config"]
-        if hf["model_type"] == "deepseek_v2":
-            continue  # planned only: transformers' V2 router is not this decoder's V3 router
         from_json = family.from_pretrained.__self__.config(hf, preset)
         differ = [f for f in ("num_hidden_layers", "hidden_size", "num_local_experts", "dense_layers", "layer_types",
-                              "sliding_window", "head_size", "rope_scaling", "local_rope_theta", "q_lora_rank")
+                              "sliding_window", "head_size", "rope_scaling", "local_rope_theta", "q_lora_rank",
+                              "router_scoring", "router_score_bias", "norm_topk_prob", "router_group_top")
                   if getattr(from_json, f) != getattr(config, f)]  # fmt: skip
         assert not differ, (preset, differ)
 

@@ -133,6 +133,11 @@ FIXTURES: dict[str, dict] = {
         config="DeepseekV3Config", model="DeepseekV3ForCausalLM", scale=0.2,
         kwargs={**{k: v for k, v in _DEEPSEEK_V3.items() if k != "rope_scaling"}, "q_lora_rank": None},
     ),
+    "hf_deepseek_v2": dict(
+        config="DeepseekV2Config", model="DeepseekV2ForCausalLM", scale=0.2,
+        kwargs={**{k: v for k, v in _DEEPSEEK_V3.items() if k not in ("norm_topk_prob",)}, "q_lora_rank": None,
+                "topk_method": "group_limited_greedy", "routed_scaling_factor": 2.0},
+    ),
 }  # fmt: skip
 
 
@@ -250,7 +255,7 @@ def _checks(model, tokens, logits, name: str) -> list[str]:
         lines.append(f"  attention scores before the soft cap {cap}: max|.| per layer {[round(x, 2) for x in seen]}")
         changed("the attention soft cap", [layer.self_attn for layer in layers], attn_logit_softcapping=None)
         changed("the final soft cap", [text_config], final_logit_softcapping=None)
-    if name.startswith("hf_deepseek"):
+    if name.startswith("hf_deepseek") and name != "hf_deepseek_v2":  # V2's router has no correction bias
         gates = [layer.mlp.gate for layer in layers if hasattr(layer.mlp, "gate")]
         kept = [g.e_score_correction_bias.clone() for g in gates]
         try:

@@ -351,7 +351,7 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen": _decoder_family("qwen", qwen, ("qwen2", "qwen3", "qwen3_moe")),
     "mistral": _decoder_family("mistral", mistral, ("mistral",)),
     "gemma": _decoder_family("gemma", gemma, ("gemma2", "gemma3_text", "gemma3")),
-    "deepseek": _decoder_family("deepseek", deepseek, ("deepseek_v3",)),
+    "deepseek": _decoder_family("deepseek", deepseek, ("deepseek_v3", "deepseek_v2")),
 }
 
 

@@ -66,7 +66,8 @@ class DecoderConfig(ModelConfig):
     each ``moe_intermediate_size`` wide (default ``intermediate_size``); the layers in
     ``dense_layers`` keep a dense MLP of ``intermediate_size``. Router: ``router_scoring``
     (softmax, or DeepSeek-V3's sigmoid), ``norm_topk_prob``, ``n_group``/``topk_group``
-    (group-limited top-k), ``routed_scaling_factor``, ``router_score_bias``
+    (group-limited top-k, a group scored by its best ``router_group_top`` experts: 2 in
+    DeepSeek-V3, 1 in V2), ``routed_scaling_factor``, ``router_score_bias``
     (``e_score_correction_bias``); ``n_shared_experts`` always-on experts. The router's
     load-balancing loss (``router_aux_loss_coef``) and z-loss (``router_z_loss_coef``) join
     the objective; ``capacity_factor`` drops assignments past an expert's capacity
@@ -126,6 +127,7 @@ class DecoderConfig(ModelConfig):
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     router_score_bias: bool = False
+    router_group_top: int = 2
     n_shared_experts: int = 0
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0

@@ -223,7 +223,7 @@ def _dense(layer: nnx.Linear, x, w):
 def router_of(c: DecoderConfig) -> Router:
     return Router(scoring=c.router_scoring, norm_topk_prob=c.norm_topk_prob, n_group=c.n_group,
                   topk_group=c.topk_group, routed_scaling_factor=float(c.routed_scaling_factor),
-                  score_bias=c.router_score_bias)  # fmt: skip
+                  score_bias=c.router_score_bias, group_top=c.router_group_top)  # fmt: skip
 
 
 class DecoderLayer(nnx.Module):
