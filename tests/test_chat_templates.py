@@ -33,17 +33,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 import nnxscale
 from nnxscale.data import chat
 from nnxscale.training import sampling
+from test_chat import CONVERSATION, TEMPLATES
 
-TEMPLATES = Path(__file__).parent / "data" / "chat"
 QWEN3_SHA256 = "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8"
 GEMMA3_SHA256 = "7de1c58e208eda46e9c7f86397df37ec49883aeece39fb961e0a6b24088dd3c4"
-CONVERSATION = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "Hi there "},
-    {"role": "assistant", "content": "Hello!"},
-    {"role": "user", "content": "Bye"},
-    {"role": "assistant", "content": "Bye."},
-]
 # The tokenizers' own special and added tokens (Qwen3: <think> and </think> are added tokens, not special).
 SPECIAL = {"qwen3": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
            "gemma3": ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>"]}  # fmt: skip

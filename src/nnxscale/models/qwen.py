@@ -11,7 +11,6 @@ transformers lays them out (``layer_types``).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from nnxscale.models.common.model_config import choose_preset
@@ -113,4 +112,3 @@ def preset(name: str, **overrides) -> DecoderConfig:
 
 from_pretrained, save_pretrained, pretrained_config = HF.from_pretrained, HF.save_pretrained, HF.pretrained_config
 __all__ = ["HF", "PRESETS", "config_from_hf", "from_pretrained", "hf_config", "pretrained_config", "preset", "save_pretrained"]
-_ = dataclasses
