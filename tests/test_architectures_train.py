@@ -1,6 +1,7 @@
 """The decoder's families in training and sampling: ring attention past a sliding window,
-latent attention with experts on an expert axis, a 1F1B pipeline, the KV cache of sliding
-layers and of latent attention, LoRA on latent attention and experts with its PEFT export,
+latent attention with experts on an expert axis, a 1F1B pipeline with a stack outside it
+(DeepSeek's dense first layer), the KV cache of sliding layers and of latent
+attention, LoRA on latent attention and experts with its PEFT export,
 and a DPO step.
 
 Every model is a mini preset shrunk for the suite's time (registered for this module only:
@@ -30,21 +31,21 @@ WINDOW = 8
 # holds 8 of the 32 tokens, so the sliding layers' ring skips the hops past the window.
 GEMMA3 = ("gemma3-test", gemma, "gemma3-mini", dict(SMALL, intermediate_size=128, num_key_value_heads=2, head_dim=16,
           num_hidden_layers=6, layer_types=(SLIDING,) * 5 + (FULL,), sliding_window=WINDOW, query_pre_attn_scalar=16))  # fmt: skip
-GEMMA2 = ("gemma2-test", gemma, "gemma2-mini", dict(SMALL, intermediate_size=128, num_key_value_heads=2, head_dim=16,
-          num_hidden_layers=4, layer_types=(SLIDING, FULL) * 2, sliding_window=WINDOW, query_pre_attn_scalar=16))  # fmt: skip
-# a dense first layer, then one of 8 routed experts + a shared one, latent attention
-DEEPSEEK = ("deepseek-test", deepseek, "deepseek-mini", dict(SMALL, num_key_value_heads=4, num_hidden_layers=2,
+# a dense first layer (`first_layers`: 1F1B's prefix), then two of 8 routed experts + a shared
+# one, latent attention
+DEEPSEEK = ("deepseek-test", deepseek, "deepseek-mini", dict(SMALL, num_key_value_heads=4, num_hidden_layers=3,
             intermediate_size=128, q_lora_rank=32, kv_lora_rank=16, moe_intermediate_size=32))  # fmt: skip
 QWEN3 = ("qwen3-test", qwen, "qwen3-mini", dict(SMALL, intermediate_size=128, num_key_value_heads=2, head_dim=16,
          num_hidden_layers=2))  # fmt: skip
-SHRUNK = {name: module.preset(base, **kw) for name, module, base, kw in (GEMMA3, GEMMA2, DEEPSEEK, QWEN3)}
+FAMILIES = (GEMMA3, DEEPSEEK, QWEN3)
+SHRUNK = {name: module.preset(base, **kw) for name, module, base, kw in FAMILIES}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def shrunk():
     """The shrunk presets, known to ``--model`` (and to export) for this module's tests only."""
     with pytest.MonkeyPatch.context() as mp:
-        for name, module, _, _ in (GEMMA3, GEMMA2, DEEPSEEK, QWEN3):
+        for name, module, _, _ in FAMILIES:
             mp.setitem(module.PRESETS, name, SHRUNK[name])
         yield
 
@@ -62,8 +63,8 @@ def _losses(tmp_path, data, name, model, mesh, steps=2, seq=32, **kw):
 @pytest.mark.parametrize("model,mesh,kw", [
     ("gemma3-test", "context=4,data=2", {}),  # window 8 = a device's share of 32 tokens: hops skipped
     ("deepseek-test", "expert=4,data=2", {}),
-    ("gemma2-test", "stage=2,data=4", {"parallel.microbatches": 2, "parallel.pipeline_schedule": "1f1b"}),
-], ids=["gemma3-context", "deepseek-expert", "gemma2-1f1b"])  # fmt: skip
+    ("deepseek-test", "stage=2,data=4", {"parallel.microbatches": 2, "parallel.pipeline_schedule": "1f1b"}),
+], ids=["gemma3-context", "deepseek-expert", "deepseek-1f1b"])  # fmt: skip
 def test_losses_are_data_8s_on_context_expert_and_1f1b_meshes(tmp_path, text_data, model, mesh, kw):
     want = _losses(tmp_path, text_data, "ref", model, "data=8")
     got = _losses(tmp_path, text_data, "mesh", model, mesh, **kw)

@@ -9,6 +9,8 @@ does not grow with iterations, and bad input. A checkpoint moving into a circula
 pipeline and out again is test_pipeline_train's (with the trainer's Adam state).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,6 +155,42 @@ def test_pipelined_equals_scan_layers(spec):
         if "data" in spec:  # the stage all-reduces are the only ones of that group size here
             boundary = sum(op.total_bytes for op in ops if op.kind == "all-reduce" and op.group == S)
             assert boundary == cost.boundary_bytes, what
+
+
+class _Sandwich(nnx.Module):
+    """Two layers outside the pipeline (``pipelined=False``), the pipelined stack, one more
+    outside: DeepSeek's dense first layers and Gemma 3's last layers, in miniature."""
+
+    def __init__(self, rngs):
+        self.first = stack_layers(lambda r: Block(D, r), 2, rngs=rngs, pipelined=False)
+        self.body = stack_layers(lambda r: Block(D, r), 4, rngs=rngs)
+        self.last = stack_layers(lambda r: Block(D, r), 1, rngs=rngs, pipelined=False)
+
+    def __call__(self, x):
+        for stack in (self.first, self.body, self.last):
+            x = scan_layers(stack, x, SCALE)
+        return x
+
+
+def test_stacks_outside_the_pipeline_run_whole_on_every_stage():
+    """GPipe splits the pipelined stack; the others, whose depths (2 and 1) no 4 stages divide,
+    stay whole on every device and run as a scan: output and gradients are the unpipelined ones."""
+    mesh = nnxscale.make_mesh("stage=4,data=2")
+    rules = nnxscale.resolve("auto", mesh, min_shard_bytes=0)
+    graphdef, state = nnx.split(nnxscale.place(_Sandwich(nnx.Rngs(0)), mesh, rules))
+    for name, held in (("first", 2), ("body", 1), ("last", 1)):
+        for v in jax.tree.leaves(state[name]):
+            assert {s.data.shape[0] for s in v.addressable_shards} == {held}, name
+    x = jax.random.normal(jax.random.key(1), (B, T, D))
+
+    def loss(state, x, pipe):
+        with nnxscale.use_rules(rules), use_pipeline(pipe):
+            return jnp.sum(nnx.merge(graphdef, state)(x) ** 2)
+
+    want = jax.jit(jax.value_and_grad(functools.partial(loss, pipe=None), argnums=(0, 1)))(state, x)
+    got = jax.jit(jax.value_and_grad(functools.partial(loss, pipe=Pipeline(stages=4, microbatches=4)), argnums=(0, 1)))(state, x)
+    assert _max_rel(got, want) < 1e-6
+    assert float(jnp.max(jnp.abs(want[1][0]["first"]["up"]["kernel"]))) > 0  # the outer stacks have gradients
 
 
 class _CountingBlock(Block):

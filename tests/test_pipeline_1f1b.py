@@ -26,8 +26,13 @@ import pytest
 from test_cli import assert_one_error_line, run_main, train_args
 from test_pipeline_train import assert_same_run, cfg_for, quiet
 
+from flax import nnx
+
+from nnxscale import make_mesh, place, resolve, use_rules
 from nnxscale.errors import ConfigError
-from nnxscale.layers.one_f_one_b import ring_slots
+from nnxscale.layers.one_f_one_b import pipeline_value_and_grad, ring_slots
+from nnxscale.layers.stack import scan_layers, stack_layers
+from nnxscale.sharding.rules import logical
 from nnxscale.layers.pipeline import Pipeline, pipeline_cost
 from nnxscale.planning.compiler import measure
 from nnxscale.sharding.mesh import format_mesh
@@ -274,6 +279,63 @@ def test_1f1b_with_lora_keeps_no_base_weights_in_its_ring():
     full = temp(2, None)
     assert lora[2] <= full, (lora, full)
     assert lora[8] <= 1.15 * lora[2], (lora, full)
+
+
+class _Sandwich(nnx.Module):
+    """An embedding, two layers outside the pipeline (``pipelined=False``: 1F1B's prefix runs
+    them), four pipelined, one outside again (the tail's), a head: DeepSeek's dense first
+    layers and Gemma 3's last layers around the stack the stages split, in miniature."""
+
+    def __init__(self, rngs, D=16, V=256):
+        normal = nnx.initializers.normal(0.3)
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+
+        def block(r):
+            norm = nnx.LayerNorm(D, scale_init=logical(nnx.initializers.ones_init(), "embed"), use_bias=False, rngs=r)
+            return nnx.Sequential(norm, nnx.Linear(D, D, kernel_init=logical(normal, "embed", "mlp"), use_bias=False, rngs=r))
+
+        self.first = stack_layers(block, 2, rngs=rngs, pipelined=False)
+        self.body = stack_layers(block, 4, rngs=rngs)
+        self.last = stack_layers(block, 1, rngs=rngs, pipelined=False)
+        self.head = nnx.Linear(D, V, rngs=rngs)
+
+    def loss(self, inputs, targets, *, rngs=None):
+        x = self.embed(inputs)
+        for stack in (self.first, self.body, self.last):
+            x = scan_layers(stack, x)  # each layer: x + f(x) would be the residual; f(x) is enough here
+        logits = self.head(x)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1))
+
+
+def test_1f1b_runs_the_stacks_outside_the_pipeline_in_its_prefix_and_tail():
+    """Loss and gradients (the outer stacks' among them) of 1F1B on stage=2,data=4 equal
+    ``jax.value_and_grad`` of the unpipelined loss; the outer stacks stay whole on every device."""
+    mesh = make_mesh("stage=2,data=4")
+    rules = resolve("auto", mesh, min_shard_bytes=0)
+    graphdef, params = nnx.split(place(_Sandwich(nnx.Rngs(0)), mesh, rules))
+    held = {name: {s.data.shape[0] for v in jax.tree.leaves(params[name]) for s in v.addressable_shards}
+            for name in ("first", "body", "last")}  # fmt: skip
+    assert held == {"first": {2}, "body": {2}, "last": {1}}
+    x = tokens(16, 8, False)
+    inputs, targets = jnp.asarray(x[:, :-1]), jnp.asarray(x[:, 1:])
+    objective = lambda model, i, t, rngs=None: model.loss(i, t)  # noqa: E731
+
+    def unpipelined(p):
+        with use_rules(rules):
+            return objective(nnx.merge(graphdef, p), inputs, targets)
+
+    def pipelined(p):
+        with use_rules(rules):
+            return pipeline_value_and_grad(objective, graphdef, p, inputs, targets, None,
+                                           pipeline=Pipeline.for_mesh(mesh, 4, schedule="1f1b"), mesh=mesh)  # fmt: skip
+
+    want, want_grads = jax.jit(jax.value_and_grad(unpipelined))(params)
+    (got, _), got_grads = jax.jit(pipelined)(params)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for name in ("embed", "first", "body", "last", "head"):
+        for g, w in zip(jax.tree.leaves(got_grads[name]), jax.tree.leaves(want_grads[name])):
+            assert float(jnp.max(jnp.abs(w))) > 0, name
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(w))), err_msg=name)
 
 
 def test_the_schedule_and_its_ring():

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from nnxscale.errors import ConfigError
+from nnxscale.layers.stack import STACKED_AXES
 from nnxscale.sharding.rules import LOGICAL_KEY
 
 #: The attribute prefix of an adapter: the adapter of weight ``kernel`` is the child ``lora_kernel``.
@@ -223,6 +224,10 @@ def _kaiming_uniform(key, shape, fan_in: int, dtype):
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
+def _stacked(v: nnx.Variable) -> bool:
+    return (v.get_metadata().get(LOGICAL_KEY) or (None,))[0] in STACKED_AXES
+
+
 def attach(model: nnx.Module, spec: LoraSpec, *, key: jax.Array) -> nnx.Module:
     """Add an adapter beside every weight of ``model`` that ``spec.targets`` names; returns
     ``model`` (changed in place). ``key`` draws the ``A`` matrices.
@@ -231,7 +236,7 @@ def attach(model: nnx.Module, spec: LoraSpec, *, key: jax.Array) -> nnx.Module:
     """
     found = adaptable(model)
     if spec.targets is None:  # every adaptable weight of the stacked layers (all of them, when none is stacked)
-        stacked = [p for p, (m, n) in found.items() if (getattr(m, n).get_metadata().get(LOGICAL_KEY) or ())[:1] == ("layers",)]
+        stacked = [p for p, (m, n) in found.items() if _stacked(getattr(m, n))]
         chosen = stacked or list(found)
     else:
         chosen = [p for p in found if any(matches(p, t) for t in spec.targets)]

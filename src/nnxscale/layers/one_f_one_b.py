@@ -87,9 +87,13 @@ accumulation splits it. Dropout keys: the model draws from ``fold_in(key, m*J + 
 microbatch ``m`` in batch shard ``j`` of ``J``, so masks differ from an unpipelined step's
 (their distribution does not).
 
-Not supported, refused with a :class:`~nnxscale.errors.ConfigError`: more than one stack of
-layers run by :func:`~nnxscale.scan_layers` in the loss; interleaved with ``M`` not a
-multiple of ``S``.
+Stacks made with ``stack_layers(..., pipelined=False)`` (DeepSeek's dense first layers,
+what is left of Gemma 3's last group) run whole on every stage, in the prefix or the tail:
+the prefix's and tail's ``jax.vjp`` give their gradients as they give the embedding's.
+
+Not supported, refused with a :class:`~nnxscale.errors.ConfigError`: more than one pipelined
+stack of layers run by :func:`~nnxscale.scan_layers` in the loss; a mixture's layers outside
+it (their load balancing would be per microbatch); interleaved with ``M`` not a multiple of ``S``.
 """
 
 from __future__ import annotations
@@ -108,7 +112,7 @@ from nnxscale.errors import ConfigError
 from nnxscale.layers import attention
 from nnxscale.layers.lora import merge_params
 from nnxscale.layers.pipeline import manual_layout, mesh_for, without_pipeline
-from nnxscale.layers.stack import Rows, layers_run_by, remat_policy, scan_state
+from nnxscale.layers.stack import Rows, is_pipelined, layers_run_by, remat_policy, scan_state
 from nnxscale.layers.token_weights import trained_weights
 from nnxscale.sharding.activations import current_rules
 from nnxscale.sharding.axes import entry_axes
@@ -141,10 +145,22 @@ def _key_path(kp) -> tuple:
 
 
 def _call(objective, graphdef, params, inputs, targets, key, runner):
-    """``(loss, extras)`` of ``objective`` with :func:`scan_layers` run by ``runner``."""
+    """``(loss, extras)`` of ``objective`` with the pipelined stack's :func:`scan_layers` run by
+    ``runner``; a stack made with ``stack_layers(..., pipelined=False)`` scans as it would
+    unpipelined (in the prefix when it comes before the pipelined stack, in the tail after)."""
     model = nnx.merge(graphdef, params)
 
     def run(layers, x, *args, keys=None, remat="none", aux=False):  # what scan_layers calls
+        if not is_pipelined(layers):
+            if aux:  # its load-balancing loss would be a microbatch's, not the whole batch's
+                raise ConfigError(
+                    "--pipeline-schedule 1f1b: a mixture's layers outside the pipelined stack would balance their "
+                    "experts per microbatch; use --pipeline-schedule gpipe"
+                )
+            layer_def, state = nnx.split(layers)
+            x = varying_like(x, state)  # the scan's carry varies as the layers' output will
+            return scan_state(layer_def, state, x, *(a.value if isinstance(a, Rows) else a for a in args), keys=keys,
+                              remat=remat)  # fmt: skip
         return runner(model, layers, x, *args, keys=keys, remat=remat, aux=aux)
 
     with layers_run_by(run):
@@ -159,8 +175,9 @@ def _discover(objective, graphdef, params, inputs, targets, key) -> _Found:
         found.calls += 1
         if found.calls > 1:
             raise ConfigError(
-                "--pipeline-schedule 1f1b runs one stack of layers per loss, and this model's loss runs "
-                "nnxscale.scan_layers more than once; use --pipeline-schedule gpipe"
+                "--pipeline-schedule 1f1b runs one pipelined stack of layers per loss, and this model's loss runs "
+                "nnxscale.scan_layers on more than one (make the others with stack_layers(..., pipelined=False)); use "
+                "--pipeline-schedule gpipe"
             )
         found.path = next((tuple(p) for p, node in nnx.iter_graph(model) if node is layers), None)
         found.graphdef, state = nnx.split(layers)

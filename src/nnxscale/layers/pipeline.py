@@ -109,7 +109,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnxscale.errors import ConfigError
 from nnxscale.layers import attention
-from nnxscale.layers.stack import Rows, layers_run_by, num_layers, scan_state
+from nnxscale.layers.stack import Rows, is_pipelined, layers_run_by, num_layers, scan_state
 from nnxscale.sharding.activations import current_rules
 from nnxscale.sharding.axes import EXPERT, STAGE, entry_axes
 from nnxscale.sharding.layout import itemsize
@@ -329,7 +329,8 @@ def pipeline_layers(
     Args:
       layers: a module from :func:`~nnxscale.stack_layers` whose ``L`` layers are stored in
         the pipeline's stage order (:meth:`Pipeline.layer_order`; for GPipe the order they
-        were created in), their leading axis laid out over ``pipeline.axis``.
+        were created in), their leading axis laid out over ``pipeline.axis``; or a stack
+        made with ``pipelined=False``, which runs whole, as a plain scan, on every stage.
       x: ``(B, ...)``, the first layer's input; ``B`` split into ``M`` microbatches of
         ``B/M`` rows (microbatch ``m`` is rows ``m, m+M, m+2M, ...``, so each is spread over
         every batch shard).
@@ -355,6 +356,10 @@ def pipeline_layers(
         if active is None:
             raise ConfigError("pipeline_layers: no pipeline given and none in force (nnxscale.layers.pipeline.use_pipeline)")
         pipeline, mesh = active[0], active[1] if mesh is None else mesh
+    if not is_pipelined(layers):  # stack_layers(..., pipelined=False): whole on every stage
+        graphdef, state = nnx.split(layers)
+        return scan_state(graphdef, state, x, *(a.value if isinstance(a, Rows) else a for a in args), keys=keys,
+                          remat=remat, aux=aux)  # fmt: skip
     mesh = mesh_for(pipeline, mesh)
     n = num_layers(layers)
     rules = current_rules()

@@ -37,6 +37,11 @@ from nnxscale.sharding.rules import LOGICAL_KEY
 
 #: Logical name of the stacked layers' leading axis.
 LAYERS = "layers"
+#: The leading axis of a stack that a pipeline does not split (``stack_layers(...,
+#: pipelined=False)``): it runs whole on every stage, before or after the pipelined stack.
+OUTER_LAYERS = "outer_layers"
+#: Both: the leading axis of stacked layers.
+STACKED_AXES = (LAYERS, OUTER_LAYERS)
 
 #: Rematerialization policies for :func:`scan_layers`: what each layer keeps for the
 #: backward pass. ``none`` keeps every intermediate; ``full`` keeps only each layer's input
@@ -72,7 +77,8 @@ def remat_policy(value: Union[str, bool, None]) -> str:
     raise ConfigError(f"unknown remat policy {value!r}: choose one of {', '.join(REMAT_POLICIES)}")
 
 
-def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int, *, rngs: nnx.Rngs) -> nnx.Module:
+def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int, *, rngs: nnx.Rngs,
+                 pipelined: bool = True) -> nnx.Module:  # fmt: skip
     """``n`` layers ``make_layer(rngs)`` as one module whose Variables have a leading ``(n,)`` axis.
 
     The layers hold the same random numbers as a Python list of ``n`` layers created one
@@ -84,6 +90,12 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int, *, rngs: 
     logical axes gain a leading ``layers`` name (Flax ``out_sharding`` annotations a leading
     ``None``). Under :func:`nnxscale.sharded_init` the stack is created inside the compiled
     init, so no device holds more than its shards.
+
+    ``pipelined=False``: the leading axis is named ``outer_layers`` instead, which no rule
+    puts on the ``stage`` axis: a pipeline (:func:`nnxscale.use_pipeline`) runs this stack
+    whole on every stage, as a plain scan, and splits only the ``layers`` stack. A model
+    whose layers are several stacks (DeepSeek's dense first layers before its mixture
+    layers) marks all but its main one so, and the stages need only divide that one.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"stack_layers: n must be a positive number of layers, got {n!r}")
@@ -93,7 +105,7 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int, *, rngs: 
             continue
         meta = v.get_metadata()
         if meta.get(LOGICAL_KEY) is not None:
-            v.set_metadata(**{LOGICAL_KEY: (LAYERS,) + tuple(meta[LOGICAL_KEY])})
+            v.set_metadata(**{LOGICAL_KEY: (LAYERS if pipelined else OUTER_LAYERS,) + tuple(meta[LOGICAL_KEY])})
         if meta.get("out_sharding") is not None:
             v.set_metadata(out_sharding=(None,) + tuple(meta["out_sharding"]))
     return stacked
@@ -140,6 +152,15 @@ def _create_stacked(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: 
     for name in names:
         rngs[name].count.set_value(start[name] + n * jnp.asarray(draws[name], jnp.uint32))
     return nnx.merge(graphdef, states)
+
+
+def is_pipelined(layers: nnx.Module) -> bool:
+    """Whether a pipeline splits stacked ``layers`` over its stages (not made with
+    ``stack_layers(..., pipelined=False)``)."""
+    for _, v in nnx.iter_graph(layers):
+        if isinstance(v, nnx.Variable):
+            return (v.get_metadata().get(LOGICAL_KEY) or (None,))[0] != OUTER_LAYERS
+    return True
 
 
 def num_layers(layers: nnx.Module) -> int:

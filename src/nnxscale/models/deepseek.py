@@ -108,7 +108,7 @@ PRESETS: dict[str, DecoderConfig] = {
                                       rope_interleave=True, num_local_experts=64, num_experts_per_tok=6,
                                       moe_intermediate_size=1408, n_shared_experts=2, dense_layers=(0,),
                                       router_scoring="softmax", norm_topk_prob=False, router_group_top=1),
-    "deepseek-mini": DecoderConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    "deepseek-mini": DecoderConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=5,
                                    num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
                                    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, q_lora_rank=64,
                                    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,

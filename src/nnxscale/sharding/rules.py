@@ -65,10 +65,10 @@ Table = tuple[tuple[str, AxisNames], ...]
 LOGICAL_KEY = "logical_axes"
 
 #: The logical axis names nnxscale's own models use. ``layers`` is the leading axis of
-#: stacked (scanned) layers; ``length`` the sequence; ``kv`` the width of one attention
+#: stacked (scanned) layers (``outer_layers`` of a stack a pipeline leaves whole); ``length`` the sequence; ``kv`` the width of one attention
 #: head; ``kv_heads`` the key/value heads of grouped-query attention (Llama), fewer than
 #: the query ``heads``; ``expert`` the experts of a mixture (:mod:`nnxscale.layers.moe`).
-LOGICAL_NAMES = ("batch", "length", "layers", "embed", "mlp", "heads", "kv_heads", "kv", "vocab", "expert")
+LOGICAL_NAMES = ("batch", "length", "layers", "outer_layers", "embed", "mlp", "heads", "kv_heads", "kv", "vocab", "expert")
 
 #: Parameters smaller than this are not split over FSDP axes (see the module docstring).
 MIN_SHARD_BYTES = 1 << 20

@@ -11,7 +11,7 @@ import optax
 from flax import nnx
 
 from nnxscale.data import text as text
-from nnxscale.layers.stack import LAYERS
+from nnxscale.layers.stack import STACKED_AXES
 from nnxscale.sharding.layout import format_bytes
 from nnxscale.sharding.state import is_variable, variable_logical_axes
 from nnxscale.training.config import TrainConfig
@@ -37,7 +37,7 @@ def decays(v: nnx.Variable) -> bool:
     names = variable_logical_axes(v)
     if names is None:
         return len(v.get_value().shape) >= 2
-    axes = [n for n in names if n != LAYERS]
+    axes = [n for n in names if n not in STACKED_AXES]
     return WIDTH in axes and len(axes) >= 2
 
 

@@ -203,7 +203,7 @@ def check_pipeline(pipe: Pipeline, cfg: TrainConfig, rules: MeshRules, name: str
         raise ConfigError(
             f"{name} has no stacked layers for the {pipe.stages} pipeline stages of mesh {format_mesh(rules.sizes)}: "
             "a pipeline runs layers created with nnxscale.stack_layers and run with nnxscale.scan_layers "
-            f"(the rules put their '{LAYERS}' axis on '{STAGE}', when the stages divide the stack: a layer pattern's "
+            f"(the rules put their '{LAYERS}' axis on '{STAGE}' when the stages divide the stack; a layer pattern's "
             "groups count as one each, docs/models.md); train this model on a mesh without a stage axis"
         )
     for n in depths:  # each accumulation step's batch goes through the pipeline

@@ -5,7 +5,10 @@ when every layer is alike (Llama, Mixtral, Qwen, Mistral), else the stacks of
 :meth:`DecoderConfig.segments` run in order: DeepSeek's dense ``first_layers`` before its
 mixture ``layers``; Gemma's repeating pattern of sliding and global layers stacked as groups
 (:class:`~nnxscale.models.decoder.layers.LayerGroup`), what is left of the last group in
-``last_layers``. Each stack compiles one body, whatever the depth.
+``last_layers``. Each stack compiles one body, whatever the depth. A pipeline's stages split
+``layers`` (their number must divide its groups); ``first_layers`` and ``last_layers`` run
+whole on every stage, before and after it (MaxText runs DeepSeek's dense layers outside its
+pipeline alike).
 """
 from __future__ import annotations
 
@@ -50,7 +53,9 @@ class Decoder(nnx.Module):
         kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype), rngs=rngs)
         self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, embedding_init=logical(_normal, "vocab", "embed"), **kw)
         for seg in c.segments():
-            setattr(self, seg.name, stack_layers(_segment_layer(c, seg, kw), seg.groups, rngs=rngs))
+            # A pipeline splits the main stack; the others run whole on every stage.
+            stack = stack_layers(_segment_layer(c, seg, kw), seg.groups, rngs=rngs, pipelined=seg.name == "layers")
+            setattr(self, seg.name, stack)
         self.norm = rms_norm(c.hidden_size, c.rms_norm_eps, offset=c.norm_offset, **kw)
         if not c.tie_word_embeddings:
             self.lm_head = nnx.Linear(
