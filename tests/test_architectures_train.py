@@ -88,25 +88,52 @@ def test_greedy_with_the_cache_is_recomputation_past_the_window(name):
 
 def test_lora_on_latent_attention_and_experts_trains_and_exports_peft(tmp_path, text_data, capsys):
     """Targets q, kv (latent attention's projections) and gate, up, down (the dense layer's
-    MLP, the routed experts' w1/w3/w2, the shared experts): the adapters train, and the PEFT
-    export names each under Hugging Face's DeepSeek-V3 names."""
+    MLP, the routed experts, the shared experts): the adapters train, and the PEFT export
+    names each as PEFT adapts transformers 5's DeepSeek-V3: the attention's as modules, the
+    MLPs' as parameters, each layer's experts fused (gate_up_proj of rank 2r, down_proj), whose
+    per-expert updates in PEFT's layout are each expert's own adapters' (gate's and up's
+    stacked). tools/peft_check.py runs PEFT itself on them."""
     from safetensors.numpy import load_file
+
+    from nnxscale.models import find_preset
+    from nnxscale.training.export import peft_tensors
 
     losses = _losses(tmp_path, text_data, "lora", "deepseek-test", "data=8", steps=2, lora__rank=4,
                      lora__targets="q,kv,gate,up,down", optim__lr=1e-2)  # fmt: skip
     assert losses[1] != losses[0]
     code, _, err = run_main(capsys, ["export", "--run-dir", str(tmp_path / "lora"), "--peft", str(tmp_path / "peft")])
     assert code == 0, err
-    keys = set(load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    tensors = load_file(tmp_path / "peft" / "adapter_model.safetensors")
     p = "base_model.model.model.layers"
-    for want in (f"{p}.1.mlp.experts.0.gate_proj.lora_A.weight", f"{p}.1.mlp.experts.7.down_proj.lora_B.weight",
+    for want in (f"{p}.1.mlp.experts.base_layer.lora_A.weight", f"{p}.2.mlp.experts.lora_B.weight",
                  f"{p}.1.mlp.shared_experts.up_proj.lora_A.weight", f"{p}.0.mlp.gate_proj.lora_A.weight",
                  f"{p}.0.self_attn.kv_a_proj_with_mqa.lora_A.weight", f"{p}.1.self_attn.kv_b_proj.lora_B.weight",
                  f"{p}.0.self_attn.q_a_proj.lora_A.weight", f"{p}.1.self_attn.q_b_proj.lora_B.weight"):  # fmt: skip
-        assert want in keys, sorted(keys)[:20]
-    assert not any("o_proj" in k or ".gate.weight" in k for k in keys)  # only the targets
+        assert want in tensors, sorted(tensors)[:20]
+    assert not any("o_proj" in k or ".gate.weight" in k for k in tensors)  # only the targets
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-    assert config["r"] == 4
+    assert config["r"] == 4 and config["rank_pattern"] == {r".*\.gate_up_proj": 8}
+    assert config["alpha_pattern"] == {r".*\.gate_up_proj": 2 * config["lora_alpha"]}
+    assert config["target_parameters"][0] == "mlp.experts.gate_up_proj"  # PEFT's inner wrapper: base_layer
+    assert {"mlp.experts.down_proj", "mlp.gate_proj.weight", "mlp.shared_experts.down_proj.weight"} <= set(config["target_parameters"])
+    assert not any("proj" in m and "attn" not in m for m in config["target_modules"])
+
+    # PEFT's delta of expert e (ParamWrapper.get_delta_factors): A (E*R, in) -> (E, R, in),
+    # B (out, R*E) -> (out, R, E) -> (E, out, R); delta_e = B_e A_e, against the adapters one by one.
+    family, _ = find_preset("deepseek-test")
+    one_by_one, _ = peft_tensors(nnxscale.load_model(tmp_path / "lora", warn=lambda m: None), family.lora)
+    E = SHRUNK["deepseek-test"].num_local_experts
+    for layer in (1, 2):
+        for fused, parts, wrapper in (("gate_up", ("gate_proj", "up_proj"), "base_layer."), ("down", ("down_proj",), "")):
+            A = tensors[f"{p}.{layer}.mlp.experts.{wrapper}lora_A.weight"]
+            B = tensors[f"{p}.{layer}.mlp.experts.{wrapper}lora_B.weight"]
+            A = A.reshape(E, -1, A.shape[-1])
+            B = B.reshape(B.shape[0], -1, E).transpose(2, 0, 1)
+            for e in range(E):
+                want = np.concatenate([one_by_one[f"{p}.{layer}.mlp.experts.{e}.{part}.lora_B.weight"]
+                                       @ one_by_one[f"{p}.{layer}.mlp.experts.{e}.{part}.lora_A.weight"] for part in parts])  # fmt: skip
+                assert np.abs(want).max() > 0
+                np.testing.assert_allclose(B[e] @ A[e], want, rtol=1e-6, atol=1e-9, err_msg=f"{layer} {fused} {e}")
 
 
 def test_lora_target_q_adapts_latent_attentions_query():
