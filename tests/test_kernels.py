@@ -160,6 +160,33 @@ def test_an_nvidia_targets_compiler_puts_the_chosen_kernel_in_the_train_step(doc
     assert any(t.startswith(want) for t in targets), targets
 
 
+def test_wide_heads_take_smaller_forward_tiles():
+    """The Pallas GPU kernel's forward tile shrinks with the head width so that it fits shared
+    memory (Gemma's 256-wide heads: 64 tokens; 128 wide and less: 128)."""
+    from nnxscale.layers.kernels.gpu_flash import forward_tile
+
+    assert [forward_tile(h) for h in (64, 128, 192, 256, 512)] == [128, 128, 64, 64, 32]
+
+
+@pytest.mark.needs_cuda_plugin
+def test_heads_256_wide_compile_for_an_nvidia_target():
+    """gemma-3-1b's attention (256-wide heads) in the Pallas GPU kernel compiles for an H100
+    (deviceless): 128-token tiles asked 320 KiB of shared memory, over the H100's 227 KiB."""
+    from nnxscale.layers.kernels.gpu_flash import gpu_flash_attention
+
+    mesh = _bench_targets().target_mesh("h100x8", "data=8")
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    q = jax.ShapeDtypeStruct((8, 512, 4, 256), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((8, 512, 1, 256), jnp.bfloat16, sharding=sharding)
+
+    def loss(q, k, v):
+        return jnp.sum(gpu_flash_attention(q, k, v, causal=True).astype(jnp.float32))
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
 @pytest.mark.needs_cuda_plugin
 def test_a_pipelined_step_compiles_for_an_nvidia_target_with_auto_attention():
     """gpt2-tiny on stage=2,data=4 for 8 H100s (deviceless), ``--attention auto``: the step

@@ -32,6 +32,17 @@ BLOCK = 128
 BACKWARD_BLOCK = 32
 
 
+def forward_tile(head_width: int) -> int:
+    """Tokens per forward tile for heads ``head_width`` wide: :data:`BLOCK` up to 128 wide,
+    then fewer, a power of two, so that the tiles fit a GPU's shared memory. Triton keeps a
+    query tile and two stages of key and value tiles there, about 10 x tile x width bytes in
+    bfloat16: 160 KiB at 128 x 128, within the H100's 227 KiB and the A100's 164 KiB; 128
+    tokens of Gemma's 256-wide heads asked 320 KiB, and the H100 compiler refused the step."""
+    if head_width <= 128:
+        return BLOCK
+    return max(BACKWARD_BLOCK, 1 << ((BLOCK * 128 // head_width).bit_length() - 1))
+
+
 def applies(T: int, S: int) -> bool:
     """Whether the kernel takes this attention: self-attention (one array of document ids
     serves queries and keys)."""
@@ -56,7 +67,7 @@ def gpu_flash_attention(q, k, v, q_segments=None, k_segments=None, *, causal: bo
     if v.shape[-1] != H:
         raise ValueError(f"the Pallas GPU kernel takes values as wide as the keys only, got {v.shape[-1]} and {H}")
     # Tiles of a power of two tokens (Triton's), whole backward tiles among them.
-    b = min(block or BLOCK, max(BACKWARD_BLOCK, 1 << (T - 1).bit_length()))
+    b = min(block or forward_tile(H), max(BACKWARD_BLOCK, 1 << (T - 1).bit_length()))
     n = padded(T, b)
     # Padded keys stay unseen: past every query under a causal mask, else by a document id of
     # their own (-1, which no real token has); padded queries see only them and are dropped.
