@@ -70,7 +70,7 @@ def peft_tensors(model, names) -> tuple[dict[str, np.ndarray], list[str]]:
     for module_key, (a, b) in adapters.items():
         tensors[f"base_model.model.{module_key}.lora_A.weight"] = a
         tensors[f"base_model.model.{module_key}.lora_B.weight"] = b
-    return tensors, sorted({re.split(r"\.\d+\.", "." + k)[-1].lstrip(".") for k in adapters})
+    return tensors, sorted({_suffix(k) for k in adapters})
 
 
 def _adapters(model, names) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -108,10 +108,10 @@ def peft_adapter(model, names, rank: int, alpha: float) -> PeftAdapter:
     mixture those are written as parameters (``mlp.gate_proj.weight``). Mixtral's
     ``block_sparse_moe`` is transformers 5's ``mlp``.
     """
-    adapters = {k.replace(".block_sparse_moe.", ".mlp."): v for k, v in _adapters(model, names).items()}
     if not getattr(model, "routed", False):
         tensors, modules = peft_tensors(model, names)
         return PeftAdapter(tensors, modules)
+    adapters = {k.replace(".block_sparse_moe.", ".mlp."): v for k, v in _adapters(model, names).items()}
     out = PeftAdapter({}, [])
     experts: dict[str, dict[str, dict[int, tuple]]] = {}
     modules, params = set(), set()
