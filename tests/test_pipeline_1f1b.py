@@ -43,7 +43,7 @@ from nnxscale.training.state import init_state, run_order, saved_order, setup
 from nnxscale.training.step import make_train_step
 
 SEPARATOR = 0
-RESUMED = 2  # steps run after a resume in the 20-step test: the second uses the restored optimizer moments
+RESUMED = 2  # steps run after a resume in the 12-step test: the second uses the restored optimizer moments
 
 
 def config(model, mesh, microbatches=None, schedule="gpipe", remat="none", documents=False, repeats=1, accum=1,
@@ -205,9 +205,9 @@ def test_1f1b_draws_dropout_per_microbatch_and_shard():
 
 
 @pytest.mark.many_steps
-def test_a_1f1b_run_of_20_steps_logs_data_parallel_losses_and_resumes_with_gpipe(tmp_path, text_data):
-    """gpt2-mini, 20 steps on data=8 and with 1F1B on stage=2,data=4 (saved at 10), then the
-    1F1B run's step-10 checkpoint resumed by GPipe on stage=2,data=4 and data=8's by 1F1B, for
+def test_a_1f1b_run_of_12_steps_logs_data_parallel_losses_and_resumes_with_gpipe(tmp_path, text_data):
+    """gpt2-mini, 12 steps on data=8 and with 1F1B on stage=2,data=4 (saved at 6), then the
+    1F1B run's step-6 checkpoint resumed by GPipe on stage=2,data=4 and data=8's by 1F1B, for
     RESUMED steps each: the first uses the restored parameters and data position, the second
     the restored optimizer moments too (a resume that lost anything differs from there on).
     Batch 8 x 32 in 2 microbatches of one row per data shard (the exactness tests above
@@ -220,10 +220,10 @@ def test_a_1f1b_run_of_20_steps_logs_data_parallel_losses_and_resumes_with_gpipe
     # chaos, not the schedule's.
     small = {"data.batch_size": 8, "optim.lr": 1e-3}
     one_f_one_b = {"mesh": "stage=2,data=4", "microbatches": 2, "parallel.pipeline_schedule": "1f1b", **small}
-    quiet(cfg_for(ref, text_data, steps=20, save_every=10, **small))
+    quiet(cfg_for(ref, text_data, steps=12, save_every=6, **small))
     want = read_metrics(ref)
     logs = []
-    quiet(cfg_for(run, text_data, steps=20, save_every=10, **one_f_one_b), logs)
+    quiet(cfg_for(run, text_data, steps=12, save_every=6, **one_f_one_b), logs)
     assert any(line.startswith("pipeline: 1F1B over 2 stages") for line in logs), logs
     assert_same_run(read_metrics(run), want, "1f1b")
 
@@ -231,12 +231,12 @@ def test_a_1f1b_run_of_20_steps_logs_data_parallel_losses_and_resumes_with_gpipe
 
     from nnxscale.checkpoint.checkpointer import checkpoint_dir
 
-    end = 10 + RESUMED  # cfg_for's schedule does not depend on --steps
-    shutil.rmtree(checkpoint_dir(run) / "20")
-    quiet(cfg_for(run, text_data, steps=end, save_every=10, mesh="stage=2,data=4", microbatches=2, **small), logs)
+    end = 6 + RESUMED  # cfg_for's schedule does not depend on --steps
+    shutil.rmtree(checkpoint_dir(run) / "12")
+    quiet(cfg_for(run, text_data, steps=end, save_every=6, mesh="stage=2,data=4", microbatches=2, **small), logs)
     assert_same_run(read_metrics(run), want[:end], "1f1b -> gpipe")
-    shutil.rmtree(checkpoint_dir(ref) / "20")
-    quiet(cfg_for(ref, text_data, steps=end, save_every=10, **one_f_one_b), logs)
+    shutil.rmtree(checkpoint_dir(ref) / "12")
+    quiet(cfg_for(ref, text_data, steps=end, save_every=6, **one_f_one_b), logs)
     assert_same_run(read_metrics(ref), want[:end], "data=8 -> 1f1b")
 
 
