@@ -252,16 +252,19 @@ def compiled_temp(schedule: str, microbatches: int, repeats: int = 1) -> int:
 def test_1f1b_memory_does_not_grow_with_the_microbatches():
     """Compiled, at a fixed microbatch size: 4x the microbatches leave 1F1B's temporaries as
     they were (the ring of 2S-1 stage inputs does not depend on M) and grow GPipe's, which
-    keeps every microbatch's activations for the backward pass."""
+    keeps every microbatch's activations for the backward pass: per added microbatch at
+    least 8 of the (T, C) widths each of the stage's 2 layers keeps (``none`` keeps about 10:
+    test_gpt2's test of remat none)."""
     one = {m: compiled_temp("1f1b", m) for m in (4, 16)}
     gpipe = {m: compiled_temp("gpipe", m) for m in (4, 16)}
+    width = 32 * 128 * 4  # a microbatch's row of 32 tokens, 128 wide, float32, on a device
     assert one[16] <= 1.15 * one[4], (one, gpipe)
-    assert gpipe[16] >= 2 * gpipe[4], (one, gpipe)
-    assert one[16] <= 0.5 * gpipe[16], (one, gpipe)
+    assert gpipe[16] - gpipe[4] >= 12 * 2 * 8 * width, (one, gpipe)
+    assert one[16] <= 0.75 * gpipe[16], (one, gpipe)
     # Interleaved (R=2): a ring of 2SR-1 = 7 items, one layer's input each, whatever M.
     interleaved = {m: compiled_temp("1f1b", m, repeats=2) for m in (4, 16)}
     assert interleaved[16] <= 1.15 * interleaved[4], (interleaved, gpipe)
-    assert interleaved[16] <= 0.5 * gpipe[16], (interleaved, gpipe)
+    assert interleaved[16] <= 0.75 * gpipe[16], (interleaved, gpipe)
 
 
 def test_1f1b_with_lora_keeps_no_base_weights_in_its_ring():

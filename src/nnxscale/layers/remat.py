@@ -1,6 +1,8 @@
 """Rematerialization settings by name, without jax (the CLI and configs read them first).
 
-``none`` keeps every intermediate for the backward pass; ``full`` keeps only each layer's
+``none`` recomputes no matrix product (it keeps every weight matmul's output and the
+experts' exchanges, and recomputes the elementwise work and the attention's core in the
+backward pass's fusions); ``full`` keeps only each layer's
 input and recomputes the layer; ``dots`` keeps the outputs of the weight matmuls;
 ``dots-except-mlp-in`` keeps those but the MLP's input projections (the widest: the
 attention's query, key, value and output projections and the MLP's output are kept; the

@@ -44,16 +44,31 @@ OUTER_LAYERS = "outer_layers"
 STACKED_AXES = (LAYERS, OUTER_LAYERS)
 
 #: Rematerialization policies for :func:`scan_layers`: what each layer keeps for the
-#: backward pass. ``none`` keeps every intermediate; ``full`` keeps only each layer's input
+#: backward pass. ``none`` recomputes no matrix product and no exchange: it keeps the outputs
+#: of the weight matmuls (the experts' grouped ones included) and of the experts' all-to-alls,
+#: and recomputes only elementwise work (norms, activations, casts) and the attention's core
+#: (its scores and probabilities, which a fused attention kernel recomputes anyway) inside
+#: the backward pass's fusions. Keeping those too (no ``jax.checkpoint`` at all) kept every
+#: float32 intermediate of the norms and the GELU, 7x the bytes per layer, and on the H100
+#: compiler forced XLA's own rematerialization to recompute the matmuls instead: slower than
+#: ``dots`` and twice its memory (docs/steptime.md). ``full`` keeps only each layer's input
 #: (the scan carry) and recomputes the layer in the backward pass; ``dots`` keeps the
 #: outputs of the weight matmuls and recomputes the rest (elementwise ops, attention
-#: scores, whose dots have batch dimensions); ``dots-except-mlp-in`` keeps the values the
-#: models tag with :func:`kept` (the attention's projections, its output projection, the
-#: MLP's output) and recomputes the MLP's input projections, the widest products, with the
-#: rest (MaxText's ``save_dot_except_mlpwi``). A module without the tags keeps nothing under
-#: it but the layer's input, as with ``full``.
-REMAT_POLICIES: dict[str, Optional[Callable]] = {
-    "none": None,
+#: scores, whose dots have batch dimensions, and the experts' products and exchanges);
+#: ``dots-except-mlp-in`` keeps the values the models tag with :func:`kept` (the attention's
+#: projections, its output projection, the MLP's output) and recomputes the MLP's input
+#: projections, the widest products, with the rest (MaxText's ``save_dot_except_mlpwi``). A
+#: module without the tags keeps nothing under it but the layer's input, as with ``full``.
+def _products_and_exchanges(prim, *args, **params) -> bool:
+    """The ``none`` policy: keep every weight matmul's output, the experts' grouped matmuls'
+    (``ragged_dot``) and their exchanges' (all-to-all): what costs FLOPs or bandwidth to redo."""
+    if prim.name in ("ragged_dot_general", "all_to_all", "ragged_all_to_all"):
+        return True
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+
+
+REMAT_POLICIES: dict[str, Callable] = {
+    "none": _products_and_exchanges,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "dots-except-mlp-in": jax.checkpoint_policies.save_only_these_names(*KEPT_NAMES),
@@ -250,19 +265,6 @@ def _scan_cached(layers: nnx.Module, x, args: tuple, keys, cache):
     return jax.lax.scan(body, x, (state, keys, cache))
 
 
-_MOVES = frozenset(
-    (jax.lax.dynamic_slice_p, jax.lax.slice_p, jax.lax.reshape_p, jax.lax.squeeze_p,
-     jax.lax.broadcast_in_dim_p, jax.lax.convert_element_type_p, jax.lax.transpose_p)
-)  # fmt: skip
-
-
-def _all_but_moves(prim, *_, **__) -> bool:
-    """Remat policy: keep every result but data movement (slices, reshapes, casts), which the
-    backward pass recomputes from what it came from: a picked layer is read from the stack
-    again instead of being kept per call (``"none"`` for a body that picks)."""
-    return prim not in _MOVES
-
-
 def scan_state(graphdef, state, x, *args, keys=None, remat: Union[str, bool, None] = "none", pick=None,
                aux: bool = False):  # fmt: skip
     """:func:`scan_layers` on a split stack: ``state`` holds the layers' stacked values.
@@ -276,8 +278,6 @@ def scan_state(graphdef, state, x, *args, keys=None, remat: Union[str, bool, Non
     ``aux``: see :func:`scan_layers`.
     """
     policy = REMAT_POLICIES[remat_policy(remat)]
-    if pick is not None and policy is None:
-        policy = _all_but_moves
 
     def body(h, xs):
         layer_state, key = xs
@@ -287,7 +287,6 @@ def scan_state(graphdef, state, x, *args, keys=None, remat: Union[str, bool, Non
         out = layer(h, *args) if keys is None else layer(h, *args, key=key)
         return out if aux else (out, None)
 
-    if policy is not None:
-        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     out, stats = jax.lax.scan(body, x, (state, keys))
     return (out, stats) if aux else out

@@ -82,7 +82,7 @@ def textbook_collectives(cfg: TrainConfig, lay: dict, platform: str = "cpu") -> 
         d = cfg.data
         tokens = d.batch_size / rules.batch_shard_count * d.seq_len / rules.length_shard_count
         act = tokens * dims.width * (2 if cfg.model.dtype == "bfloat16" else 4)
-        per_layer = 4 + (2 if cfg.model.remat != "none" else 0)
+        per_layer = 6  # every policy recomputes the attention's core, whose backward reduces again
         out.append(("tensor-parallel activation all-reduces", per_layer * layers * act / full))
     if pipe is not None:
         p = pipeline_figures(cfg, lay)
@@ -135,10 +135,10 @@ def formula_flops(cfg: TrainConfig, lay: dict, n: int) -> dict[str, Optional[flo
     token, :meth:`~nnxscale.training.Setup.flops_per_token`): ``expected``; ``recompute``: that
     plus what rematerialization runs again in the backward pass (with ``remat full`` each
     layer's forward, a third of the formula less the output head's ``6 x vocab x width``;
-    with ``remat dots`` the attention's products, a third of its term; with ``remat
+    with ``remat dots`` and ``none`` the attention's products, a third of its term; with ``remat
     dots-except-mlp-in`` those and the MLP's input projections' forward); ``attention``: the
     attention term with its share of the recompute (what a fused kernel does). ``None`` where
-    the model's shape is not known (your own module) or nothing is recomputed. Under LoRA
+    the model's shape is not known (your own module). Under LoRA
     (``frozen``) the base's weights take ``4N`` (no weight gradients) and the adapters ``6N``."""
     tokens = cfg.data.batch_size * cfg.data.seq_len / n
     per_token = lay["setup"].flops_per_token()
@@ -147,7 +147,7 @@ def formula_flops(cfg: TrainConfig, lay: dict, n: int) -> dict[str, Optional[flo
         return {"expected": per_token * tokens, "recompute": None, "attention": None, "frozen": False}
     attention = 12 * dims.layers * dims.heads * dims.head_width * cfg.data.seq_len
     mlp_in = 2 * dims.layers * dims.mlp_inputs * dims.width * dims.mlp_width  # the MLP's input projections, forward
-    again = {"none": None, "full": (per_token - 6 * dims.vocab_size * dims.width) / 3, "dots": attention / 3,
+    again = {"none": attention / 3, "full": (per_token - 6 * dims.vocab_size * dims.width) / 3, "dots": attention / 3,
              "dots-except-mlp-in": attention / 3 + mlp_in}[remat]  # fmt: skip
     frozen = lay["model"].lora is not None
     if frozen:  # a frozen weight has no gradient: its products run forward and for the input's gradient, 4N not 6N
@@ -156,7 +156,7 @@ def formula_flops(cfg: TrainConfig, lay: dict, n: int) -> dict[str, Optional[flo
     return {
         "expected": per_token * tokens,
         "recompute": None if again is None else (per_token + again) * tokens,
-        "attention": attention * (1 if remat == "none" else 4 / 3) * tokens,
+        "attention": attention * 4 / 3 * tokens,
         "frozen": frozen,
     }
 
@@ -253,8 +253,10 @@ def exchange_temp_bytes(cfg: TrainConfig, lay: dict) -> int:
     the fitted estimate (a dense model's) lacks. Its buffers have ``R`` rows, :func:`slot_factor`
     times a device's ``N k`` assignments; the working set of one layer holds about 8 of them
     ``F / tp`` wide (the experts' gate, up and hidden activations and their gradients) and
-    half of one ``C`` wide, and without rematerialization every layer keeps ``2 (F / tp + C)``
-    per row for the backward pass. In a pipeline a layer works on one microbatch at a
+    half of one ``C`` wide, and under ``--remat none`` every layer keeps about ``1.5 C`` per row
+    for the backward pass: the exchange's results, which it does not exchange again (the
+    compiled steps of mixtral-tiny and mixtral-mini on the three meshes below keep 0.0-1.6 C
+    more per row and layer than under ``dots``). In a pipeline a layer works on one microbatch at a
     time, and a stage keeps its share of the iterations (:func:`layers_run`). Counted in
     the compute dtype (the exchange's buffers are bfloat16 under bfloat16 compute, unlike
     most of XLA:CPU's). Calibrated against the compiled steps of mixtral-tiny and mixtral-mini
@@ -268,7 +270,7 @@ def exchange_temp_bytes(cfg: TrainConfig, lay: dict) -> int:
     itemsize = 2 if cfg.model.dtype == "bfloat16" else 4
     pipe = lay.get("pipeline")
     working = rows / (pipe.microbatches if pipe is not None else 1) * (8 * F + dims.width / 2)
-    kept = rows * layers_run(dims.layers, pipe) * 2 * (F + dims.width) if cfg.model.remat == "none" else 0.0
+    kept = rows * layers_run(dims.layers, pipe) * 1.5 * dims.width if cfg.model.remat == "none" else 0.0
     return int(itemsize * (working + kept))
 
 
@@ -328,9 +330,9 @@ COEFFICIENTS: dict[str, dict[str, float]] = {
         "grads_sum": 0.5034,
     },
     "none": {
-        "saved_res": 7.755,
-        "saved_tp": 22.77,
-        "saved_att": 2.205,
+        "saved_res": 2.14,
+        "saved_tp": 4.151,
+        "saved_att": 0.1474,
     },
     "full": {
         "saved_res": 1.122,
@@ -355,21 +357,10 @@ COEFFICIENTS: dict[str, dict[str, float]] = {
 
 
 #: Coefficients refitted to a later XLA:CPU, by the first jaxlib they fit, each replacing its
-#: policy's row of :data:`COEFFICIENTS` from that jaxlib on. jaxlib 0.12.1's XLA:CPU keeps one
-#: copy of each layer's attention probabilities for the backward of a step that recomputes
-#: nothing, where 0.10's keeps about two (``saved_att`` 1.21 against 2.21: gpt2-mini, fsdp=8,
-#: 32 x 256, 133 MB of temporaries per device against 175 MB); under the other policies the
-#: two compile the same figures. Refitted by ``python bench/plan_accuracy.py --fit --remat
-#: none`` on that jaxlib, the shared coefficients kept.
-LATER_COEFFICIENTS: dict[tuple[int, ...], dict[str, dict[str, float]]] = {
-    (0, 12, 1): {
-        "none": {
-            "saved_res": 7.786,
-            "saved_tp": 18.62,
-            "saved_att": 1.207,
-        },
-    },
-}
+#: policy's row of :data:`COEFFICIENTS` from that jaxlib on (``python bench/plan_accuracy.py
+#: --fit --remat POLICY`` on that jaxlib prints one, the shared coefficients kept). None is
+#: needed today: jaxlib 0.10.2's rows fit 0.12.1's compiled steps within 11% of their peak.
+LATER_COEFFICIENTS: dict[tuple[int, ...], dict[str, dict[str, float]]] = {}
 
 
 def jaxlib_version() -> tuple[int, ...]:

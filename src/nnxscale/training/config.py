@@ -49,7 +49,8 @@ class ModelSettings:
                         "its architecture, weights and tokenizer")  # fmt: skip
     dtype: str = setting("float32", "--dtype", "compute dtype: float32 or bfloat16 (parameters stay float32)")
     dropout: float = setting(0.0, "--dropout", "dropout rate")
-    remat: str = setting("none", "--remat", "rematerialize in the backward pass: none; full (keep only each block's "
+    remat: str = setting("none", "--remat", "rematerialize in the backward pass: none (recompute no matmul: keep every matmul's "
+                         "output, recompute the elementwise work); full (keep only each block's "
                          "input; a bare --remat); dots (keep the weight matmuls' outputs); dots-except-mlp-in (those but the "
                          "MLP's input projections, the widest)", const="full", choices=REMAT_NAMES)  # fmt: skip
     attention: str = setting("auto", "--attention", "attention implementation: auto (by the mesh's devices: splash on "
