@@ -13,20 +13,34 @@ memory per GPU from the compiler and its step time predicted over the compiled p
   tokens per GPU, 8 accumulation steps, bfloat16, no recompute), beside llm.c's measured
   2.80 s per step: the ratio predicted / measured per policy, and none's step over dots'.
 - ``families``: one small configuration per family (GPT-2, Llama, Mixtral, Qwen3, Gemma 3,
-  DeepSeek), data=8: none's predicted step over dots' and over full's (at most 1 each: a
-  step that recomputes nothing must not be predicted slower than one that recomputes).
+  DeepSeek; the two mixtures as config.json files 1,024 wide), data=8: none's predicted step
+  over dots' and over full's (at most 1 each: a step that recomputes nothing must not be
+  predicted slower than one that recomputes).
 - ``depth``: GPT-2 (768 wide) at 12, 24 and 48 layers, ``--remat none``: the peak's growth
   per layer from 12 to 24 and from 24 to 48 layers (within 10% of each other: linear).
 
 The last line is JSON.
 
 Before issue 49's fix (2026-12-07, jax 0.12.0.1 with the CUDA 13 plugin, 2 cores, about 8
-minutes): llm.c's step with ``none`` 121.5 GiB per GPU (does not fit), 5.80 s (2.07x llm.c's;
-2.36e15 compiled matrix FLOPs, XLA:GPU recomputing GEMMs past its memory limit), ``dots``
-51.1 GiB and 2.96 s (1.06x), ``full`` 32.4 GiB and 3.10 s; ``none`` over ``dots``: gpt2-medium
-1.24, llama-3.2-1b 1.11, qwen3-0.6b 1.15, mixtral-mini 0.88, deepseek-mini 0.92 (the mixtures'
-all-to-alls are not exchanged again); gemma-3-1b did not compile (its fix: f6a67c1). The
-depth: 578 MiB per layer from 12 to 24 and from 24 to 48 layers, linear already.
+minutes; ``none`` then meant no ``jax.checkpoint`` around the scanned layer): llm.c's step
+with ``none`` 121.5 GiB per GPU (does not fit), 5.80 s (2.07x llm.c's; 2.36e15 compiled matrix
+FLOPs, XLA:GPU recomputing GEMMs past its memory limit), ``dots`` 51.1 GiB and 2.96 s (1.06x),
+``full`` 32.4 GiB and 3.10 s; ``none`` over ``dots``: gpt2-medium 1.24, llama-3.2-1b 1.11,
+qwen3-0.6b 1.15, mixtral-mini 0.88, deepseek-mini 0.92 (the mixtures' all-to-alls are not
+exchanged again); gemma-3-1b did not compile (its fix: f6a67c1). The depth: 578 MiB per layer
+from 12 to 24 and from 24 to 48 layers, linear already.
+
+After (2026-12-07, jax 0.12.1 with the CUDA 13 plugin, 12 minutes): llm.c's step with
+``none`` 51.1 GiB per GPU (fits), 3.02 s (1.08x llm.c's), 1.244e15 compiled matrix FLOPs;
+``dots`` the same program; ``full`` 32.4 GiB, 3.16 s, 1.502e15. ``none`` over ``dots`` 1.000
+for every family; over ``full``: gpt2-medium 0.989, llama-3.2-1b 0.952, mixtral 8 x 1024
+0.998, qwen3-0.6b 0.998, gemma-3-1b 0.932, deepseek 6 x 1024 0.998 (the mixtures' steps are
+memory- and launch-bound on XLA:GPU, MFU 4-9%: their experts run as a loop of tiles there).
+At the mini presets (128 wide, 0.1 GiB per GPU, a step of 7-8 ms of launches) ``full`` was
+predicted 1.3% (mixtral-mini) and 0.5% (deepseek-mini) faster than ``none``: the rows above
+are 1,024 wide for that reason.
+The depth: 216.2 MiB per layer from 12 to 24 and from 24 to 48 layers (8 x 1,024 tokens per
+GPU), ratio 1.000.
 """
 
 from __future__ import annotations
@@ -39,13 +53,28 @@ from pathlib import Path
 
 LLMC_SECONDS = 2.80  # llm.c, GPT-2 1558M on 8 H100s (bench/published_runs.json: llmc-gpt2-1558m-h100x8)
 LLMC = dict(model="gpt2-xl", mesh="data=8", batch=1024, seq=1024, accum=8)
-FAMILIES = [  # (model, global batch, seq): each a step of a few GiB per GPU
-    ("gpt2-medium", 64, 1024),
-    ("llama-3.2-1b", 32, 2048),
-    ("mixtral-mini", 64, 256),
-    ("qwen3-0.6b", 32, 2048),
-    ("gemma-3-1b", 32, 2048),
-    ("deepseek-mini", 64, 256),
+# The mixtures at a width where their products cost something (the mini presets, 128 wide and
+# 0.1 GiB per GPU, time op launches): Hugging Face config.json files, as `plan --model DIR` reads them.
+MIXTRAL_1024 = {"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 3584,
+                "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 8,
+                "max_position_embeddings": 4096, "num_local_experts": 8, "num_experts_per_tok": 2}
+DEEPSEEK_1024 = {"model_type": "deepseek_v3", "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
+                 "moe_intermediate_size": 704, "num_hidden_layers": 6, "first_k_dense_replace": 1,
+                 "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 512, "kv_lora_rank": 256,
+                 "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "n_routed_experts": 16,
+                 "num_experts_per_tok": 4, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
+                 "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rope_interleave": True,
+                 "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+                                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                     "original_max_position_embeddings": 1024}}
+FAMILIES = [  # (label, preset or config.json fields, global batch, seq): each a step of a few GiB per GPU
+    ("gpt2-medium", "gpt2-medium", 64, 1024),
+    ("llama-3.2-1b", "llama-3.2-1b", 32, 2048),
+    ("mixtral 8 x 1024", MIXTRAL_1024, 32, 2048),
+    ("qwen3-0.6b", "qwen3-0.6b", 32, 2048),
+    ("gemma-3-1b", "gemma-3-1b", 32, 2048),
+    ("deepseek 6 x 1024", DEEPSEEK_1024, 32, 2048),
 ]
 DEPTHS = (12, 24, 48)
 
@@ -86,18 +115,24 @@ def llmc_table() -> list[dict]:
 def families_table() -> list[dict]:
     out = []
     print("each family, data=8, bfloat16: none's predicted step over dots' and full's")
-    for model, batch, seq in FAMILIES:
-        by = {r: planned(model, "data=8", batch, seq, 1, r) for r in ("none", "dots", "full")}
-        row = {"model": model, **{f"{r}_s": by[r]["step_s"] for r in by}, **{f"{r}_gib": by[r]["peak_gib"] for r in by}}
-        cells = []
-        for r in by:  # a plan without a step time (no compiled schedule to time) says so
-            step = "no step time" if row[f"{r}_s"] is None else f"{row[f'{r}_s'] * 1e3:8.1f} ms"
-            cells.append(f"{r} {step} {row[f'{r}_gib']:6.1f} GiB")
-        if all(row[f"{r}_s"] for r in by):
-            row["none_over_dots"], row["none_over_full"] = row["none_s"] / row["dots_s"], row["none_s"] / row["full_s"]
-            cells.append(f"none/dots {row['none_over_dots']:.3f} none/full {row['none_over_full']:.3f}")
-        print(f"  {model:14} " + " | ".join(cells))
-        out.append(row)
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, model, batch, seq in FAMILIES:
+            if isinstance(model, dict):
+                d = Path(tmp) / label.replace(" ", "")
+                d.mkdir()
+                (d / "config.json").write_text(json.dumps(model))
+                model = str(d)
+            by = {r: planned(model, "data=8", batch, seq, 1, r) for r in ("none", "dots", "full")}
+            row = {"model": label, **{f"{r}_s": by[r]["step_s"] for r in by}, **{f"{r}_gib": by[r]["peak_gib"] for r in by}}
+            cells = []
+            for r in by:  # a plan without a step time (no compiled schedule to time) says so
+                step = "no step time" if row[f"{r}_s"] is None else f"{row[f'{r}_s'] * 1e3:8.1f} ms"
+                cells.append(f"{r} {step} {row[f'{r}_gib']:6.1f} GiB")
+            if all(row[f"{r}_s"] for r in by):
+                row["none_over_dots"], row["none_over_full"] = row["none_s"] / row["dots_s"], row["none_s"] / row["full_s"]
+                cells.append(f"none/dots {row['none_over_dots']:.3f} none/full {row['none_over_full']:.3f}")
+            print(f"  {label:18} " + " | ".join(cells))
+            out.append(row)
     return out
 
 
