@@ -147,6 +147,8 @@ BAD_FLAGS = [
     (["--profile-steps", "ten"], ["--profile-steps 'ten'", "A:B"]),
     (["--cpu-devices", "0"], ["--cpu-devices", "0"]),
     (["--cpu-devices", "100000"], ["--cpu-devices", "1024", "100000"]),
+    (["--quantize-base", "nf4"], ["--quantize-base nf4", "--lora-rank"]),
+    (["--quantize-base", "fp4", "--lora-rank", "4"], ["--quantize-base", "'fp4'", "'nf4', 'int8'"]),
 ]
 
 # Every setting, from a config file: the field is named, with the file.
@@ -162,6 +164,7 @@ BAD_CONFIG_FILES = [
     ("run.toml", "steps = \n", ["run.toml", "not valid TOML"]),
     ("run.json", '{"data": {"batch_size": null}}', ["run.json", "--batch-size (data.batch_size)", "None"]),
     ("run.json", '{"seed": true}', ["run.json", "--seed", "whole number", "True"]),
+    ("run.toml", '[lora]\nrank = 4\nquantize_base = "nf3"\n', ["--quantize-base", "nf4, int8", "'nf3'"]),
 ]
 
 

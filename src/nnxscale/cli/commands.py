@@ -85,7 +85,7 @@ def configure_cpu_devices(n: Optional[int]) -> None:
 PLAN_SETTINGS = (
     "model.name", "parallel.mesh", "parallel.rules", "data.batch_size", "data.seq_len", "model.remat", "model.dtype",
     "model.attention", "data.document_mask", "model.dropout", "optim.grad_accum", "parallel.microbatches", "parallel.pipeline_repeats", "parallel.pipeline_schedule", "parallel.min_shard_bytes",
-    "model.capacity_factor", "lora.rank", "lora.alpha", "lora.targets",
+    "model.capacity_factor", "lora.rank", "lora.alpha", "lora.targets", "lora.quantize_base",
 )  # fmt: skip
 INIT_SETTINGS = ("model.name", "parallel.mesh", "parallel.rules", "parallel.min_shard_bytes", "seed", "run_dir")
 

@@ -215,6 +215,20 @@ def adaptable(model: nnx.Module) -> dict[str, tuple[nnx.Module, str]]:
     return found
 
 
+def stacked_weights(model: nnx.Module) -> dict[tuple, tuple[int, int]]:
+    """``{state path: (n_in, n_out)}`` of every adaptable weight of ``model``'s stacked layers
+    (what adapters attach to by default, and what ``--quantize-base`` stores quantized): the
+    path of the weight's value in ``nnx.state(model)``, its input and output dimension counts."""
+    paths = {id(node): tuple(path) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)}
+    out = {}
+    for module, name in adaptable(model).values():
+        var = getattr(module, name)
+        if _stacked(var) and id(var) in paths:
+            n_in, n_out, _, _ = _geometry(module, name)
+            out[paths[id(var)]] = (n_in, n_out)
+    return out
+
+
 def matches(path: str, target: str) -> bool:
     return path == target or path.endswith("." + target)
 

@@ -22,6 +22,7 @@ from flax import nnx
 from nnxscale.checkpoint.checkpointer import checkpoint_dir
 from nnxscale.errors import ConfigError
 from nnxscale.layers.lora import PREFIX, merge_params
+from nnxscale.layers.quantize import is_quantized, quantize_params
 from nnxscale.models import is_pretrained_dir
 from nnxscale.sharding.layout import format_bytes
 from nnxscale.sharding.state import sharded_init
@@ -117,26 +118,38 @@ def check_base(saved: Optional[dict], current: dict, where: str) -> None:
     )
 
 
-def load_base(s, source: Optional[str], load: Callable[[str], dict]) -> dict:
+def load_base(s, source: Optional[str], load: Callable[[str], dict], log: Optional[Callable[[str], None]] = None) -> dict:
     """The frozen base in its layout: ``load(source)`` (a Hugging Face or run directory), or,
     with no source, the preset's weights drawn from the run's seed (the adapters drawn with
-    them are dropped)."""
+    them are dropped). A ``--quantize-base`` run's base is quantized (``log``: its error)."""
     if source is not None:
-        return load(source)
-    params = nnx.to_pure_dict(nnx.state(sharded_init(s.factory, s.mesh, s.rules, abstract=(s.graphdef, s.model_state))))
-    return split_params(params)[1]
+        base = load(source)
+    else:
+        params = nnx.to_pure_dict(nnx.state(sharded_init(s.factory, s.mesh, s.rules, abstract=(s.graphdef, s.model_state))))
+        base = split_params(params)[1]
+    return base if s.quantized is None else quantize_params(base, *s.quantized, log=log)
 
 
 def describe(s) -> str:
     """One line: what the adapters adapt and what trains of the model."""
     spec = s.model.lora
     adapters = jax.tree.leaves(s.abstract["params"])
-    base = jax.tree.leaves(s.abstract[BASE])
+    base = jax.tree.leaves(s.abstract[BASE], is_leaf=is_quantized)
     trainable, frozen = (sum(math.prod(a.shape) for a in t) for t in (adapters, base))
     kinds = sorted({str(jnp.dtype(a.dtype)) for a in base})
     return (
         f"LoRA: rank {spec.rank}, alpha {spec.alpha:g} (scale {spec.scale:g}), dropout {spec.dropout:g}, "
         f"{len(adapters) // 2} adapted weights; {trainable:,} trainable parameters "
         f"({format_bytes(4 * trainable)}), {trainable / max(trainable + frozen, 1):.2%} of {trainable + frozen:,}; "
-        f"the base frozen in {'/'.join(kinds)}"
+        f"the base frozen in {'/'.join(kinds)}{_stored(s, base)}"
     )
+
+
+def _stored(s, base: list) -> str:
+    """What ``--quantize-base`` stores of the base: its weights quantized, their bytes."""
+    if s.quantized is None:
+        return ""
+    quantized = [a for a in base if is_quantized(a)]
+    code = 0.5 if s.quantized[1] == "nf4" else 1.0
+    size = sum(a.codes.size * code + a.scales.size * 4 for a in quantized)
+    return f", its {len(quantized)} stacked linear weights stored {s.quantized[1]} ({format_bytes(int(size))} with their scales)"

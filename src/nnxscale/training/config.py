@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 
 from nnxscale.errors import ConfigError
 from nnxscale.layers.attention_names import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from nnxscale.layers.quantize_names import SCHEMES as QUANTIZE_SCHEMES
 from nnxscale.layers.remat import REMAT_NAMES, remat_name
 from nnxscale.training.observe import parse_profile_steps
 
@@ -88,6 +89,10 @@ class LoraSettings:
                                      "llama q,k,v,o,gate,up,down; mixtral q,k,v,o,w1,w2,w3 (every expert); gpt2 "
                                      "c_attn,c_proj,c_fc (or attn.c_proj, mlp.c_proj); or any module path suffix of "
                                      "your own module; default: all of these (every linear layer of the blocks)")  # fmt: skip
+    quantize_base: Optional[str] = setting(None, "--quantize-base", "store the frozen base's linear layers quantized "
+                                           "(QLoRA): nf4 (4-bit NormalFloat) or int8, in blocks of 64 with their "
+                                           "scales, dequantized per layer in the compute --dtype; needs --lora-rank; "
+                                           "embeddings, norms and the head stay as they are", choices=QUANTIZE_SCHEMES)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +328,11 @@ class TrainConfig:
             given = [f for f, v in (("--lora-alpha", lora.alpha), ("--lora-dropout", lora.dropout or None),
                                     ("--lora-targets", lora.targets)) if v is not None]  # fmt: skip
             raise ConfigError(f"{', '.join(given)} set(s) LoRA adapters, which need --lora-rank R (e.g. --lora-rank 16)")
+        if lora.quantize_base is not None and lora.rank is None:
+            raise ConfigError(f"--quantize-base {lora.quantize_base} stores the frozen base of LoRA adapters quantized, "
+                              "which needs --lora-rank R (e.g. --lora-rank 16): a base that trains cannot be quantized")  # fmt: skip
+        if lora.quantize_base not in (None, *QUANTIZE_SCHEMES):
+            raise ConfigError(f"--quantize-base must be one of {', '.join(QUANTIZE_SCHEMES)}, got {lora.quantize_base!r}")
         if lora.targets is not None and not [t for t in lora.targets.split(",") if t.strip()]:
             raise ConfigError("--lora-targets is empty: name the layers to adapt (e.g. q,k,v,o) or leave it unset")
 

@@ -275,7 +275,8 @@ class _Run:
             start, state, extras = ckpt.restore_intact(target, warn=self.log, set_aside=True)
             if lora:
                 lora_state.check_base(extras.get("adapters_base"), self.base, f"{cfg.run_dir} (step {start})")
-                state[lora_state.BASE] = lora_state.load_base(s, init_from, lambda src: load_init_params(s, src, warn=self.log))
+                state[lora_state.BASE] = lora_state.load_base(s, init_from, lambda src: load_init_params(s, src, warn=self.log),
+                                                              self.log)  # fmt: skip
             watch.progress(f"restored step {start}")
             self.state = run_order(s, state)  # checkpoints hold layer order
             ckpt.remove_surplus()
@@ -293,7 +294,7 @@ class _Run:
         else:
             watch.phase("initializing the model", compiles=True, kind="save")
             params = load_init_params(s, init_from, warn=self.log) if init_from else None
-            self.state = init_state(s, params)
+            self.state = init_state(s, params, log=self.log)
             if self.is_main:
                 self.metrics_path.unlink(missing_ok=True)
         self.skips = SkipCounter(cfg.max_bad_steps, skipped_before, cfg.optim.lr, Path(cfg.run_dir))

@@ -30,7 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
 from nnxscale.data import text as text
-from nnxscale.layers import attention
+from nnxscale.layers import attention, quantize
+from nnxscale.layers import lora as lora_layers
 from nnxscale.layers.pipeline import Pipeline, manual_axes, to_layer_order, to_stage_order
 from nnxscale.layers.stack import LAYERS
 from nnxscale.models import (
@@ -77,6 +78,8 @@ class Setup:
     pipeline: Optional[Pipeline] = None  # the schedule over the mesh's stage axis; None without one
     stacked_layers: Optional[int] = None  # depth of the stacked layers the pipeline runs
     model_state: Any = None  # the model's nnx State: Variables (logical names) over sharded ShapeDtypeStructs
+    # --quantize-base: ({state path: (n_in, n_out)} of the base weights stored quantized, scheme, compute dtype)
+    quantized: Optional[tuple] = None
 
     @property
     def param_shardings(self):
@@ -85,7 +88,8 @@ class Setup:
     @property
     def num_params(self) -> int:
         """The model's parameters (a LoRA run's base and adapters alike)."""
-        return sum(math.prod(a.shape) for a in jax.tree.leaves(lora_state.model_params(self.abstract)))
+        leaves = jax.tree.leaves(lora_state.model_params(self.abstract), is_leaf=quantize.is_quantized)
+        return sum(math.prod(a.shape) for a in leaves)
 
     def vocab_size(self) -> int:
         """The model's vocabulary: its family's, or the last axis of its own module's logits
@@ -294,6 +298,12 @@ def setup(
     tx, schedule = make_optimizer(cfg, mask)
     abstract, state_sh, init_fn = _train_state(cfg, tx, pure_dict(abs_model_state), param_sh, mesh, base_sh,
                                                reference=m.reference and m.lora is None)  # fmt: skip
+    quantized = None
+    if m.lora is not None and cfg.lora.quantize_base is not None:  # QLoRA: the frozen layers' weights stored quantized
+        targets = lora_layers.stacked_weights(nnx.merge(graphdef, abs_model_state))
+        quantized = (targets, cfg.lora.quantize_base, jnp.dtype(cfg.model.dtype))
+        abstract[lora_state.BASE] = quantize.quantize_abstract(abstract[lora_state.BASE], *quantized)
+        state_sh[lora_state.BASE] = jax.tree.map(lambda a: a.sharding, abstract[lora_state.BASE])
 
     batch_sharding = rules.sharding(rules.batch_spec())
     batch = jax.ShapeDtypeStruct((d.batch_size, d.seq_len), jnp.int32, sharding=batch_sharding)
@@ -315,6 +325,7 @@ def setup(
         pipeline=pipe,
         stacked_layers=stacked,
         model_state=abs_model_state,
+        quantized=quantized,
     )
 
 
@@ -360,7 +371,7 @@ def _train_state(cfg: TrainConfig, tx, abs_params, param_sh, mesh, base_sh=None,
     return abstract, state_sh, state_from
 
 
-def init_state(setup: Setup, params=None):
+def init_state(setup: Setup, params=None, *, log: Optional[Callable[[str], None]] = None):
     """Create the train state directly in its sharded layout (or around given params), in
     the order the step runs it (:func:`run_order`). A LoRA run's given params are its base:
     fresh adapters join them."""
@@ -369,6 +380,8 @@ def init_state(setup: Setup, params=None):
         params = pure_dict(nnx.state(sharded_init(setup.factory, setup.mesh, setup.rules, abstract=abstract)))
     elif setup.model.lora is not None:
         params = lora_state.merge_params(params, lora_state.init_adapters(setup))
+    if setup.quantized is not None:  # each frozen weight quantized where it lies, before the state is built around it
+        params = quantize.quantize_params(params, *setup.quantized, log=log)
     with jax.set_mesh(setup.mesh):
         state = jax.jit(setup.init_fn, out_shardings=setup.state_shardings, donate_argnums=0)(params)
     return run_order(setup, state)

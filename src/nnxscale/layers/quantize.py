@@ -1,0 +1,199 @@
+"""A frozen weight stored quantized (QLoRA's base): 4-bit NormalFloat or int8 in blocks of 64,
+dequantized where the layer reads it.
+
+:class:`Quantized` holds a weight's codes and their scales (both sharded like the weight) in
+place of the weight's array, as the value of its ``nnx.Param``. Reading it the way a layer
+reads a weight, ``param[...]``, returns the dequantized weight in the compute dtype, so the
+layers that read it (``nnx.Linear``, ``nnx.Einsum``, a chunked MLP, a mixture's experts) run
+unchanged, and inside a scanned stack only the layer being run is ever dequantized: no
+full-precision copy of the base exists on a device.
+
+Blocks (Dettmers et al., 2023, "QLoRA"): each block of ``BLOCK`` consecutive entries along a
+weight's last input dimension (the contraction, as in a Hugging Face weight's rows) has its
+own absmax scale, kept in float32 (QLoRA's double quantization of the scales, 0.37 bits per
+entry more saved, is not done: one float32 per 64 entries is 0.5 bits). A dimension that 64
+does not divide (only the test models') takes the largest block that divides it.
+
+The quantization math is Qwix's (``qwix.quantize``/``qwix.dequantize``: Google's JAX
+quantization library; its NF4 codebook is the QLoRA paper's, Appendix E). Qwix's own way of
+quantizing a model (its providers, which intercept a module's products) is not used: a
+scanned stack's weights and their logical sharding names must stay what the model made, and
+the weights here are frozen inputs read per layer, not quantized per call.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from nnxscale.errors import ConfigError
+from nnxscale.layers.quantize_names import SCHEMES as NAMES
+
+#: The schemes of ``--quantize-base`` (:data:`~nnxscale.layers.quantize_names.SCHEMES`): the
+#: stored code of each weight entry, as Qwix names it.
+SCHEMES = dict(zip(NAMES, ("nf4", jnp.int8)))
+#: Entries per block (QLoRA's 64).
+BLOCK = 64
+
+
+@struct.dataclass
+class Quantized:
+    """A weight stored as ``codes`` (its shape; ``uint4`` NF4 codes or ``int8``) and ``scales``
+    (its shape, but the block axis divided by the block size; float32), dequantized to ``dtype``
+    when read with ``[...]`` (or any index). ``shape``/``dtype`` are the weight's."""
+
+    codes: jax.Array
+    scales: jax.Array
+    scheme: str = struct.field(pytree_node=False, default="nf4")
+    dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.codes.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.codes.shape)
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        """The weight in ``dtype`` (default ``self.dtype``): codes times their block's scale."""
+        import qwix
+
+        q = qwix.QArray(self.codes, self.scales, None, SCHEMES[self.scheme])
+        return qwix.dequantize(q).astype(dtype or self.dtype)
+
+    def __getitem__(self, index) -> jax.Array:
+        w = self.dequantize()
+        return w if index is Ellipsis else w[index]
+
+    def astype(self, dtype) -> jax.Array:
+        return self.dequantize(dtype)
+
+
+nnx.register_data_type(Quantized)
+
+
+def is_quantized(x) -> bool:
+    return isinstance(x, Quantized)
+
+
+def check_scheme(scheme: str) -> str:
+    if scheme not in SCHEMES:
+        raise ConfigError(f"--quantize-base {scheme!r}: choose one of {', '.join(SCHEMES)}")
+    return scheme
+
+
+def block_size(dim: int) -> int:
+    """The block along a dimension of ``dim`` entries: ``BLOCK``, or the largest divisor below it."""
+    return math.gcd(dim, BLOCK)
+
+
+def quantize(w: jax.Array, scheme: str, axis: int, dtype=jnp.float32) -> Quantized:
+    """``w`` quantized in blocks along ``axis`` (its last input dimension), every other axis
+    its own scales; read back in ``dtype``."""
+    import qwix
+
+    axis = axis % w.ndim
+    others = [a for a in range(w.ndim) if a != axis]
+    q = qwix.quantize(w.astype(jnp.float32), SCHEMES[check_scheme(scheme)], channelwise_axes=others,
+                      tiled_axes={axis: block_size(w.shape[axis])})  # fmt: skip
+    return Quantized(q.qvalue, q.scale.astype(jnp.float32), scheme, jnp.dtype(dtype))
+
+
+def abstract(shape: tuple[int, ...], scheme: str, axis: int, dtype=jnp.float32) -> Quantized:
+    """The ``jax.ShapeDtypeStruct`` leaves of :func:`quantize`'s result for a weight of ``shape``."""
+    return jax.eval_shape(lambda: quantize(jnp.zeros(shape, jnp.float32), scheme, axis, dtype))
+
+
+def shardings(weight: NamedSharding, q: Quantized) -> Quantized:
+    """:class:`Quantized`'s shardings for a weight sharded as ``weight``: the codes as the
+    weight; the scales as the weight where their dimension still divides over its mesh axes
+    (the block axis has ``1/64`` of the entries), else whole along that dimension."""
+    spec = tuple(weight.spec) + (None,) * (q.codes.ndim - len(weight.spec))
+    sizes = dict(zip(weight.mesh.axis_names, weight.mesh.axis_sizes))
+
+    def fits(entry, dim):
+        names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        return dim % math.prod(sizes[n] for n in names) == 0
+
+    scale_spec = tuple(e if fits(e, d) else None for e, d in zip(spec, q.scales.shape))
+    return Quantized(weight, NamedSharding(weight.mesh, P(*scale_spec)), q.scheme, q.dtype)
+
+
+def _relative_error(w: jax.Array, q: Quantized) -> jax.Array:
+    d = q.dequantize(jnp.float32) - w.astype(jnp.float32)
+    return jnp.linalg.norm(d.ravel()) / jnp.maximum(jnp.linalg.norm(w.astype(jnp.float32).ravel()), 1e-30)
+
+
+def error(w: jax.Array, q: Quantized) -> float:
+    """The relative error of ``q`` against ``w``: ``|dequantized - w| / |w|`` (Frobenius)."""
+    return float(_relative_error(w, q))
+
+
+def block_axis(shape: tuple[int, ...], n_in: int, n_out: int) -> int:
+    """The block axis of a weight of ``shape`` whose last ``n_in + n_out`` dimensions are its
+    inputs then its outputs: the last input dimension (the leading ones are stacked layers or
+    experts)."""
+    return len(shape) - n_out - 1
+
+
+def _get(tree: dict, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _replaced(tree: dict, path: tuple, value) -> dict:
+    """``tree`` with the leaf at ``path`` replaced (the dicts along the path copied)."""
+    if not path:
+        return value
+    return {**tree, path[0]: _replaced(tree[path[0]], path[1:], value)}
+
+
+def quantize_params(params: dict, targets: dict[tuple, tuple[int, int]], scheme: str, dtype=jnp.float32,
+                    log: Optional[Callable[[str], None]] = None) -> dict:  # fmt: skip
+    """``params`` (a nested dict of sharded arrays) with each weight of ``targets`` (``{path:
+    (n_in, n_out)}``, :func:`nnxscale.layers.lora.stacked_weights`) replaced by its
+    :class:`Quantized`, quantized on the devices that hold it, sharded like it, one weight at a
+    time. ``log``: one line of the quantization's error per tensor (:func:`error`)."""
+    check_scheme(scheme)
+    errors = {}
+    for path, (n_in, n_out) in targets.items():
+        w = _get(params, path)
+        axis = block_axis(w.shape, n_in, n_out)
+        out = shardings(w.sharding, abstract(w.shape, scheme, axis, dtype))
+
+        def run(w, axis=axis):
+            q = quantize(w, scheme, axis, dtype)
+            return q, _relative_error(w, q)
+
+        q, errors[path] = jax.jit(run, out_shardings=(out, NamedSharding(w.sharding.mesh, P())))(w)
+        params = _replaced(params, path, q)
+    if log is not None and errors:
+        e = np.array([float(v) for v in errors.values()])
+        worst = ".".join(map(str, max(errors, key=lambda k: float(errors[k]))))
+        log(f"quantized base: {len(e)} weights stored {scheme} in blocks of {BLOCK}; relative error per tensor "
+            f"{e.min():.4f} to {e.max():.4f} (mean {e.mean():.4f}; the largest: {worst})")  # fmt: skip
+    return params
+
+
+def quantize_abstract(tree: dict, targets: dict[tuple, tuple[int, int]], scheme: str, dtype=jnp.float32) -> dict:
+    """:func:`quantize_params` on ``jax.ShapeDtypeStruct`` leaves carrying their shardings."""
+    check_scheme(scheme)
+    for path, (n_in, n_out) in targets.items():
+        a = _get(tree, path)
+        q = abstract(a.shape, scheme, block_axis(a.shape, n_in, n_out), dtype)
+        sh = shardings(a.sharding, q)
+        q = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), q, sh)
+        tree = _replaced(tree, path, q)
+    return tree
