@@ -34,7 +34,8 @@ GQA = preset(
                                                  original_max_position_embeddings=32),
 )  # fmt: skip
 
-PUBLISHED = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248}
+PUBLISHED = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248,
+             "llama-3.1-70b": 70_553_706_496}
 
 
 def hf_llama_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -99,8 +100,9 @@ def test_published_parameter_counts(name):
     assert sum(math.prod(x.shape) for x in leaves) == PUBLISHED[name]
     assert cfg.num_params() == PUBLISHED[name]
     assert (cfg.vocab_size, cfg.num_key_value_heads, cfg.head_size) == (128256, 8, 64 if name == "llama-3.2-1b" else 128)
-    assert cfg.tie_word_embeddings == (name != "llama-3.1-8b")
-    assert hasattr(abstract, "lm_head") == (name == "llama-3.1-8b")
+    untied = name in ("llama-3.1-8b", "llama-3.1-70b")  # the 3.2 models tie the head to the embedding
+    assert cfg.tie_word_embeddings == (not untied)
+    assert hasattr(abstract, "lm_head") == untied
 
 
 def test_flops_per_token():

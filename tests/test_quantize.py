@@ -187,9 +187,67 @@ def test_a_qlora_run_resumes_exactly_samples_and_exports(tmp_path, text_data, ca
         w, m = source[name].astype(np.float32), merged[name].astype(np.float32)  # (out, in): blocks along in
         peft = f"base_model.model.{name[: -len('.weight')]}"
         delta = adapters[f"{peft}.lora_B.weight"] @ adapters[f"{peft}.lora_A.weight"]  # alpha = rank: scale 1
-        # the base is quantized as the run holds it, in its compute dtype (QLoRA quantizes a bfloat16 checkpoint)
-        dequantized = np.asarray(quantize.quantize(jnp.asarray(w, jnp.bfloat16), "nf4", axis=1).dequantize())
+        # each weight is quantized as it is read, from the checkpoint's float32
+        dequantized = np.asarray(quantize.quantize(jnp.asarray(w), "nf4", axis=1).dequantize())
         assert np.linalg.norm(m - (dequantized + delta)) / np.linalg.norm(m) < 0.01, name  # bfloat16's rounding
         assert np.linalg.norm(m - (w + delta)) / np.linalg.norm(m) > 0.05, name  # the base exported is the quantized one
     embed = "model.embed_tokens.weight"  # not quantized: the source's, in the compute dtype
     np.testing.assert_array_equal(merged[embed].astype(np.float32), source[embed].astype(jnp.bfloat16).astype(np.float32))
+
+
+def test_plan_counts_the_base_in_its_codes():
+    """``plan`` of a QLoRA run compiles the step over the quantized base: llama-mini on fsdp=8
+    with float32 compute, its stacked weights in 4-bit codes and a float32 scale per 64 entries
+    instead of 32 bits each; the layout's parameter bytes and the compiler's peak drop."""
+    import nnxscale
+    from test_train import tiny_cfg
+
+    def planned(**kw):
+        return nnxscale.plan(tiny_cfg("unused", "unused", model="llama-mini", mesh="fsdp=8", lora__rank=4, **kw))
+
+    lora, qlora = planned(), planned(lora__quantize_base="nf4")
+    config = __import__("nnxscale.models.llama", fromlist=["preset"]).preset("llama-mini")
+    C, F, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * config.head_size
+    stacked = L * (2 * C * C + 2 * C * kv + 3 * C * F)  # q, o; k, v; gate, up, down
+    codes = stacked * (4 - 0.5) / 8  # float32 weights to 4-bit codes, bytes per device on fsdp=8
+    scales = stacked / 64 * 4  # all of them: a scale's block axis may be too short to split (3 blocks of 192)
+    saved = lora.param_bytes - qlora.param_bytes
+    assert codes - scales <= saved <= codes - scales / 8, (saved, codes, scales)
+    # The compiler's peak drops by less at this size: each layer's gathered weight is dequantized
+    # into a temporary (llama-3.1-70b on one H100: 140.9 GiB -> 50.6, docs/quantization.md).
+    assert qlora.peak_bytes < lora.peak_bytes - saved / 5, (qlora.peak_bytes, lora.peak_bytes, saved)
+
+
+def test_each_weight_is_quantized_as_it_is_read(tmp_path, monkeypatch):
+    """From a Hugging Face directory the base never reaches the devices whole in full
+    precision: each stacked weight is quantized right after its own tensors are read, before
+    the next weight's are."""
+    from test_train import tiny_cfg
+
+    from nnxscale.models.common import hf_checkpoint
+    from nnxscale.training.state import load_init_params, setup
+
+    hf = hf_llama(tmp_path)
+    s = setup(tiny_cfg("unused", "unused", model=str(hf), mesh="fsdp=2,model=4", lora__rank=4, lora__quantize_base="nf4"))
+    events = []
+    read, quantized = hf_checkpoint.SafetensorsFiles.slice, quantize.Quantizer.__call__
+
+    def reading(self, key):
+        events.append(("read", key))
+        return read(self, key)
+
+    def quantizing(self, path, w):
+        q = quantized(self, path, w)
+        if q is not w:
+            events.append(("quantized", ".".join(path)))
+        return q
+
+    monkeypatch.setattr(hf_checkpoint.SafetensorsFiles, "slice", reading)
+    monkeypatch.setattr(quantize.Quantizer, "__call__", quantizing)
+    params = load_init_params(s, str(hf), warn=lambda _: None)
+    done = [i for i, (kind, _) in enumerate(events) if kind == "quantized"]
+    assert len(done) == 7
+    for before, after in zip(done, done[1:]):  # another weight's tensors read between two quantizations
+        assert any(kind == "read" for kind, _ in events[before + 1 : after]), events
+    assert quantize.is_quantized(params["layers"]["mlp"]["up_proj"]["kernel"])

@@ -160,30 +160,49 @@ def _replaced(tree: dict, path: tuple, value) -> dict:
     return {**tree, path[0]: _replaced(tree[path[0]], path[1:], value)}
 
 
-def quantize_params(params: dict, targets: dict[tuple, tuple[int, int]], scheme: str, dtype=jnp.float32,
-                    log: Optional[Callable[[str], None]] = None) -> dict:  # fmt: skip
-    """``params`` (a nested dict of sharded arrays) with each weight of ``targets`` (``{path:
-    (n_in, n_out)}``, :func:`nnxscale.layers.lora.stacked_weights`) replaced by its
-    :class:`Quantized`, quantized on the devices that hold it, sharded like it, one weight at a
-    time. ``log``: one line of the quantization's error per tensor (:func:`error`)."""
-    check_scheme(scheme)
-    errors = {}
-    for path, (n_in, n_out) in targets.items():
-        w = _get(params, path)
-        axis = block_axis(w.shape, n_in, n_out)
-        out = shardings(w.sharding, abstract(w.shape, scheme, axis, dtype))
+class Quantizer:
+    """Quantizes the weights of ``targets`` (``{state path: (n_in, n_out)}``,
+    :func:`nnxscale.layers.lora.stacked_weights`) one at a time as they come, each on the devices
+    that hold it and sharded like it: ``q(path, w)`` returns ``w``'s :class:`Quantized` (``w``
+    itself when ``path`` is not a target, or ``w`` is quantized already) and keeps its error
+    for :meth:`report`."""
 
-        def run(w, axis=axis):
-            q = quantize(w, scheme, axis, dtype)
+    def __init__(self, targets: dict[tuple, tuple[int, int]], scheme: str, dtype=jnp.float32):
+        self.targets = {".".join(map(str, path)): dims for path, dims in targets.items()}
+        self.scheme, self.dtype, self.errors = check_scheme(scheme), jnp.dtype(dtype), {}
+
+    def __call__(self, path: tuple, w):
+        key = ".".join(map(str, path))
+        if key not in self.targets or is_quantized(w):
+            return w
+        axis = block_axis(w.shape, *self.targets[key])
+        out = shardings(w.sharding, abstract(w.shape, self.scheme, axis, self.dtype))
+
+        def run(w):
+            q = quantize(w, self.scheme, axis, self.dtype)
             return q, _relative_error(w, q)
 
-        q, errors[path] = jax.jit(run, out_shardings=(out, NamedSharding(w.sharding.mesh, P())))(w)
-        params = _replaced(params, path, q)
-    if log is not None and errors:
-        e = np.array([float(v) for v in errors.values()])
-        worst = ".".join(map(str, max(errors, key=lambda k: float(errors[k]))))
-        log(f"quantized base: {len(e)} weights stored {scheme} in blocks of {BLOCK}; relative error per tensor "
+        q, self.errors[key] = jax.jit(run, out_shardings=(out, NamedSharding(w.sharding.mesh, P())))(w)
+        return q
+
+    def report(self, log: Optional[Callable[[str], None]]) -> None:
+        """One line of the errors of the weights quantized so far (none: nothing)."""
+        if log is None or not self.errors:
+            return
+        e = np.array([float(v) for v in self.errors.values()])
+        worst = max(self.errors, key=lambda k: float(self.errors[k]))
+        log(f"quantized base: {len(e)} weights stored {self.scheme} in blocks of {BLOCK}; relative error per tensor "
             f"{e.min():.4f} to {e.max():.4f} (mean {e.mean():.4f}; the largest: {worst})")  # fmt: skip
+
+
+def quantize_params(params: dict, targets: dict[tuple, tuple[int, int]], scheme: str, dtype=jnp.float32,
+                    log: Optional[Callable[[str], None]] = None) -> dict:  # fmt: skip
+    """``params`` (a nested dict of sharded arrays) with each weight of ``targets`` replaced by
+    its :class:`Quantized` (:class:`Quantizer`); ``log``: one line of their errors."""
+    quantizer = Quantizer(targets, scheme, dtype)
+    for path in targets:
+        params = _replaced(params, path, quantizer(path, _get(params, path)))
+    quantizer.report(log)
     return params
 
 

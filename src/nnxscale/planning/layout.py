@@ -14,7 +14,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType
 
 from nnxscale.sharding.axes import EXPERT, entry_axes
-from nnxscale.sharding.layout import full_bytes
+from nnxscale.sharding.layout import full_bytes, itemsize
 from nnxscale.sharding.mesh import parse_mesh_spec, resolve_mesh_shape
 from nnxscale.sharding.state import layouts, path_str
 from nnxscale.training.config import TrainConfig
@@ -51,7 +51,7 @@ def layout_figures(cfg: TrainConfig, sizes: dict[str, int], s=None) -> dict[str,
     rows = layouts(s.model_state, sizes, s.rules)
 
     def per_device(tree) -> int:
-        return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+        return int(sum(math.prod(a.sharding.shard_shape(a.shape)) * itemsize(a.dtype) for a in jax.tree.leaves(tree)))
 
     trained = per_device(s.abstract["params"])  # a LoRA run: its adapters; its frozen base has no gradient
     # frozen arrays beside them: a LoRA run's base, --objective dpo's reference parameters

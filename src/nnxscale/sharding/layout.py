@@ -60,22 +60,28 @@ def shard_shape(global_shape: Sequence[int], spec, mesh) -> tuple[int, ...]:
     return tuple(out)
 
 
-def itemsize(dtype) -> int:
-    """Bytes per element; works for numpy dtypes, names like "bfloat16", and JAX key dtypes."""
+#: Dtypes of fewer than 8 bits, which XLA packs two to a byte on a device (numpy stores each in a byte).
+HALF_BYTE = ("int4", "uint4", "float4_e2m1fn")
+
+
+def itemsize(dtype) -> float:
+    """Bytes per element on a device; works for numpy dtypes, names like "bfloat16", and JAX
+    key dtypes. 4-bit codes (``--quantize-base nf4``) take half a byte."""
     try:
-        return np.dtype(dtype).itemsize
+        d = np.dtype(dtype)
     except TypeError:  # extended dtypes (PRNG keys) are not numpy dtypes but know their size
         return int(dtype.itemsize)
+    return 0.5 if d.name in HALF_BYTE else d.itemsize
 
 
 def shard_bytes(global_shape: Sequence[int], dtype, spec, mesh) -> int:
     """Bytes one device holds for a tensor laid out by ``spec`` on ``mesh``."""
-    return math.prod(shard_shape(global_shape, spec, mesh)) * itemsize(dtype)
+    return int(math.prod(shard_shape(global_shape, spec, mesh)) * itemsize(dtype))
 
 
 def full_bytes(global_shape: Sequence[int], dtype) -> int:
     """Bytes of the whole, unsharded tensor."""
-    return math.prod(int(d) for d in global_shape) * itemsize(dtype)
+    return int(math.prod(int(d) for d in global_shape) * itemsize(dtype))
 
 
 def state_bytes(shapes_and_specs, mesh) -> tuple[int, int]:

@@ -16,6 +16,7 @@ frozen weights are ``"base"`` (:mod:`nnxscale.training.adapters`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from pathlib import Path
@@ -39,6 +40,7 @@ from nnxscale.models import (
     is_pretrained_dir,
     pretrained_family,
 )  # fmt: skip
+from nnxscale.models.common.hf_checkpoint import transform_loaded
 from nnxscale.sharding.activations import use_rules
 from nnxscale.sharding.axes import DATA, EXPERT, STAGE, entry_axes
 from nnxscale.sharding.mesh import format_mesh, make_mesh
@@ -444,12 +446,21 @@ def load_init_params(setup: Setup, source: str, *, warn: Callable[[str], None] =
             )
         if family is not m.family:
             raise ConfigError(f"--init-from {path} holds a {family.name} model, but --model {m.name} is a {m.family.name} preset")
-        model = family.from_pretrained(path, mesh=setup.mesh, rules=setup.rules)
+        # --quantize-base: each weight quantized as it is read (from the checkpoint's dtype)
+        quantizer = None if setup.quantized is None else quantize.Quantizer(*setup.quantized)
+        with contextlib.nullcontext() if quantizer is None else transform_loaded(quantizer):
+            model = family.from_pretrained(path, mesh=setup.mesh, rules=setup.rules)
         if differences := architecture_differences(family, model.config, m.config):
             raise ConfigError(f"--init-from {path} is not the architecture of --model {m.name} ({'; '.join(differences)})")
+        if quantizer is not None:
+            quantizer.report(warn)
         params = pure_dict(nnx.state(model))
         wanted = _model_abstract(setup)
-        return jax.tree.map(lambda a, want: a if a.dtype == want.dtype else a.astype(want.dtype), params, wanted)
+
+        def cast(a, want):
+            return a if quantize.is_quantized(a) or a.dtype == want.dtype else a.astype(want.dtype)
+
+        return jax.tree.map(cast, params, wanted, is_leaf=quantize.is_quantized)
     ckpt_root = checkpoint_dir(path)
     if not ckpt_root.exists():
         raise ConfigError(

@@ -13,6 +13,7 @@ only what its devices hold.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import itertools
@@ -183,6 +184,22 @@ class SafetensorsFiles(contextlib.ExitStack):
         return PARAM_DTYPES.get(self.slice(key).get_dtype(), "float32")
 
 
+_LOADED: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar("nnxscale_loaded", default=None)
+
+
+@contextlib.contextmanager
+def transform_loaded(fn: Callable[[tuple, jax.Array], Any]):
+    """Within it, every parameter :func:`load_state` reads passes through ``fn(path, array)``
+    as soon as it is on its devices, before the next is read (``path``: the parameter's state
+    path as text): ``--quantize-base`` quantizes each weight there, so the base is never on the
+    devices whole in full precision."""
+    token = _LOADED.set(fn)
+    try:
+        yield
+    finally:
+        _LOADED.reset(token)
+
+
 def load_state(
     files: SafetensorsFiles,
     abstract,
@@ -233,7 +250,10 @@ def load_state(
                 cache[key] = read(index)
             return cache[key]
 
-        return v.replace(jax.make_array_from_callback(shape, sharding, callback))
+        array = jax.make_array_from_callback(shape, sharding, callback)
+        if (transform := _LOADED.get()) is not None:
+            array = transform(tuple(key_part(k) for k in path), array)
+        return v.replace(array)
 
     return jax.tree_util.tree_map_with_path(load, abstract, shardings, is_leaf=is_variable)
 

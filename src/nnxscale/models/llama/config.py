@@ -41,6 +41,8 @@ PRESETS: dict[str, LlamaConfig] = {
                                 num_attention_heads=24, rope_scaling=_SCALING_3_2, tie_word_embeddings=True),
     "llama-3.1-8b": LlamaConfig(**_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                 num_attention_heads=32, rope_scaling=_SCALING_3_1, tie_word_embeddings=False),
+    "llama-3.1-70b": LlamaConfig(**_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                 num_attention_heads=64, rope_scaling=_SCALING_3_1, tie_word_embeddings=False),
     "llama-tiny": LlamaConfig(**_BYTES, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                               num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=128),
     "llama-mini": LlamaConfig(**_BYTES, hidden_size=192, intermediate_size=512, num_hidden_layers=4,
