@@ -132,11 +132,13 @@ def _batches(data, n, batch=8, seq=32):
     return [{"inputs": r[:, :-1], "targets": r[:, 1:]} for r in rows]
 
 
-@pytest.mark.parametrize("model", ["llama-mini", pytest.param("mixtral-tiny", marks=pytest.mark.extended)])
-def test_lora_losses_are_the_same_on_data_fsdp_tensor_and_pipeline_meshes(text_data, model):
+@pytest.mark.parametrize("model, quantized", [("llama-mini", None), ("llama-mini", "nf4"),
+                                              pytest.param("mixtral-tiny", None, marks=pytest.mark.extended)])  # fmt: skip
+def test_lora_losses_are_the_same_on_data_fsdp_tensor_and_pipeline_meshes(text_data, model, quantized):
     """llama-mini (and, extended, mixtral-tiny) with adapters on every linear layer, 10 steps on data=8,
     fsdp=2,model=4 and stage=2,data=4: the same losses (1e-5 relative); the adapters move,
-    the base does not change by a bit.
+    the base does not change by a bit. With ``--quantize-base nf4`` (QLoRA) the same: its codes
+    and scales laid out on each mesh like the weights.
 
     Batch 8 x 16: every batch shard holds at least one row (data=8: one; stage=2,data=4 with
     2 micro-batches: one per micro-batch), and no mesh here splits the sequence, so a longer
@@ -147,7 +149,9 @@ def test_lora_losses_are_the_same_on_data_fsdp_tensor_and_pipeline_meshes(text_d
     losses, first = {}, None
     for mesh in ("data=8", "fsdp=2,model=4", "stage=2,data=4"):
         extra = {"microbatches": 2} if mesh.startswith("stage") else {}
-        s = setup(_cfg(model, mesh, seq, min_shard_bytes=0, lr=1e-2, warmup_steps=2, steps=STEPS, **extra))
+        s = setup(_cfg(model, mesh, seq, min_shard_bytes=0, lr=1e-2, warmup_steps=2, steps=STEPS, quantize_base=quantized,
+                       **extra))  # fmt: skip
+        assert (s.quantized is None) == (quantized is None)
         if first is None:  # created once, then laid out on each mesh (sharded init is tested elsewhere)
             first = jax.device_get(init_state(s))
         state = jax.device_put(first, s.state_shardings)
