@@ -199,3 +199,23 @@ def test_plan_takes_a_hugging_face_directory_like_train(capsys):
     plan = json.loads(out.strip().splitlines()[-1])
     assert plan["model"] == str(model_dir) and plan["num_params"] == 96 * 32 + 64 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32
 
+
+
+def test_plan_dumps_the_compiled_program_its_figures_are_read_from(tmp_path, capsys):
+    """``plan --dump-hlo DIR``: the compiled step's text, whose collectives are the plan's; an
+    estimated plan has no program to write, and says so in one line."""
+    from test_cli import assert_one_error_line, run_main
+
+    from nnxscale.planning import hlo
+
+    args = ["plan", "--model", "gpt2-tiny", "--mesh", "fsdp=8", "--batch-size", "8", "--seq-len", "64",
+            "--min-shard-bytes", "0", "--json"]  # fmt: skip
+    code, out, err = run_main(capsys, [*args, "--dump-hlo", str(tmp_path / "hlo")])
+    assert code == 0, err
+    text = (tmp_path / "hlo" / "step.hlo.txt").read_text()
+    assert text.startswith("HloModule") and f"to {tmp_path / 'hlo' / 'step.hlo.txt'}" in out
+    planned = json.loads(out.strip().splitlines()[-1])["collective_bytes_by_kind"]
+    assert planned.get("all-gather", 0) > 0 and hlo.collective_bytes(text) == planned
+    code, _, err = run_main(capsys, [*args, "--compile", "never", "--dump-hlo", str(tmp_path / "none")])
+    assert_one_error_line(code, err, "--dump-hlo", "estimated", "--compile always")
+    assert not (tmp_path / "none").exists()

@@ -269,6 +269,8 @@ def _plan_parser(sub) -> None:
                          "that moves them (inside a node, or another kind of axis: one more compile) and say in the "
                          "bottleneck line how much faster or slower it is predicted")  # fmt: skip
     pl.add_argument("--table", action="store_true", help="also print the per-Variable sharding table")
+    pl.add_argument("--dump-hlo", metavar="DIR", help="write the compiled step's program as its compiler optimized, "
+                    "partitioned and scheduled it (HLO text) to DIR/step.hlo.txt: what the plan's figures are read from")  # fmt: skip
     pl.add_argument("--json", action="store_true", help="end with one JSON line: the plan (with --sweep: the plans, and the meshes not planned with the reason)")
     _add_common(pl)
 
@@ -469,6 +471,8 @@ def _plan(args) -> int:
     target = None if args.target is None else targets.get(args.target)
     if target is not None:
         target.check_installed()  # before anything is built: one line naming the extra
+    if args.dump_hlo and args.sweep:
+        raise ConfigError("--dump-hlo writes one compiled program: plan one mesh (without --sweep)")
     if args.sweep:
         devices = target.chips if target is not None else math.prod(mesh_sizes(cfg.parallel.mesh).values())
         # For a target each candidate is compiled by its compiler: the step time is predicted from that program.
@@ -488,6 +492,8 @@ def _plan(args) -> int:
     step = report.plan(cfg, device_memory=memory, compile=args.compile or "auto", max_compile_devices=max_devices, target=target,
                        compare=args.compare)  # fmt: skip
     print(step)
+    if args.dump_hlo:
+        _dump_hlo(step, Path(args.dump_hlo))
     if step.activations:
         print("\nactivations (logical names -> the activation rules' layout, per call):")
         for a in step.activations:
@@ -505,6 +511,17 @@ def _plan(args) -> int:
     if args.json:
         print(json.dumps(step.to_dict()))
     return 0
+
+
+def _dump_hlo(step, where: Path) -> None:
+    """``plan --dump-hlo DIR``: the compiled program's text to ``DIR/step.hlo.txt``."""
+    if step.hlo_text is None:
+        raise ConfigError(f"--dump-hlo: this plan was estimated, not compiled ({step.source}); compile it with "
+                          "--compile always (or a mesh within --max-compile-devices)")  # fmt: skip
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / "step.hlo.txt"
+    path.write_text(step.hlo_text)
+    print(f"wrote the compiled step's program ({len(step.hlo_text.splitlines()):,} lines of HLO) to {path}")
 
 
 def _launch(args) -> int:

@@ -144,6 +144,9 @@ class StepPlan:
     #: :func:`layout_figures` of the plan (the abstract model, resolved rules, rows): reused by
     #: callers (``nnxscale plan``'s table and lint) instead of being built again.
     layout: Optional[dict] = dataclasses.field(default=None, repr=False, compare=False)
+    #: The compiled step's optimized program as text (``compiled.as_text()``: partitioned and
+    #: scheduled by the compiler it was compiled for); None where the plan was estimated.
+    hlo_text: Optional[str] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def activation_bytes(self) -> int:
@@ -463,6 +466,7 @@ def compiled_plan(cfg: TrainConfig, lay: dict, est: dict, compiled: dict, common
         pipeline=pipeline_figures(cfg, lay, compiled["collective_bytes"]),
         context=context_figures(cfg, lay, compiled["collective_bytes"]),
         step_time=predict_step(cfg, lay, common["mesh"], target, hlo_text, where, compiled.get("fresh_bytes", 0.0)),
+        hlo_text=hlo_text,
     )
 
 
