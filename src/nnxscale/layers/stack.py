@@ -48,10 +48,10 @@ STACKED_AXES = (LAYERS, OUTER_LAYERS)
 #: of the weight matmuls (the experts' grouped ones included) and of the experts' all-to-alls,
 #: and recomputes only elementwise work (norms, activations, casts) and the attention's core
 #: (its scores and probabilities, which a fused attention kernel recomputes anyway) inside
-#: the backward pass's fusions. Keeping those too (no ``jax.checkpoint`` at all) kept every
-#: float32 intermediate of the norms and the GELU, 7x the bytes per layer, and on the H100
-#: compiler forced XLA's own rematerialization to recompute the matmuls instead: slower than
-#: ``dots`` and twice its memory (docs/steptime.md). ``full`` keeps only each layer's input
+#: the backward pass's fusions. Keeping those too (no ``jax.checkpoint`` at all) would keep
+#: every float32 intermediate of the norms and the GELU, about 7x the bytes per layer, which
+#: on the H100 compiler pushes XLA's own rematerialization into recomputing the matmuls
+#: instead (docs/steptime.md). ``full`` keeps only each layer's input
 #: (the scan carry) and recomputes the layer in the backward pass; ``dots`` keeps the
 #: outputs of the weight matmuls and recomputes the rest (elementwise ops, attention
 #: scores, whose dots have batch dimensions, and the experts' products and exchanges);
