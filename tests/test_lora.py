@@ -174,15 +174,23 @@ def test_lora_losses_are_the_same_on_data_fsdp_tensor_and_pipeline_meshes(text_d
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("model,mesh", [("llama-tiny", "context=2,fsdp=4"), ("mixtral-tiny", "expert=4,data=2")])
-def test_lora_losses_are_the_same_on_context_and_expert_meshes(text_data, model, mesh):
+@pytest.mark.parametrize("model,mesh,extra", [
+    ("llama-tiny", "context=2,fsdp=4", {}),
+    ("mixtral-tiny", "expert=4,data=2", {}),
+    # QLoRA (test_lora_losses_are_the_same_on_data_fsdp_tensor_and_pipeline_meshes in the suite)
+    ("mixtral-tiny", "expert=4,data=2", {"quantize_base": "nf4"}),
+    ("llama-tiny", "stage=2,data=4", {"quantize_base": "nf4", "microbatches": 2, "pipeline_schedule": "1f1b"}),
+], ids=["context", "expert", "expert-nf4", "1f1b-nf4"])  # fmt: skip
+def test_lora_losses_are_the_same_on_context_and_expert_meshes(text_data, model, mesh, extra):
     """The adapters beside ring attention over a context axis, and beside experts split over
-    an expert axis: 3 steps log data=8's losses (1e-5 relative), the adapters' gradients
-    reaching every step after the first."""
+    an expert axis (and, over a base stored NF4, beside experts and in a 1F1B pipeline): 3
+    steps log data=8's losses (1e-5 relative), the adapters' gradients reaching every step
+    after the first."""
     batches = _batches(text_data, 3)
     first, losses = None, {}
     for where in ("data=8", mesh):
-        s = setup(_cfg(model, where, min_shard_bytes=0, lr=1e-2, warmup_steps=1, steps=3))
+        pipelined = extra if where == mesh else {k: v for k, v in extra.items() if k == "quantize_base"}
+        s = setup(_cfg(model, where, min_shard_bytes=0, lr=1e-2, warmup_steps=1, steps=3, **pipelined))
         first = jax.device_get(init_state(s)) if first is None else first
         state, step = jax.device_put(first, s.state_shardings), make_train_step(s)
         with jax.set_mesh(s.mesh):
