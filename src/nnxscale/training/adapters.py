@@ -24,7 +24,7 @@ from nnxscale.errors import ConfigError
 from nnxscale.layers.lora import PREFIX, merge_params
 from nnxscale.layers.quantize import is_quantized, quantize_params
 from nnxscale.models import is_pretrained_dir
-from nnxscale.sharding.layout import format_bytes
+from nnxscale.sharding.layout import format_bytes, full_bytes
 from nnxscale.sharding.state import sharded_init
 
 #: The train state's key of the frozen base weights (a LoRA run only); never checkpointed.
@@ -150,6 +150,5 @@ def _stored(s, base: list) -> str:
     if s.quantized is None:
         return ""
     quantized = [a for a in base if is_quantized(a)]
-    code = 0.5 if s.quantized[1] == "nf4" else 1.0
-    size = sum(a.codes.size * code + a.scales.size * 4 for a in quantized)
+    size = sum(full_bytes(x.shape, x.dtype) for a in quantized for x in (a.codes, a.scales))
     return f", its {len(quantized)} stacked linear weights stored {s.quantized[1]} ({format_bytes(int(size))} with their scales)"
