@@ -85,7 +85,7 @@ def configure_cpu_devices(n: Optional[int]) -> None:
 PLAN_SETTINGS = (
     "model.name", "parallel.mesh", "parallel.rules", "data.batch_size", "data.seq_len", "model.remat", "model.dtype",
     "model.attention", "data.document_mask", "model.dropout", "optim.grad_accum", "parallel.microbatches", "parallel.pipeline_repeats", "parallel.pipeline_schedule", "parallel.min_shard_bytes",
-    "model.capacity_factor", "lora.rank", "lora.alpha", "lora.targets", "lora.quantize_base",
+    "model.capacity_factor", "lora.rank", "lora.alpha", "lora.targets", "lora.quantize_base", "model.fp8",
 )  # fmt: skip
 INIT_SETTINGS = ("model.name", "parallel.mesh", "parallel.rules", "parallel.min_shard_bytes", "seed", "run_dir")
 
@@ -470,6 +470,7 @@ def _plan(args) -> int:
     max_devices = args.max_compile_devices or compiler.MAX_COMPILE_DEVICES
     target = None if args.target is None else targets.get(args.target)
     if target is not None:
+        compiler.check_fp8(cfg, target)  # --fp8 on a chip without FP8: one line, before anything is built
         target.check_installed()  # before anything is built: one line naming the extra
     if args.dump_hlo and args.sweep:
         raise ConfigError("--dump-hlo writes one compiled program: plan one mesh (without --sweep)")

@@ -229,6 +229,14 @@ def stacked_weights(model: nnx.Module) -> dict[tuple, tuple[int, int]]:
     return out
 
 
+def stacked_layers(model: nnx.Module) -> list[nnx.Module]:
+    """The ``nnx.Linear`` and ``nnx.Einsum`` layers (adapted ones included) of ``model``'s
+    stacked layers, or every one of them where no layer is stacked (``--fp8`` runs their products)."""
+    layers = [m for m, name in adaptable(model).values() if name == "kernel" and isinstance(m, (nnx.Linear, nnx.Einsum))]
+    stacked = [m for m in layers if _stacked(m.kernel)]
+    return stacked or layers
+
+
 def matches(path: str, target: str) -> bool:
     return path == target or path.endswith("." + target)
 

@@ -25,7 +25,8 @@ import jax
 from nnxscale.errors import CompileError
 from nnxscale.planning import hlo, targets
 from nnxscale.planning.layout import plan_separator
-from nnxscale.planning.steptime import fresh_bytes_of
+from nnxscale.planning.steptime import fresh_bytes_of, hardware_for
+from nnxscale.planning.hardware import CHIPS
 from nnxscale.sharding.activations import record_activations
 from nnxscale.sharding.mesh import make_mesh, parse_mesh_spec
 from nnxscale.training.config import TrainConfig
@@ -185,12 +186,22 @@ def _compile_in_child(cfg: TrainConfig, n: int) -> dict[str, Any]:
     return out
 
 
+def check_fp8(cfg: TrainConfig, target) -> None:
+    """One :class:`~nnxscale.planning.targets.TargetError` line where ``cfg`` asks for
+    ``--fp8`` on a ``target`` whose chips have no FP8 matrix units (A100, TPU v5e, v5p, v6e)."""
+    if cfg.model.fp8 and not hardware_for(target).fp8:
+        having = ", ".join(sorted(k for k, hw in CHIPS.items() if hw.fp8))
+        raise targets.TargetError(f"--fp8: the {target.chip_name} ({target.name}) has no FP8 matrix units; plan "
+                                  f"without --fp8, or for a chip that has them ({having})")  # fmt: skip
+
+
 def compile_for_target(cfg: TrainConfig, target) -> dict[str, Any]:
     """Compile ``cfg``'s step for ``target`` (a :class:`~nnxscale.planning.targets.Target`) by
     its own compiler, deviceless, in a child process; the figures as :func:`measure` reads
     them, the mesh's placement, or ``refused`` where the compiler would not fit the program
     in the chip's memory (XLA:TPU refuses; XLA:GPU compiles anything, and the plan checks)."""
     target.check_installed()
+    check_fp8(cfg, target)
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     # libtpu takes a per-machine lock in the temp directory unless told that several may load.
     env = {"XLA_FLAGS": " ".join(flags), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}

@@ -68,6 +68,11 @@ class Hardware:
     kernel_efficiency: dict = dataclasses.field(default_factory=dict)
     fresh_memory_bandwidth: Optional[float] = None
 
+    @property
+    def fp8(self) -> bool:
+        """Whether its matrix units multiply FP8 (``--fp8``)."""
+        return "float8_e4m3fn" in self.peak_flops
+
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s at ``dtype`` (a name or an HLO element type); bfloat16's where unknown."""
         name = _DTYPE_NAMES.get(dtype, dtype)
@@ -180,7 +185,7 @@ def _nvidia(key: str, peaks: dict, nvlink: float, nic: float, sources: dict) -> 
     )  # fmt: skip
 
 
-_H100_PEAKS = {"bfloat16": CHIP_PEAK_FLOPS["h100"], "float16": CHIP_PEAK_FLOPS["h100"], "float32": 494.7e12, "float8_e4m3fn": 1978.9e12, "int8": 1978.9e12}
+_H100_PEAKS = {"bfloat16": CHIP_PEAK_FLOPS["h100"], "float16": CHIP_PEAK_FLOPS["h100"], "float32": 494.7e12, "float8_e4m3fn": 1978.9e12, "float8_e5m2": 1978.9e12, "int8": 1978.9e12}
 _HOPPER = {
     "peak_flops": "NVIDIA H100 Tensor Core GPU datasheet, SXM: BF16/FP16 1,979 TFLOPS and FP8 3,958 with sparsity (dense: "
                   "half); TF32 989 with sparsity (494.7 dense; XLA runs float32 matmuls as TF32 by default)",
@@ -196,7 +201,7 @@ CHIPS: dict[str, Hardware] = {
         "nvlink": "NVLink 3: 600 GB/s per GPU bidirectional (A100 datasheet): 300 GB/s each way",
         "network": "DGX A100: 8 x ConnectX-6 200 Gb/s, one per GPU: 25 GB/s each way",
     }),
-    "b200": _nvidia("b200", {"bfloat16": CHIP_PEAK_FLOPS["b200"], "float16": CHIP_PEAK_FLOPS["b200"], "float32": 1100e12, "float8_e4m3fn": 4500e12}, 900e9, 50e9, {
+    "b200": _nvidia("b200", {"bfloat16": CHIP_PEAK_FLOPS["b200"], "float16": CHIP_PEAK_FLOPS["b200"], "float32": 1100e12, "float8_e4m3fn": 4500e12, "float8_e5m2": 4500e12}, 900e9, 50e9, {
         "peak_flops": "NVIDIA DGX B200 / HGX B200 datasheets: FP8 4.5 PFLOPS, BF16 2.25, TF32 1.1 per GPU dense (half the "
                       "sparse figures)",
         "nvlink": "NVLink 5: 1.8 TB/s per GPU bidirectional: 900 GB/s each way",

@@ -181,6 +181,19 @@ class StepTime:
     kernel_flops: float = 0.0
     notes: list = dataclasses.field(default_factory=list)
     fresh_memory_s: float = 0.0
+    fp8_flops: float = 0.0  # of ``flops``: the products whose operands are FP8 (``--fp8``)
+    gemm_flops: float = 0.0  # of ``flops``: the GEMMs (dots and cuBLAS calls), not the attention kernels
+
+    @property
+    def fp8_share(self) -> float:
+        """The share of the step's matrix FLOPs (kernels' included) that run on FP8 operands."""
+        return self.fp8_flops / self.flops if self.flops else 0.0
+
+    @property
+    def fp8_gemm_share(self) -> float:
+        """The share of the step's GEMM FLOPs (its ``dot`` s and cuBLAS calls: every matrix
+        product but the attention kernels') that run on FP8 operands."""
+        return self.fp8_flops / self.gemm_flops if self.gemm_flops > 0 else 0.0
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -198,12 +211,14 @@ class _Span:
     overhead: float = 0.0
     flops: float = 0.0
     kernel_flops: float = 0.0
+    fp8_flops: float = 0.0
+    gemm_flops: float = 0.0
     bytes: float = 0.0
     ops: float = 0.0
     colls: dict = dataclasses.field(default_factory=dict)  # (kind, link, axes) -> CollectiveTime
 
     def add(self, other: "_Span", times: float = 1.0) -> None:
-        for f in ("seconds", "compute", "memory", "overhead", "flops", "kernel_flops", "bytes", "ops"):
+        for f in ("seconds", "compute", "memory", "overhead", "flops", "kernel_flops", "fp8_flops", "gemm_flops", "bytes", "ops"):
             setattr(self, f, getattr(self, f) + times * getattr(other, f))
         for key, c in other.colls.items():
             mine = self.colls.setdefault(key, CollectiveTime(*key))
@@ -319,24 +334,21 @@ class _Walk:
             return self._operand_bytes(fused, i.operands[1])
         return self._type_bytes(i.type)
 
-    def comp_flops(self, name: str, depth: int = 0) -> tuple[float, float]:
-        """``(FLOPs, seconds at peak x efficiency)`` of the matrix products inside a fused computation."""
+    def comp_flops(self, name: str, depth: int = 0) -> tuple[float, float, float]:
+        """``(FLOPs, seconds at peak x efficiency, FLOPs on FP8 operands)`` of the matrix
+        products inside a fused computation."""
         if name in self.flops_memo or depth > 32:
-            return self.flops_memo.get(name, (0.0, 0.0))
+            return self.flops_memo.get(name, (0.0, 0.0, 0.0))
         comp = self.comps.get(name)
-        flops = secs = 0.0
+        flops = secs = fp8 = 0.0
         for instr in (comp.instrs.values() if comp else ()):
-            m = hlo.as_matmul(comp, instr, self.devices)
-            if m is not None:
-                lhs = comp.instrs.get(instr.operands[0])
-                dtype = hlo.leaves(lhs.type)[0][0] if lhs is not None else "bf16"
-                flops += m.flops
-                secs += m.flops / (self.hw.peak(dtype) * self.hw.matmul_efficiency)
+            f, s, f8 = self._direct_flops(comp, instr)
+            flops, secs, fp8 = flops + f, secs + s, fp8 + f8
             for callee in callees(instr):
-                f, s = self.comp_flops(callee, depth + 1)
-                flops, secs = flops + f, secs + s
-        self.flops_memo[name] = (flops, secs)
-        return flops, secs
+                f, s, f8 = self.comp_flops(callee, depth + 1)
+                flops, secs, fp8 = flops + f, secs + s, fp8 + f8
+        self.flops_memo[name] = (flops, secs, fp8)
+        return flops, secs, fp8
 
     def kernel_flops(self, instr: Instruction, comp: Computation) -> float:
         """FLOPs of a library call or kernel the HLO does not show: a cuBLAS GEMM from its
@@ -357,21 +369,27 @@ class _Walk:
         return 0.0
 
     def op_time(self, comp: Computation, instr: Instruction) -> _Span:
-        flops = secs = kflops = 0.0
+        flops = secs = kflops = fp8 = 0.0
+        is_gemm = False  # a cuBLAS call: a GEMM, not an attention kernel
         if instr.opcode in ("dot", "convolution"):
-            flops, secs = self._direct_flops(comp, instr)
+            flops, secs, fp8 = self._direct_flops(comp, instr)
         elif instr.opcode == "custom-call":
             kflops = self.kernel_flops(instr, comp)
             target = _TARGET.search(instr.attrs)
             name = target.group(1) if target else ""
             efficiency = next((e for k, e in self.hw.kernel_efficiency.items() if name.startswith(k)), self.hw.matmul_efficiency)
-            secs = kflops / (self.hw.peak("bfloat16") * efficiency)
+            dtype = self._lhs_dtype(comp, instr) if name.startswith("__cublas") else "bfloat16"  # an FP8 GEMM at FP8's peak
+            secs = kflops / (self.hw.peak(dtype) * efficiency)
+            fp8 = kflops if dtype.startswith("f8") else 0.0
+            is_gemm = name.startswith("__cublas")
         for callee in callees(instr) if instr.opcode in ("fusion", "custom-call") else ():
-            f, s = self.comp_flops(callee)
-            flops, secs = flops + f, secs + s
+            f, s, f8 = self.comp_flops(callee)
+            flops, secs, fp8 = flops + f, secs + s, fp8 + f8
         nbytes = self.op_bytes(comp, instr)
         mem = nbytes / (self.hw.hbm_bandwidth * self.hw.memory_efficiency)
-        span = _Span(flops=flops + kflops, kernel_flops=kflops, bytes=nbytes, ops=1, overhead=self.hw.op_overhead)
+        gemm = flops + (kflops if is_gemm else 0.0)
+        span = _Span(flops=flops + kflops, kernel_flops=kflops, fp8_flops=fp8, gemm_flops=gemm, bytes=nbytes, ops=1,
+                     overhead=self.hw.op_overhead)  # fmt: skip
         if secs >= mem:
             span.compute = secs
         else:
@@ -379,13 +397,21 @@ class _Walk:
         span.seconds = span.compute + span.memory + span.overhead
         return span
 
-    def _direct_flops(self, comp: Computation, instr: Instruction) -> tuple[float, float]:
+    def _direct_flops(self, comp: Computation, instr: Instruction) -> tuple[float, float, float]:
+        """``(FLOPs, seconds, FLOPs on FP8 operands)`` of ``instr`` if it is a matrix product,
+        at the peak of its operands' type (FP8 products at the FP8 peak)."""
         m = hlo.as_matmul(comp, instr, self.devices)
         if m is None:
-            return 0.0, 0.0
-        lhs = comp.instrs.get(instr.operands[0])
-        dtype = hlo.leaves(lhs.type)[0][0] if lhs is not None else "bf16"
-        return m.flops, m.flops / (self.hw.peak(dtype) * self.hw.matmul_efficiency)
+            return 0.0, 0.0, 0.0
+        dtype = self._lhs_dtype(comp, instr)
+        return m.flops, m.flops / (self.hw.peak(dtype) * self.hw.matmul_efficiency), m.flops if dtype.startswith("f8") else 0.0
+
+    @staticmethod
+    def _lhs_dtype(comp: Computation, instr: Instruction) -> str:
+        """The HLO element type of an op's first operand ("bf16" where it is not known)."""
+        lhs = comp.instrs.get(instr.operands[0]) if instr.operands else None
+        leaves = hlo.leaves(lhs.type) if lhs is not None else []
+        return leaves[0][0] if leaves else "bf16"
 
     # ---- collectives --------------------------------------------------------------
 
@@ -797,7 +823,8 @@ def predict(
         collective_s=sum(c.seconds for c in collectives), exposed_collective_s=exposed, collectives=collectives,
         tokens_per_s=tokens_per_step / seconds, tokens_per_s_per_device=tokens_per_step / seconds / max(n_devices, 1),
         mfu=mfu, bottleneck="", flops=s.flops, hbm_bytes=s.bytes, ops=int(round(s.ops)), kernel_flops=s.kernel_flops,
-        notes=sorted(walk.notes), fresh_memory_s=fresh,
+        notes=sorted(walk.notes), fresh_memory_s=fresh, fp8_flops=s.fp8_flops,
+        gemm_flops=s.gemm_flops,
     )  # fmt: skip
     result.bottleneck = bottleneck(result, hw)
     return result
@@ -868,6 +895,12 @@ def format_lines(st: StepTime, target_name: str = "") -> list[str]:
     ]
     if st.fresh_memory_s:
         lines.append(f"  {'buffers mapped anew (page faults)':<{w}}{format_seconds(st.fresh_memory_s):>11}")
+    if st.fp8_flops:
+        gemm = st.gemm_flops
+        other = st.flops - gemm
+        kernels = f"; with the attention kernels' {other / 1e12:,.0f} (not FP8), {st.fp8_share:.1%} of all" if other > 0 else ""
+        lines.append(f"  {'FP8 share of the GEMMs':<{w}}{st.fp8_gemm_share:>11.1%}  {st.fp8_flops / 1e12:,.0f} of "
+                     f"{gemm / 1e12:,.0f} TFLOP per device on FP8 operands, at the chip's FP8 peak{kernels}")  # fmt: skip
     for label, c in colls:
         lines.append(f"  {label:<{w}}{format_seconds(c.seconds):>11}  {format_seconds(c.exposed)} exposed, "
                      f"{format_seconds(max(c.seconds - c.exposed, 0.0))} hidden behind compute")  # fmt: skip

@@ -65,6 +65,10 @@ class ModelSettings:
                                                "takes at most this factor x its even share of a sequence's assignments "
                                                "in training, the rest are dropped and counted (router_dropped); "
                                                "default: dropless")  # fmt: skip
+    fp8: bool = setting(False, "--fp8", "run the stacked layers' linear products in FP8 (e4m3 operands forward, e5m2 "
+                        "gradients, each tensor scaled by its own absolute maximum; float32 accumulation); master "
+                        "weights, optimizer state, embeddings and the head as without it; emulated on CPU; on a --target "
+                        "its chip needs FP8 matrix units (H100, H200, B200)")  # fmt: skip
     init_from: Optional[str] = setting(None, "--init-from", "start from a seed checkpoint (nnxscale init) or a Hugging "
                                        "Face directory of the model's family")  # fmt: skip
 

@@ -13,6 +13,7 @@ from flax import nnx
 
 from nnxscale.data import text as text
 from nnxscale.errors import ModelError
+from nnxscale.layers import fp8 as fp8_layers
 from nnxscale.layers import lora as lora_layers
 from nnxscale.models import (
     FAMILIES,
@@ -51,6 +52,7 @@ class RunModel:
     reference: bool = False  # --objective dpo: ``loss`` also takes ``reference=``, the reference's log-probabilities
     # (under LoRA the reference is the base with its adapters off: no copy of the weights)
     lora: Optional[lora_layers.LoraSpec] = None  # --lora-rank: adapters beside the targets, the rest frozen
+    fp8: bool = False  # --fp8: the stacked layers' linear products in FP8 (nnxscale.layers.fp8)
 
     @property
     def dims(self) -> Optional[ModelDims]:
@@ -95,6 +97,20 @@ def with_adapters(build: Callable[[nnx.Rngs], nnx.Module], spec: Optional[lora_l
         return lora_layers.attach(model, spec, key=rngs.params())
 
     return adapted
+
+
+def with_fp8(build: Callable[[nnx.Rngs], nnx.Module], fp8: bool):
+    """``build`` followed by :func:`nnxscale.layers.fp8.attach` on its stacked layers' linear
+    layers (every linear layer where none is stacked), with ``fp8``."""
+    if not fp8:
+        return build
+
+    def in_fp8(rngs: nnx.Rngs) -> nnx.Module:
+        model = build(rngs)
+        fp8_layers.attach(model, lora_layers.stacked_layers(model))
+        return model
+
+    return in_fp8
 
 
 def model_architecture(name: str, recorded: Optional[dict] = None) -> tuple[ModelFamily, Any]:
@@ -184,7 +200,8 @@ def run_model(
             given = ", ".join(f"{flag('model.' + k)} {v}" for k, v in changed.items())
             raise ConfigError(f"{given}: these set a family preset's options; your own module (model=) sets its own")
         spec = lora_spec(cfg, None)
-        return RunModel(cfg.model.name, with_adapters(model, spec), loss or next_token_loss, lora=spec)
+        build = with_fp8(with_adapters(model, spec), cfg.model.fp8)
+        return RunModel(cfg.model.name, build, loss or next_token_loss, lora=spec, fp8=cfg.model.fp8)
     family, preset = model_architecture(cfg.model.name, recorded)
     if unsupported := [k for k in changed if k not in family.run_options]:
         given = ", ".join(f"{flag('model.' + k)} {changed[k]}" for k in unsupported)
@@ -207,5 +224,6 @@ def run_model(
     if cfg.objective == "dpo":
         objective = functools.partial(dpo_loss, beta=cfg.dpo_beta, separator=separator)
         ignored_targets = True
-    build = with_adapters(lambda rngs: family.build(config, rngs=rngs), spec)
-    return RunModel(cfg.model.name, build, objective, family, config, separator, ignored_targets, cfg.objective == "dpo", spec)
+    build = with_fp8(with_adapters(lambda rngs: family.build(config, rngs=rngs), spec), cfg.model.fp8)
+    return RunModel(cfg.model.name, build, objective, family, config, separator, ignored_targets, cfg.objective == "dpo", spec,
+                    cfg.model.fp8)  # fmt: skip

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
 from nnxscale.data import text as text
-from nnxscale.layers import attention, quantize
+from nnxscale.layers import attention, fp8, quantize
 from nnxscale.layers import lora as lora_layers
 from nnxscale.layers.pipeline import Pipeline, manual_axes, to_layer_order, to_stage_order
 from nnxscale.layers.stack import LAYERS
@@ -274,6 +274,8 @@ def setup(
     mesh = make_mesh(cfg.parallel.mesh) if mesh is None else mesh
     rules = resolve(cfg.parallel.rules, mesh, min_shard_bytes=cfg.parallel.min_shard_bytes)
     m = run_model(cfg, model, loss, recorded=recorded, separator=separator, ignored_targets=ignored_targets)
+    if m.fp8:
+        fp8.check_devices(mesh)
     check_shapes(cfg, rules, m)
     pipe = run_pipeline(cfg, rules)
     if getattr(m.config, "attention", None):  # --attention cudnn where it cannot run: one line, before anything is built
@@ -283,7 +285,7 @@ def setup(
 
     factory = lambda: m.build(nnx.Rngs(cfg.seed))  # noqa: E731
     # A family's model is its config, adapters and seed, whatever the mesh (a sweep traces it once).
-    key = None if m.family is None else (m.name, repr(m.config), repr(m.lora), cfg.seed)
+    key = None if m.family is None else (m.name, repr(m.config), repr(m.lora), m.fp8, cfg.seed)
     graphdef, abs_model_state = abstract_state(factory, mesh, rules, key=key)
     check_params_only(m, abs_model_state)
     param_sh = pure_dict(jax.tree.map(lambda v: v.replace(v.get_value().sharding), abs_model_state, is_leaf=is_variable))
