@@ -1,0 +1,152 @@
+"""GRPO's parts: group advantages (a group of equal rewards teaches nothing), the objective and
+its gradient against a by-hand computation for each --loss-norm, per-token log-probabilities
+against the model's logits (chunked or not), and the reward functions: built-in answers,
+loading from a file, and one clear error for a function that raises, miscounts or returns NaN."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from nnxscale.models import find_preset
+from nnxscale.models.common.documents import IGNORED
+from nnxscale.training import grpo, rewards
+
+
+def test_group_advantages_by_hand_and_zero_for_equal_rewards():
+    r = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]  # two groups of 4; the second all equal
+    got = grpo.group_advantages(r, 4)
+    g = np.array(r[:4])
+    want = (g - g.mean()) / (math.sqrt(((g - g.mean()) ** 2).sum() / 3) + grpo.STD_EPS)
+    np.testing.assert_allclose(got[:4], want, rtol=1e-6)
+    assert np.all(got[4:] == 0.0)
+    with pytest.raises(ValueError, match="groups of 3"):
+        grpo.group_advantages(r, 3)
+
+
+def _by_hand(lp, old, ref, w, adv, *, beta, eps, norm, max_new):
+    """The objective written out token by token in float64 (module docstring's formulas)."""
+    B, T = lp.shape
+    rows, total = [], 0.0
+    for b in range(B):
+        row = 0.0
+        for t in range(T):
+            if not w[b, t]:
+                continue
+            ratio = math.exp(lp[b, t] - old[b, t])
+            clipped = min(max(ratio, 1 - eps), 1 + eps)
+            k3 = math.exp(ref[b, t] - lp[b, t]) - (ref[b, t] - lp[b, t]) - 1
+            row += -min(ratio * adv[b], clipped * adv[b]) + beta * k3
+        rows.append(row / w[b].sum())
+        total += row
+    if norm == "sequence":
+        return sum(rows) / B
+    return total / (w.sum() if norm == "token" else B * max_new)
+
+
+@pytest.mark.parametrize("norm", grpo.LOSS_NORMS)
+def test_objective_and_its_gradient_equal_the_by_hand_computation(norm):
+    """Per-token log-probabilities from logits theta (B, T, V): the loss equals the by-hand
+    sum in float64, and its gradient in theta equals the by-hand loss's central differences;
+    rows of different lengths, so the three normalizations differ."""
+    rng = np.random.default_rng(0)
+    B, T, V = 4, 5, 3
+    theta = rng.normal(size=(B, T, V))
+    tokens = rng.integers(0, V, (B, T))
+    w = np.ones((B, T))
+    w[0, 3:] = 0
+    w[2, 1:] = 0  # completions of 3, 5, 1 and 5 tokens
+    old = np.log(rng.uniform(0.2, 0.6, (B, T)))
+    ref = np.log(rng.uniform(0.2, 0.6, (B, T)))
+    adv = np.array([1.0, -0.5, 0.3, -1.2])
+    kw = dict(beta=0.04, eps=0.2, norm=norm, max_new=6)
+
+    def log_probs(th):
+        return jnp.take_along_axis(jax.nn.log_softmax(th, -1), jnp.asarray(tokens)[..., None], -1)[..., 0]
+
+    def loss(th):
+        return grpo.objective(log_probs(th), jnp.asarray(w), jnp.asarray(adv)[:, None] * jnp.ones((B, T)), old=jnp.asarray(old),
+                              reference=jnp.asarray(ref), kl_beta=0.04, clip_eps=0.2, loss_norm=norm, max_new_tokens=6)[0]  # fmt: skip
+
+    def numpy_loss(th):
+        lp = th - np.log(np.exp(th).sum(-1, keepdims=True))
+        return _by_hand(np.take_along_axis(lp, tokens[..., None], -1)[..., 0], old, ref, w, adv, **kw)
+
+    with jax.enable_x64():
+        got = float(loss(jnp.asarray(theta)))
+        grad = np.asarray(jax.grad(loss)(jnp.asarray(theta)))
+    assert got == pytest.approx(numpy_loss(theta), rel=1e-10)
+    h, fd = 1e-6, np.zeros_like(theta)
+    for i in np.ndindex(theta.shape):
+        d = np.zeros_like(theta)
+        d[i] = h
+        fd[i] = (numpy_loss(theta + d) - numpy_loss(theta - d)) / (2 * h)
+    np.testing.assert_allclose(grad, fd, rtol=1e-5, atol=1e-8)
+    assert np.all(grad[0, 3:] == 0) and np.all(grad[2, 1:] == 0)  # untrained tokens move nothing
+
+
+def test_one_iteration_is_the_policy_gradient_and_metrics():
+    """Without old log-probabilities (one iteration per rollout) the ratio is 1: the gradient
+    is -A grad log pi / tokens; nothing is clipped; the KL of the policy to itself is 0."""
+    lp = jnp.log(jnp.array([[0.5, 0.25], [0.4, 0.1]]))
+    w, adv = jnp.ones((2, 2)), jnp.array([[1.0, 1.0], [-2.0, -2.0]])
+    (loss, m), g = jax.value_and_grad(lambda x: grpo.objective(x, w, adv, reference=jax.lax.stop_gradient(x), kl_beta=0.1),
+                                      has_aux=True)(lp)  # fmt: skip
+    np.testing.assert_allclose(g, -adv / 4, rtol=1e-6)
+    assert float(loss) == pytest.approx(-float(jnp.sum(adv)) / 4) and float(m["kl"]) == 0.0 and float(m["clip_fraction"]) == 0.0
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 4096])
+def test_token_log_probs_are_the_models_log_softmax(monkeypatch, chunk_bytes):
+    """llama-tiny's per-token log-probabilities equal log_softmax of its logits at the
+    targets, in one piece and in chunks of tokens; IGNORED targets weigh 0."""
+    if chunk_bytes:
+        monkeypatch.setattr(grpo, "CHUNK_BYTES", chunk_bytes)
+    family, config = find_preset("llama-tiny")
+    model = family.build(config, rngs=nnx.Rngs(0))
+    x = jax.random.randint(jax.random.key(1), (2, 16), 0, config.vocab_size)
+    y = jax.random.randint(jax.random.key(2), (2, 16), 0, config.vocab_size).at[:, :5].set(IGNORED)
+    lp, w, _ = grpo.token_log_probs(model, x, y)
+    logits = jax.nn.log_softmax(model(x).astype(jnp.float32), -1)
+    want = jnp.take_along_axis(logits, jnp.maximum(y, 0)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(lp)[:, 5:], np.asarray(want)[:, 5:], rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(w)[:, :5] == 0) and np.all(np.asarray(w)[:, 5:] == 1)
+
+
+def test_final_answers_and_the_built_in_rewards():
+    assert rewards.final_answer(r"so \boxed{\frac{1}{2}} and then \boxed{42}.") == "42"
+    assert rewards.final_answer(r"\boxed{x^{2}}") == "x^{2}"
+    assert rewards.final_answer("The total is 1,234.5 apples, not 7") == "7"
+    assert rewards.final_answer("no numbers") is None
+    got = rewards.exact_answer(["q"] * 4, ["it is 12", r"\boxed{12.0}", "13", "none"], answer=["12", "12", "12", "12"])
+    assert got == [1.0, 1.0, 0.0, 0.0]
+    assert rewards.load("regex:^[a-z ]+$")(["p", "p"], ["only lowercase", "Not"]) == [1.0, 0.0]
+
+
+def test_reward_functions_from_a_file_and_their_errors(tmp_path):
+    """A file's function gets the rows' other fields; weights sum the rewards; a function
+    that raises, miscounts or returns NaN is one RewardError line naming it."""
+    f = tmp_path / "my_rewards.py"
+    f.write_text("def length(prompts, completions, target_len, **kw):\n"
+                 "    return [-abs(len(c) - t) for c, t in zip(completions, target_len)]\n"
+                 "def boom(prompts, completions, **kw):\n    raise KeyError('answer')\n"
+                 "def short(prompts, completions, **kw):\n    return [1.0]\n"
+                 "def nan(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n")  # fmt: skip
+    rs = rewards.load_all([f"{f}:length", "regex:a"], [0.5, 2.0])
+    total, each = rewards.score(rs, ["p", "p"], ["aaa", "bbbbb"], {"target_len": [3, 3]})
+    np.testing.assert_allclose(total, [0.5 * 0 + 2.0, 0.5 * -2 + 0.0])
+    assert set(each) == {f"{f}:length", "regex:a"}
+    for name, problem in (("boom", "raised KeyError"), ("short", "returned 1 rewards for 2 completions"),
+                          ("nan", "returned nan for completion 0")):  # fmt: skip
+        with pytest.raises(rewards.RewardError, match=problem) as e:
+            rewards.score(rewards.load_all([f"{f}:{name}"]), ["p", "p"], ["a", "b"], {})
+        assert f"{f}:{name}" in str(e.value) and "\n" not in str(e.value)
+    for spec, problem in (("nope", "give FILE.py:FUNCTION"), (f"{tmp_path}/missing.py:f", "no such file"),
+                          (f"{f}:absent", "has no function 'absent'"), ("regex:(", "not a regular expression")):  # fmt: skip
+        with pytest.raises(rewards.RewardError, match=problem):
+            rewards.load(spec)
+    with pytest.raises(rewards.RewardError, match="2 weights for 1"):
+        rewards.load_all(["exact-answer"], [1.0, 2.0])
