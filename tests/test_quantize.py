@@ -221,8 +221,9 @@ def test_plan_counts_the_base_in_its_codes():
 
 def test_each_weight_is_quantized_as_it_is_read(tmp_path, monkeypatch):
     """From a Hugging Face directory the base never reaches the devices whole in full
-    precision: each stacked weight is quantized right after its own tensors are read, before
-    the next weight's are."""
+    precision, nor does one stacked weight: each layer of a stacked weight is quantized
+    right after its own tensor is read, before the next layer's is; the layers are then
+    joined into the stacked weight's codes and scales."""
     from test_train import tiny_cfg
 
     from nnxscale.models.common import hf_checkpoint
@@ -231,23 +232,31 @@ def test_each_weight_is_quantized_as_it_is_read(tmp_path, monkeypatch):
     hf = hf_llama(tmp_path)
     s = setup(tiny_cfg("unused", "unused", model=str(hf), mesh="fsdp=2,model=4", lora__rank=4, lora__quantize_base="nf4"))
     events = []
-    read, quantized = hf_checkpoint.SafetensorsFiles.slice, quantize.Quantizer.__call__
+    read, quantized = hf_checkpoint.HFLayout.read, quantize.Quantizer.__call__
 
-    def reading(self, key):
-        events.append(("read", key))
-        return read(self, key)
+    def reading(self, sliced, index):
+        events.append(("read", None))
+        return read(self, sliced, index)
 
     def quantizing(self, path, w):
         q = quantized(self, path, w)
         if q is not w:
-            events.append(("quantized", ".".join(path)))
+            events.append(("quantized", (path, w.shape)))
         return q
 
-    monkeypatch.setattr(hf_checkpoint.SafetensorsFiles, "slice", reading)
+    monkeypatch.setattr(hf_checkpoint.HFLayout, "read", reading)
     monkeypatch.setattr(quantize.Quantizer, "__call__", quantizing)
     params = load_init_params(s, str(hf), warn=lambda _: None)
     done = [i for i, (kind, _) in enumerate(events) if kind == "quantized"]
-    assert len(done) == 7
-    for before, after in zip(done, done[1:]):  # another weight's tensors read between two quantizations
+    assert len(done) == 7 * 2  # 7 projections, each stacked over 2 layers: one layer at a time
+    for i in done:  # one layer's weight: the stacked codes' shape without the layer axis
+        path, shape = events[i][1]
+        stacked = params
+        for k in path:
+            stacked = stacked[k]
+        assert shape == stacked.codes.shape[1:], (path, shape)
+    for before, after in zip(done, done[1:]):  # the next layer's tensor read between two quantizations
         assert any(kind == "read" for kind, _ in events[before + 1 : after]), events
+    up = params["layers"]["mlp"]["up_proj"]["kernel"]
+    assert up.codes.shape == (2, 128, 256) and up.scales.shape == (2, 2, 256)
     assert quantize.is_quantized(params["layers"]["mlp"]["up_proj"]["kernel"])

@@ -182,15 +182,32 @@ class Quantizer:
             q = quantize(w, self.scheme, axis, self.dtype)
             return q, _relative_error(w, q)
 
-        q, self.errors[key] = jax.jit(run, out_shardings=(out, NamedSharding(w.sharding.mesh, P())))(w)
+        q, err = jax.jit(run, out_shardings=(out, NamedSharding(w.sharding.mesh, P())))(w)
+        self.errors.setdefault(key, []).append(err)
         return q
+
+    def layer_by_layer(self, path: tuple) -> bool:
+        """Whether ``path`` is a weight this quantizes: a loader then hands it one layer at a
+        time (:meth:`__call__` on each) and joins the layers with :meth:`stack`, so no stacked
+        weight is ever on the devices whole in full precision (a 70B model's stacked MLP
+        weight is 37.6 GB in bfloat16)."""
+        return ".".join(map(str, path)) in self.targets
+
+    def stack(self, path: tuple, layers: list, sharding: NamedSharding) -> Quantized:
+        """The :class:`Quantized` of a stacked weight from its layers' (``self(path, layer)``
+        each), laid out as ``sharding`` lays out the stacked weight."""
+        full = (len(layers),) + tuple(layers[0].codes.shape)
+        axis = block_axis(full, *self.targets[".".join(map(str, path))])
+        out = shardings(sharding, abstract(full, self.scheme, axis, self.dtype))
+        return jax.jit(lambda qs: jax.tree.map(lambda *xs: jnp.stack(xs), *qs), out_shardings=out)(layers)
 
     def report(self, log: Optional[Callable[[str], None]]) -> None:
         """One line of the errors of the weights quantized so far (none: nothing)."""
         if log is None or not self.errors:
             return
-        e = np.array([float(v) for v in self.errors.values()])
-        worst = max(self.errors, key=lambda k: float(self.errors[k]))
+        per_weight = {k: float(np.mean([float(e) for e in v])) for k, v in self.errors.items()}  # a stacked weight: its layers' mean
+        e = np.array(list(per_weight.values()))
+        worst = max(per_weight, key=per_weight.get)
         log(f"quantized base: {len(e)} weights stored {self.scheme} in blocks of {BLOCK}; relative error per tensor "
             f"{e.min():.4f} to {e.max():.4f} (mean {e.mean():.4f}; the largest: {worst})")  # fmt: skip
 

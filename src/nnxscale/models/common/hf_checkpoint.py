@@ -27,6 +27,8 @@ from typing import Any, Optional
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -250,12 +252,30 @@ def load_state(
                 cache[key] = read(index)
             return cache[key]
 
+        transform, where = _LOADED.get(), tuple(key_part(k) for k in path)
+        if transform is not None and param.stacked and getattr(transform, "layer_by_layer", lambda _: False)(where):
+            return v.replace(_transformed_layers(transform, where, read, shape, sharding))
         array = jax.make_array_from_callback(shape, sharding, callback)
-        if (transform := _LOADED.get()) is not None:
-            array = transform(tuple(key_part(k) for k in path), array)
+        if transform is not None:
+            array = transform(where, array)
         return v.replace(array)
 
     return jax.tree_util.tree_map_with_path(load, abstract, shardings, is_leaf=is_variable)
+
+
+def _transformed_layers(transform, path: tuple, read: Callable, shape: tuple[int, ...], sharding):
+    """A stacked parameter read one layer at a time, each layer transformed as soon as it is
+    on its devices (``transform(path, layer)``), joined by ``transform.stack(path, layers,
+    sharding)``: only one layer is ever on the devices as read."""
+    spec = tuple(sharding.spec)
+    layer_sharding = NamedSharding(sharding.mesh, P(*spec[1:]))
+    layers = []
+    for i in range(shape[0]):
+        def layer(index, i=i):  # this device's slice of layer i
+            return read((slice(i, i + 1),) + tuple(index))[0]
+
+        layers.append(transform(path, jax.make_array_from_callback(shape[1:], layer_sharding, layer)))
+    return transform.stack(path, layers, sharding)
 
 
 def _read_stacked(readers: list, stack: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
