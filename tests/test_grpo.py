@@ -150,3 +150,87 @@ def test_reward_functions_from_a_file_and_their_errors(tmp_path):
             rewards.load(spec)
     with pytest.raises(rewards.RewardError, match="2 weights for 1"):
         rewards.load_all(["exact-answer"], [1.0, 2.0])
+
+
+def _prompts(path, n=16):
+    """Prompts whose rows carry an ``answer`` field the rewards may read."""
+    import json
+
+    path.write_text("".join(json.dumps({"prompt": f"Q{i}: say it\nA:", "answer": "x" * (i % 3 + 1)}) + "\n" for i in range(n)))
+    return path
+
+
+def _grpo_cfg(tmp_path, name, **overrides):
+    from test_train import tiny_cfg
+
+    fields = dict(model="llama-tiny", objective="grpo", data__seq_len=48, data__batch_size=8, grpo__num_generations=4,
+                  grpo__max_new_tokens=12, grpo__reward=(f"{tmp_path / 'r.py'}:short", "regex:[a-z]"), optim__lr=1e-2,
+                  optim__warmup_steps=0, steps=4, save_every=2)  # fmt: skip
+    fields.update(overrides)
+    return tiny_cfg(tmp_path / name, _prompts(tmp_path / "prompts.jsonl"), **fields)
+
+
+def _reward_file(tmp_path, body="return [-float(len(c)) / 12 for c in completions]"):
+    (tmp_path / "r.py").write_text(f"def short(prompts, completions, answer, **kw):\n    {body}\n")
+
+
+def test_grpo_runs_logs_rewards_and_resumes_exactly(tmp_path):
+    """llama-tiny, 4 GRPO steps of 2 prompts x 4 completions on fsdp=2,model=4, each rollout
+    trained twice (--grpo-iterations 2): metrics.jsonl has the loss, the rewards (each
+    function's too), KL, clip fraction, completion lengths and the rollout's time;
+    rollouts.jsonl has samples; a run stopped at step 3 (between a rollout's two steps) and
+    resumed logs the uninterrupted run's losses and rewards: the sampling keys follow from the
+    seed and the step, and the rollout a resumed step trains on was kept."""
+    import json
+
+    from test_train import quiet_train
+
+    from nnxscale.training.rundir import read_metrics
+
+    _reward_file(tmp_path)
+    quiet_train(_grpo_cfg(tmp_path, "full", mesh="fsdp=2,model=4", grpo__iterations=2))
+    full = read_metrics(tmp_path / "full")
+    keys = {"loss", "reward", "reward_std", "kl", "clip_fraction", "completion_length", "truncated", "rollout_s"}
+    assert keys <= set(full[0]) and f"reward/{tmp_path / 'r.py'}:short" in full[0], full[0]
+    assert [r["step"] for r in full] == [1, 2, 3, 4]
+    samples = [json.loads(line) for line in (tmp_path / "full" / "rollouts.jsonl").read_text().splitlines()]
+    assert samples and samples[0]["samples"][0]["prompt"].startswith("Q")
+    quiet_train(_grpo_cfg(tmp_path, "resumed", mesh="fsdp=2,model=4", grpo__iterations=2, steps=3))
+    assert sorted(p.name for p in (tmp_path / "resumed" / "rollouts").iterdir()) == ["step_2.npz"]  # the one checkpoint 2 needs
+    quiet_train(_grpo_cfg(tmp_path, "resumed", mesh="fsdp=2,model=4", grpo__iterations=2))
+    resumed = read_metrics(tmp_path / "resumed")
+    assert full[1]["reward"] == full[0]["reward"] and full[2]["reward"] != full[1]["reward"]  # a rollout per 2 steps
+    for key in ("loss", "reward", "kl", "clip_fraction"):
+        np.testing.assert_allclose([r[key] for r in resumed], [r[key] for r in full], rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("body, problem", [("raise ValueError('bad row')", "raised ValueError: bad row"),
+                                           ("return [1.0]", "returned 1 rewards for 8 completions"),
+                                           ("return [float('nan')] * len(completions)", "returned nan")])  # fmt: skip
+def test_a_failing_reward_stops_the_run_in_one_line(tmp_path, capsys, body, problem):
+    """From the command line: exit 2, one line naming the function and the problem."""
+    from test_cli import run_main
+
+    _reward_file(tmp_path, body)
+    _prompts(tmp_path / "prompts.jsonl")
+    code, _, err = run_main(capsys, ["train", "--model", "llama-tiny", "--objective", "grpo", "--data", str(tmp_path / "prompts.jsonl"),
+                                     "--reward", f"{tmp_path / 'r.py'}:short", "--num-generations", "4", "--batch-size", "8",
+                                     "--seq-len", "48", "--max-new-tokens", "12", "--steps", "2",
+                                     "--run-dir", str(tmp_path / "run")])  # fmt: skip
+    lines = [line for line in err.strip().splitlines() if line.startswith("nnxscale: error")]
+    assert code == 2 and len(lines) == 1 and f"r.py:short {problem}" in lines[0], err
+
+
+@pytest.mark.parametrize("extra, problem", [(["--mesh", "context=2,data=4"], "stage or context axis"),
+                                            (["--num-generations", "3"], "a multiple of --num-generations"),
+                                            (["--num-generations", "1", "--batch-size", "4"], "at least 2")])  # fmt: skip
+def test_grpo_settings_it_cannot_run_are_one_line(tmp_path, capsys, extra, problem):
+    from test_cli import run_main
+
+    _reward_file(tmp_path)
+    _prompts(tmp_path / "prompts.jsonl")
+    argv = ["train", "--model", "llama-tiny", "--objective", "grpo", "--data", str(tmp_path / "prompts.jsonl"), "--reward",
+            f"{tmp_path / 'r.py'}:short", "--batch-size", "8", "--seq-len", "48", "--max-new-tokens", "12", "--steps", "1",
+            "--run-dir", str(tmp_path / "run"), *extra]  # fmt: skip
+    code, _, err = run_main(capsys, argv)
+    assert code == 2 and problem in err and len(err.strip().splitlines()) == 1, err

@@ -116,6 +116,8 @@ def _add_settings(p: argparse.ArgumentParser, paths=None, *, required=()) -> Non
             options = {"default": None, "help": f"{meta['help']} (default: {defaults[path]})"}
         if kind is bool:  # --document-mask / --no-document-mask
             options |= {"action": argparse.BooleanOptionalAction}
+        elif meta.get("append"):  # --reward A --reward B
+            options |= {"action": "append", "metavar": meta["flag"][2:].upper().replace("-", "_")}
         elif "const" in meta:  # a bare flag means `const`: --remat is --remat full
             options |= {"nargs": "?", "const": meta["const"], "choices": meta["choices"], "metavar": "POLICY"}
         elif "choices" in meta:

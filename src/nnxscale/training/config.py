@@ -99,6 +99,35 @@ class LoraSettings:
                                            "embeddings, norms and the head stay as they are", choices=QUANTIZE_SCHEMES)  # fmt: skip
 
 
+#: ``--loss-norm`` of ``--objective grpo`` (nnxscale.training.grpo): the first is the default.
+GRPO_LOSS_NORMS = ("token", "sequence", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoSettings:
+    """``--objective grpo``: rollouts of ``num_generations`` completions per prompt, rewards,
+    the clipped objective (:mod:`nnxscale.training.grpo`, :mod:`nnxscale.training.rollout`)."""
+
+    reward: tuple[str, ...] = setting((), "--reward", "--objective grpo: a reward function, FILE.py:FUNCTION, "
+                                      "package.module:FUNCTION, exact-answer or regex:PATTERN; repeat for several "
+                                      "(summed)", append=True)  # fmt: skip
+    reward_weights: Optional[str] = setting(None, "--reward-weights", "--objective grpo: comma-separated weights of the "
+                                            "--reward functions, in order (default: 1 each)")  # fmt: skip
+    num_generations: int = setting(8, "--num-generations", "--objective grpo: completions sampled per prompt (a group); "
+                                   "--batch-size counts completions, a multiple of it")  # fmt: skip
+    max_new_tokens: int = setting(256, "--max-new-tokens", "--objective grpo: longest completion sampled")
+    temperature: float = setting(1.0, "--temperature", "--objective grpo: sampling temperature of the rollouts")
+    top_p: float = setting(1.0, "--top-p", "--objective grpo: nucleus sampling of the rollouts (1: all tokens)")
+    kl_beta: float = setting(0.04, "--kl-beta", "--objective grpo: weight of the KL penalty to the reference (k3 "
+                             "estimator; 0: none, and no reference is kept)")  # fmt: skip
+    clip_eps: float = setting(0.2, "--clip-eps", "--objective grpo: the policy ratio is clipped to [1 - eps, 1 + eps]")
+    loss_norm: str = setting("token", "--loss-norm", "--objective grpo: token (DAPO: over the batch's completion "
+                             "tokens), sequence (GRPO: each completion's mean) or constant (Dr. GRPO: over rows x "
+                             "--max-new-tokens)", choices=GRPO_LOSS_NORMS)  # fmt: skip
+    iterations: int = setting(1, "--grpo-iterations", "--objective grpo: optimizer steps per rollout batch, its old "
+                              "log-probabilities kept")  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """How the run is split over devices: the mesh, the rules, and the pipeline."""
@@ -207,8 +236,9 @@ class TrainConfig:
     seed: int = setting(0, "--seed", "seed for initialization, data order and dropout")
     run_dir: str = setting("runs/quickstart", "--run-dir", "run directory: config, metrics.jsonl, loss.png, checkpoints")
     objective: str = setting("lm", "--objective", "lm: next-token cross-entropy; dpo: direct preference optimization on "
-                             "JSON Lines of prompt, chosen, rejected against the frozen starting model (--beta)",
-                             choices=("lm", "dpo"))  # fmt: skip
+                             "JSON Lines of prompt, chosen, rejected against the frozen starting model (--beta); "
+                             "grpo: group relative policy optimization from --reward functions over JSON Lines of prompts",
+                             choices=("lm", "dpo", "grpo"))  # fmt: skip
     dpo_beta: float = setting(0.1, "--beta", "--objective dpo: how far the model may move from the reference (DPO's beta)")
     max_bad_steps: int = setting(5, "--max-bad-steps", "stop after this many steps in a row with a non-finite loss or "
                                  "gradient norm (each one is skipped)")  # fmt: skip
@@ -224,6 +254,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
+    grpo: GrpoSettings = dataclasses.field(default_factory=GrpoSettings)
 
     def __init__(self, **fields):
         sections = {f.name: f for f in dataclasses.fields(self)}
@@ -259,7 +290,8 @@ class TrainConfig:
         return getattr(getattr(self, section), field)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, by section, as JSON writes it (a tuple of strings as a list)."""
+        return dataclasses.asdict(self, dict_factory=lambda items: {k: list(v) if isinstance(v, tuple) else v for k, v in items})
 
     def validate(self) -> None:
         """Check every field's type and range (no devices, data or model needed); raise ConfigError."""
@@ -313,8 +345,9 @@ class TrainConfig:
             raise ConfigError(
                 f"{_label('parallel.pipeline_schedule')} must be gpipe or 1f1b, got {self.parallel.pipeline_schedule!r}"
             )
-        if self.objective not in ("lm", "dpo"):
-            raise ConfigError(f"{_label('objective')} must be lm or dpo, got {self.objective!r}")
+        if self.objective not in ("lm", "dpo", "grpo"):
+            raise ConfigError(f"{_label('objective')} must be lm, dpo or grpo, got {self.objective!r}")
+        self._validate_grpo()
         if self.data.loss_on not in (None, "completion", "all"):
             raise ConfigError(f"{_label('data.loss_on')} must be completion or all, got {self.data.loss_on!r}")
         if self.objective == "dpo" and (self.optim.grad_accum > 1 or self.parallel.microbatches is not None):
@@ -364,6 +397,27 @@ class TrainConfig:
                 f"(e.g. --microbatches {par.microbatches * self.optim.grad_accum} for the same micro-batch size), "
                 "or --pipeline-schedule 1f1b, which runs beside --grad-accum"
             )
+
+    def _validate_grpo(self) -> None:
+        g = self.grpo
+        if self.objective != "grpo":
+            return
+        if g.num_generations < 2:
+            raise ConfigError(f"--num-generations must be at least 2 (a group's advantages compare its completions), got {g.num_generations}")
+        if self.data.batch_size % g.num_generations:
+            raise ConfigError(f"--batch-size {self.data.batch_size} counts completions: a multiple of --num-generations "
+                              f"{g.num_generations}")  # fmt: skip
+        if not 1 <= g.max_new_tokens < self.data.seq_len:
+            raise ConfigError(f"--max-new-tokens must be at least 1 and leave room for the prompt in --seq-len "
+                              f"{self.data.seq_len}, got {g.max_new_tokens}")  # fmt: skip
+        if not (0 < g.temperature and 0 < g.top_p <= 1 and 0 < g.clip_eps < 1 and g.kl_beta >= 0 and g.iterations >= 1):
+            raise ConfigError("--temperature must be positive, --top-p in (0, 1], --clip-eps in (0, 1), --kl-beta at "
+                              "least 0 and --grpo-iterations at least 1")  # fmt: skip
+        if g.loss_norm not in GRPO_LOSS_NORMS:
+            raise ConfigError(f"--loss-norm must be one of {', '.join(GRPO_LOSS_NORMS)}, got {g.loss_norm!r}")
+        if self.optim.grad_accum > 1 or self.parallel.microbatches is not None:
+            raise ConfigError("--objective grpo with --grad-accum or a pipeline (--microbatches) is not implemented: "
+                              "sampling needs the whole model on each data shard")  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: Optional[str] = None, flat_names: Optional[Callable] = None) -> "TrainConfig":
@@ -504,6 +558,10 @@ def _typed(path: str, value, hint, *, strict: bool):
         return value if strict else float(value)
     if hint is str and isinstance(value, str):
         return value
+    if typing.get_origin(hint) is tuple and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    if typing.get_origin(hint) is tuple:
+        raise ConfigError(f"{_label(path)} must be a list of strings, got {value!r} ({type(value).__name__})")
     wanted = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}[hint]
     raise ConfigError(
         f"{_label(path)} must be {wanted}{' or unset' if optional else ''}, got {value!r} ({type(value).__name__})"
@@ -573,8 +631,9 @@ def config_conflicts(saved: dict, new: dict) -> list[str]:
     A field that a run directory's config lacks (written before nnxscale had it) has its
     default there: what the older version did. Without this, every run directory written
     before ``--document-mask`` (and two data fields) was refused as a different run."""
-    a, b = flatten(upgrade(saved)), flatten(upgrade(new))
-    defaults = flatten(TrainConfig().to_dict())
+    listed = lambda d: {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}  # noqa: E731  (JSON keeps lists)
+    a, b = listed(flatten(upgrade(saved))), listed(flatten(upgrade(new)))
+    defaults = listed(flatten(TrainConfig().to_dict()))
     out = []
     for key in sorted(set(a) | set(b)):
         if key in RESUMABLE_FIELDS:

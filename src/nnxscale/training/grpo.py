@@ -48,11 +48,12 @@ from flax import nnx
 from nnxscale.layers import lora
 from nnxscale.layers.loss import CHUNK_BYTES, fewest_chunks, token_shards
 from nnxscale.models import hidden_and_weights
-from nnxscale.training.adapters import BASE, merge_params
+from nnxscale.training.adapters import BASE, merge_params, model_params
+from nnxscale.training.config import GRPO_LOSS_NORMS
 from nnxscale.training.preference import REFERENCE, strided
 
 #: The loss normalizations of ``--loss-norm`` (see the module docstring); the first is the default.
-LOSS_NORMS = ("token", "sequence", "constant")
+LOSS_NORMS = GRPO_LOSS_NORMS
 
 #: Added to a group's standard deviation: a group of equal rewards divides 0 by it.
 STD_EPS = 1e-4
@@ -157,8 +158,7 @@ def reference_token_log_probs(graphdef, state, inputs, targets):
 def policy_token_log_probs(graphdef, state, inputs, targets):
     """The policy's own ``(B, T)`` per-token log-probabilities (no gradient): a rollout's
     ``old`` log-probabilities, taken before its first iteration."""
-    params = state["params"] if BASE not in state else merge_params(state[BASE], state["params"])
-    model = nnx.merge(graphdef, jax.lax.stop_gradient(params))
+    model = nnx.merge(graphdef, jax.lax.stop_gradient(model_params(state)))
     return token_log_probs(model, inputs, targets)[0]
 
 

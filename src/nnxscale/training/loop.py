@@ -28,17 +28,21 @@ from jax.sharding import NamedSharding
 
 from nnxscale.checkpoint.checkpointer import Checkpointer, checkpoint_dir
 from nnxscale.checkpoint.runlock import RunLock
+from nnxscale.data import text
 from nnxscale.data import tokens as datalib
+from nnxscale.data.chat import ChatTemplate, template_directory
 from nnxscale.errors import storage_error
 from nnxscale.jobs.distributed import StopVote, current
 from nnxscale.jobs.process import owns_process
 from nnxscale.jobs.watchdog import ProgressWatchdog, timeout_from
 from nnxscale.layers import attention
+from nnxscale.models.common.generate import Sampling
 from nnxscale.progress import ProgressBar
 from nnxscale.sharding.devices import peak_flops
 from nnxscale.sharding.mesh import format_mesh, process_findings
 from nnxscale.sharding.state import LAYOUT_FINDINGS, group_findings, lint
 from nnxscale.training import adapters as lora_state
+from nnxscale.training import grpo, rewards, rollout
 from nnxscale.training.config import ConfigError, TrainConfig
 from nnxscale.training.guards import SkipCounter, StopSignals
 from nnxscale.training.inputs import (
@@ -53,7 +57,7 @@ from nnxscale.training.rundir import (
 from nnxscale.training.state import (
     Setup, describe_pipeline, init_state, load_init_params, pipeline_notes, run_order, saved_order, setup,
 )  # fmt: skip
-from nnxscale.training.step import make_eval_step, make_train_step, step_compiler_options
+from nnxscale.training.step import make_eval_step, make_grpo_step, make_policy_log_probs, make_train_step, step_compiler_options
 
 #: Training steps dispatched ahead of the host: enough to overlap host and device; XLA:CPU's
 #: in-process collectives deadlock with ~100 queued steps.
@@ -123,17 +127,22 @@ def train(
         if model is None:
             require_weights(cfg)  # a --model DIR of config.json alone plans, it does not train
         tokenizer = run_tokenizer(cfg, run_dir)
-        kind = data_kind(cfg, tokenizer)
-        s = setup(cfg, mesh, model=model, loss=loss, separator=document_separator(cfg, tokenizer, kind),
-                  ignored_targets=kind.rows)  # fmt: skip
-        inputs = _Inputs.load(cfg, s, tokenizer, kind, log)
+        run_class = _Run
+        if cfg.objective == "grpo":  # prompts, sampled from and rewarded; no validation split
+            s = setup(cfg, mesh, model=model, loss=loss, ignored_targets=True)
+            inputs, run_class = _Prompts.load(cfg, s, tokenizer, log), _GrpoRun
+        else:
+            kind = data_kind(cfg, tokenizer)
+            s = setup(cfg, mesh, model=model, loss=loss, separator=document_separator(cfg, tokenizer, kind),
+                      ignored_targets=kind.rows)  # fmt: skip
+            inputs = _Inputs.load(cfg, s, tokenizer, kind, log)
         for finding in process_findings(s.mesh, current().hosts):  # tensor parallelism across hosts
             log(f"lint: {finding}")
         for line in layout_findings(s):
             log(f"lint: {line}")
         check_run_dir(cfg, run_dir)  # after validating the command itself, before writing anything
         with _opened(cfg, run_dir, log) as (ckpt, watch):
-            run = _Run(cfg, s, inputs, ckpt, watch, stop, log, step_predictor)
+            run = run_class(cfg, s, inputs, ckpt, watch, stop, log, step_predictor)
             run.restore_or_init(own_model=model is not None)
             run.write_run_files()
             run.describe()
@@ -512,11 +521,138 @@ class _Run:
         )
 
 
+class _Prompts:
+    """``--objective grpo``'s inputs: the prompts and the order steps take them in (saved with
+    a checkpoint), the reward functions, and how a completion ends and is read."""
+
+    def __init__(self, tokenizer, decoder, prompts, order, rewards, stop):
+        self.tokenizer, self.decoder, self.prompts, self.train_it, self.rewards, self.stop = (
+            tokenizer, decoder, prompts, order, rewards, stop)  # fmt: skip
+        self.tokens, self.val_batches = prompts, []  # what a run's files and checkpoints record of its data
+
+    @classmethod
+    def load(cls, cfg: TrainConfig, setup: Setup, tokenizer, log: Callable[[str], None]) -> "_Prompts":
+        if cfg.data.data is None:
+            raise ConfigError("--objective grpo needs --data PROMPTS.jsonl (rows of prompt or messages, and the fields "
+                              "the rewards read)")  # fmt: skip
+        if current().is_multiprocess:
+            raise ConfigError("--objective grpo runs in one process for now (its rollouts are sampled on the host's devices)")
+        if setup.pipeline is not None or setup.rules.length_shard_count > 1:
+            raise ConfigError("--objective grpo samples with the KV cache, which a stage or context axis cannot split: "
+                              "use data, fsdp and model axes")  # fmt: skip
+        vocab = setup.vocab_size()
+        decoder = tokenizer if tokenizer is not None else (text.ByteTokenizer() if vocab == text.BYTE_VOCAB else None)
+        if decoder is None:
+            raise ConfigError(f"--objective grpo decodes completions for the rewards: the model's vocabulary is {vocab:,}, "
+                              "not bytes: give its tokenizer (--tokenizer, or a Hugging Face --model DIR)")  # fmt: skip
+        where = template_directory(tokenizer) if tokenizer is not None else None
+        template = ChatTemplate.find(where) if where is not None else None
+        g = cfg.grpo
+        prompts = rollout.load_prompts(cfg.data.data, decoder, template, longest=cfg.data.seq_len - g.max_new_tokens,
+                                       skip_bad_rows=cfg.data.skip_bad_rows)  # fmt: skip
+        weights = None if g.reward_weights is None else _weights(g.reward_weights)
+        chosen = rewards.load_all(g.reward, weights)
+        stop = [decoder.separator] if decoder.separator is not None else []
+        end = template.turn_end() if template is not None else None
+        if end and hasattr(decoder, "token_id") and decoder.token_id(end) is not None:
+            stop.append(decoder.token_id(end))
+        log(f"data: {prompts.description}; rewards: {', '.join(r.spec for r in chosen)}")
+        return cls(tokenizer, decoder, prompts, rollout.PromptOrder(len(prompts), cfg.seed), chosen, stop or None)
+
+
+def _weights(text_: str) -> list[float]:
+    try:
+        return [float(w) for w in text_.split(",")]
+    except ValueError:
+        raise ConfigError(f"--reward-weights {text_!r}: give comma-separated numbers, e.g. 1,0.5") from None
+
+
+class _GrpoRun(_Run):
+    """A GRPO run: before every ``--grpo-iterations`` th step, a rollout of the step's prompts
+    from the current parameters, scored by the rewards; the steps train on it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step_fn, self.old_fn = make_grpo_step(self.s), make_policy_log_probs(self.s)
+        self.batch, self.host = None, {}
+        self.predicted = True  # the GRPO step's batch is not the planner's: no prediction
+        self.rollouts_path = Path(self.cfg.run_dir) / "rollouts.jsonl"
+
+    def dispatch(self):
+        g = self.cfg.grpo
+        if self.step % g.iterations == 0:
+            self.settle()  # the rollout samples from the parameters every step so far has made
+            self.batch, self.host = self.rollout()
+        elif self.batch is None:  # resumed between two rollouts: the one these steps train on, as it was kept
+            self.batch, self.host = self.kept_rollout()
+        with jax.set_mesh(self.s.mesh), self.profile.step(self.step + 1):
+            self.state, metrics = self.step_fn(self.state, self.batch)
+        self.step += 1
+        self.profile.after(self.step, self.state)
+        metrics = {**metrics, **self.host}
+        self.in_flight.append((self.step, metrics))
+        if len(self.in_flight) > MAX_IN_FLIGHT:
+            self.account()
+        self.stopping = self.stop.signal
+        return metrics
+
+    def rollout(self) -> tuple[dict, dict]:
+        """The next prompts' completions, their rewards and advantages: the batch, on the
+        mesh, and what the step's record adds (rewards, lengths, the rollout's time)."""
+        cfg, g, inputs = self.cfg, self.cfg.grpo, self.inputs
+        self.watch.phase(f"sampling the rollout of step {self.step + 1}", compiles=self.batch is None)
+        t = time.perf_counter()
+        G = g.num_generations
+        chosen = inputs.train_it.take(cfg.data.batch_size // G)
+        prompts = [inputs.prompts.tokens[i] for i in chosen]
+        sampling = Sampling(temperature=g.temperature, top_k=0, top_p=g.top_p, seed=rollout.sampling_seed(cfg.seed, self.step))
+        completions = rollout.sample_completions(self.s, self.state, prompts, G, g.max_new_tokens, sampling,
+                                                 stop=inputs.stop, vocab=self.s.vocab_size())  # fmt: skip
+        sampled_s = time.perf_counter() - t
+        rows = [i for i in chosen for _ in range(G)]
+        stops = set(inputs.stop or ())
+        texts = [inputs.decoder.decode([x for x in c if x not in stops]) for c in completions]
+        fields = {k: [v[i] for i in rows] for k, v in inputs.prompts.fields.items()}
+        total, each = rewards.score(inputs.rewards, [inputs.prompts.texts[i] for i in rows], texts, fields)
+        advantages = grpo.group_advantages(total, G)
+        host = rollout.training_batch([inputs.prompts.tokens[i] for i in rows], completions, advantages, cfg.data.seq_len)
+        batch = datalib.to_global(host, self.s.batch_sharding)
+        if g.iterations > 1:
+            with jax.set_mesh(self.s.mesh):
+                batch["old"] = self.old_fn(self.state, batch)
+        record = {"reward": float(total.mean()), "reward_std": float(total.std()), "rollout_s": sampled_s,
+                  **{f"reward/{spec}": float(v.mean()) for spec, v in each.items()},
+                  **rollout.completion_stats(completions, g.max_new_tokens, inputs.stop)}  # fmt: skip
+        if self.is_main and (self.step == 0 or (self.step + 1) % max(cfg.logging.log_every, 1) == 0):
+            rollout.write_samples(self.rollouts_path, self.step + 1, inputs.prompts.texts, rows, texts, total)
+        if g.iterations > 1 and self.is_main:  # the next steps train on it too: kept, so a resume between them has it
+            oldest = min(self.ckpt.steps() or [self.step])  # a resume from any checkpoint kept finds its rollout
+            rollout.keep(self.kept_dir, self.step, {**host, "old": np.asarray(jax.device_get(batch["old"]))}, record,
+                         drop_before=oldest - oldest % g.iterations)  # fmt: skip
+        self.watch.progress(f"rollout of step {self.step + 1}")
+        return batch, record
+
+    @property
+    def kept_dir(self) -> Path:
+        return Path(self.cfg.run_dir) / "rollouts"
+
+    def kept_rollout(self) -> tuple[dict, dict]:
+        """The rollout the steps since the last one train on, as :meth:`rollout` kept it."""
+        made = self.step - self.step % self.cfg.grpo.iterations
+        arrays, record = rollout.kept(self.kept_dir, made)
+        old = arrays.pop("old")
+        batch = datalib.to_global(arrays, self.s.batch_sharding)
+        batch["old"] = datalib.to_global({"old": old}, self.s.batch_sharding)["old"]
+        return batch, record
+
+
 def _progress_info(record: dict) -> str:
     """The progress bar's text for a logged step: its loss, validation loss and speed."""
     info = f"loss {record['loss']:.3f}"
     if "val_loss" in record:
         info += f"  val {record['val_loss']:.3f}"
+    if "reward" in record:  # --objective grpo
+        info += f"  reward {record['reward']:.3f}"
     if "tokens_per_s" in record:
         info += f"  {record['tokens_per_s']:,.0f} tok/s"
     return info

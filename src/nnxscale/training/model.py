@@ -26,6 +26,7 @@ from nnxscale.models import (
     pretrained_family,
 )  # fmt: skip
 from nnxscale.training.config import ConfigError, TrainConfig, flag
+from nnxscale.training.grpo import grpo_loss
 from nnxscale.training.preference import dpo_loss
 
 #: TrainConfig fields that set a family's config (see ``ModelFamily.run_options``).
@@ -190,9 +191,9 @@ def run_model(
             "--loss-on completion masks the prompt with the GPT-2, Llama and Mixtral families' loss; with your own module "
             "pass a loss= that skips targets equal to nnxscale.models.common.documents.IGNORED, or train with --loss-on all"
         )
-    if cfg.objective == "dpo" and (model is not None or loss is not None):
-        raise ConfigError("--objective dpo trains a family's model (GPT-2, Llama, Mixtral) with its own loss; "
-                          "your own module or loss= cannot take it")  # fmt: skip
+    if cfg.objective in ("dpo", "grpo") and (model is not None or loss is not None):
+        raise ConfigError(f"--objective {cfg.objective} trains a family's model (GPT-2, Llama, Mixtral, ...) with its own "
+                          "loss; your own module or loss= cannot take it")  # fmt: skip
     if model is not None:
         if not callable(model):
             raise ConfigError(f"model= must be a function rngs -> nnx.Module, got {type(model).__name__}")
@@ -224,6 +225,10 @@ def run_model(
     if cfg.objective == "dpo":
         objective = functools.partial(dpo_loss, beta=cfg.dpo_beta, separator=separator)
         ignored_targets = True
+    if cfg.objective == "grpo":  # the step binds each rollout's advantages (nnxscale.training.step.make_grpo_step)
+        objective, ignored_targets = grpo_loss, True
     build = with_fp8(with_adapters(lambda rngs: family.build(config, rngs=rngs), spec), cfg.model.fp8)
-    return RunModel(cfg.model.name, build, objective, family, config, separator, ignored_targets, cfg.objective == "dpo", spec,
+    # DPO's reference, and GRPO's for its KL penalty: under LoRA the base itself (no copy)
+    reference = cfg.objective == "dpo" or (cfg.objective == "grpo" and cfg.grpo.kl_beta > 0)
+    return RunModel(cfg.model.name, build, objective, family, config, separator, ignored_targets, reference, spec,
                     cfg.model.fp8)  # fmt: skip

@@ -37,6 +37,7 @@ from nnxscale.models.common.documents import trained_weights
 from nnxscale.sharding.axes import entry_axes
 from nnxscale.sharding.activations import use_rules
 from nnxscale.training.adapters import BASE, merge_params
+from nnxscale.training import grpo
 from nnxscale.training.preference import REFERENCE, reference_log_probs
 
 #: Train-state entries no step changes: a LoRA run's base, --objective dpo's reference.
@@ -297,6 +298,47 @@ def skip_nonfinite(state, update: Callable, metrics):
     kept |= {k: state[k] for k in FROZEN if k in state}  # never updated
     kept["step"] = new_state["step"]
     return kept, {**metrics, "skipped": jnp.where(ok, 0, 1).astype(jnp.int32)}
+
+
+def make_grpo_step(setup: Setup):
+    """The jitted GRPO step (``--objective grpo``): ``(state, batch) -> (state, metrics)``,
+    ``batch`` a rollout's ``inputs``, ``targets`` and per-token ``advantages`` (and ``old``
+    log-probabilities where a rollout trains more than one step), each ``(B, T)``; the
+    reference's log-probabilities are taken inside it where ``--kl-beta`` is positive.
+    Donates the old state."""
+    graphdef, tx, schedule, g = setup.graphdef, setup.tx, setup.schedule, setup.cfg.grpo
+    options = dict(kl_beta=g.kl_beta, clip_eps=g.clip_eps, loss_norm=g.loss_norm, max_new_tokens=g.max_new_tokens)
+
+    def step(state, batch):
+        params, base = state["params"], state.get(BASE)
+        key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), state["step"])
+        x, y = batch["inputs"], batch["targets"]
+        reference = grpo.reference_token_log_probs(graphdef, state, x, y) if g.kl_beta > 0 else None
+        loss = functools.partial(grpo.grpo_loss, advantages=batch["advantages"], old=batch.get("old"), reference=reference,
+                                 **options)  # fmt: skip
+        (value, extras), grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, x, y, key, loss, base), has_aux=True)(params)
+        grads = jax.lax.with_sharding_constraint(grads, setup.param_shardings)
+        metrics = {"loss": value, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]), **extras}
+
+        def update(params, opt_state):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return skip_nonfinite(state, update, metrics)
+
+    return DonatingStep(jax.jit(_under_rules(step, setup), in_shardings=(setup.state_shardings, setup.batch_sharding),
+                                out_shardings=(setup.state_shardings, None), donate_argnums=0,
+                                compiler_options=step_compiler_options(setup)))  # fmt: skip
+
+
+def make_policy_log_probs(setup: Setup):
+    """The jitted ``(state, batch) -> (B, T)`` per-token log-probabilities of the policy (no
+    gradient): a rollout's ``old`` ones, for ``--grpo-iterations`` above 1."""
+    def run(state, batch):
+        return grpo.policy_token_log_probs(setup.graphdef, state, batch["inputs"], batch["targets"])
+
+    return jax.jit(_under_rules(run, setup), in_shardings=(setup.state_shardings, setup.batch_sharding),
+                   out_shardings=setup.batch_sharding)  # fmt: skip
 
 
 def make_eval_step(setup: Setup):
