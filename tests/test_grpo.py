@@ -200,6 +200,7 @@ def test_grpo_runs_logs_rewards_and_resumes_exactly(tmp_path):
     quiet_train(_grpo_cfg(tmp_path, "resumed", mesh="fsdp=2,model=4", grpo__iterations=2))
     resumed = read_metrics(tmp_path / "resumed")
     assert full[1]["reward"] == full[0]["reward"] and full[2]["reward"] != full[1]["reward"]  # a rollout per 2 steps
+    assert abs(full[0]["kl"]) < 1e-6 < full[-1]["kl"]  # the reference is the starting model: KL 0 before any update
     for key in ("loss", "reward", "kl", "clip_fraction"):
         np.testing.assert_allclose([r[key] for r in resumed], [r[key] for r in full], rtol=1e-5, err_msg=key)
 
@@ -234,3 +235,16 @@ def test_grpo_settings_it_cannot_run_are_one_line(tmp_path, capsys, extra, probl
             "--run-dir", str(tmp_path / "run"), *extra]  # fmt: skip
     code, _, err = run_main(capsys, argv)
     assert code == 2 and problem in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_grpo_under_lora_takes_the_base_as_its_reference(tmp_path):
+    """With --lora-rank the reference is the base with the adapters off (no copy in the
+    state): the KL is 0 at the first step (the adapters start at zero) and grows as they train."""
+    from test_train import quiet_train
+
+    from nnxscale.training.rundir import read_metrics
+
+    _reward_file(tmp_path)
+    quiet_train(_grpo_cfg(tmp_path, "lora", mesh="data=8", steps=3, lora__rank=4, optim__lr=5e-2))
+    records = read_metrics(tmp_path / "lora")
+    assert abs(records[0]["kl"]) < 1e-6 < records[-1]["kl"], [r["kl"] for r in records]
