@@ -248,3 +248,39 @@ def test_grpo_under_lora_takes_the_base_as_its_reference(tmp_path):
     quiet_train(_grpo_cfg(tmp_path, "lora", mesh="data=8", steps=3, lora__rank=4, optim__lr=5e-2))
     records = read_metrics(tmp_path / "lora")
     assert abs(records[0]["kl"]) < 1e-6 < records[-1]["kl"], [r["kl"] for r in records]
+
+
+def test_grpo_prompts_as_messages_open_the_assistants_turn(tmp_path):
+    """Prompt rows given as messages are rendered by the model's chat template with the
+    assistant's turn opened (Llama 3's template: the prompt ends with its assistant header);
+    the template's end of turn ends a completion."""
+    import json
+    import shutil
+
+    from test_chat import byte_tokenizer
+    from test_train import quiet_train
+
+    from nnxscale.models import llama
+
+    tok = byte_tokenizer(tmp_path / "tok", "<|eot_id|>", "<|begin_of_text|>", template_field="llama3.jinja")
+    config = llama.preset("llama-tiny", vocab_size=272, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    hf = tmp_path / "Llama-chat"
+    llama.save_pretrained(llama.Llama(config, rngs=nnx.Rngs(3)), hf)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok / name, hf / name)
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) + "\n"
+                                                 for i in range(4)))  # fmt: skip
+    cfg = _grpo_cfg(tmp_path, "chat", model=str(hf), mesh="data=8", steps=1, data__data=str(tmp_path / "chat.jsonl"),
+                    data__seq_len=96, grpo__max_new_tokens=8, grpo__reward=("regex:[a-z]",))  # fmt: skip
+    quiet_train(cfg)
+    sample = json.loads((tmp_path / "chat" / "rollouts.jsonl").read_text().splitlines()[0])["samples"][0]
+    assert sample["prompt"].endswith("<|start_header_id|>assistant<|end_header_id|>\n\n"), sample["prompt"]
+    assert "hi " in sample["prompt"]
+    from nnxscale.data import text
+    from nnxscale.training import loop
+    from nnxscale.training.state import setup
+
+    tokenizer = text.load_tokenizer(hf)
+    inputs = loop._Prompts.load(cfg, setup(cfg, ignored_targets=True), tokenizer, lambda _: None)
+    assert tokenizer.token_id("<|eot_id|>") in inputs.stop
