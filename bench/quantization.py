@@ -18,7 +18,8 @@ rest of the table is in docs/quantization.md with the date it was run.
 FP8: each row is the same run planned without and with ``--fp8`` (the stacked layers' linear
 products on FP8 operands), ``--remat full``, bfloat16 compute; the ratio is bfloat16's predicted
 step time over FP8's (the tokens/s speed-up). The baseline to compare it with is torchtitan's
-published Float8 speed-up for Llama 3.1 8B on 8 H100s (docs/performance.md, Table 1: FSDP +
+published Float8 speed-up for Llama 3.1 8B on 8 H100s (benchmarks/llama3_h100_202412_torchtitan.md,
+docs/performance.md in earlier versions; Table 1: FSDP +
 torch.compile 6,667 tokens/s per GPU, with Float8 8,532: 1.28x; the issue quotes 5,762 to 7,186,
 1.25x): a measured run, on 500 W H100s with 96 GB of HBM2e, where ours is a prediction for
 700 W H100 SXM.
