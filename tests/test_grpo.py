@@ -237,9 +237,12 @@ def test_grpo_settings_it_cannot_run_are_one_line(tmp_path, capsys, extra, probl
     assert code == 2 and problem in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_grpo_under_lora_takes_the_base_as_its_reference(tmp_path):
+def test_grpo_under_lora_takes_the_base_as_its_reference(tmp_path, capsys):
     """With --lora-rank the reference is the base with the adapters off (no copy in the
-    state): the KL is 0 at the first step (the adapters start at zero) and grows as they train."""
+    state): the KL is 0 at the first step (the adapters start at zero) and grows as they
+    train. ``sample`` continues a prompt from the run (its batch counts completions: sampling
+    sizes its own)."""
+    from test_cli import run_main
     from test_train import quiet_train
 
     from nnxscale.training.rundir import read_metrics
@@ -248,6 +251,9 @@ def test_grpo_under_lora_takes_the_base_as_its_reference(tmp_path):
     quiet_train(_grpo_cfg(tmp_path, "lora", mesh="data=8", steps=3, lora__rank=4, optim__lr=5e-2))
     records = read_metrics(tmp_path / "lora")
     assert abs(records[0]["kl"]) < 1e-6 < records[-1]["kl"], [r["kl"] for r in records]
+    code, out, err = run_main(capsys, ["sample", "--run-dir", str(tmp_path / "lora"), "--prompt", "Q1: say it\nA:",
+                                       "--max-new-tokens", "4"])  # fmt: skip
+    assert code == 0 and out.startswith("Q1: say it"), err
 
 
 def test_grpo_prompts_as_messages_open_the_assistants_turn(tmp_path):

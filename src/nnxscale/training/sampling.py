@@ -71,7 +71,9 @@ def restore_model(run_dir, model: Optional[Callable], warn: Callable[[str], None
     rows = math.prod(n for a, n in zip(mesh.axis_names, mesh.devices.shape) if a in BATCH_AXES)
     s = setup(with_overrides(cfg, {"parallel.mesh": format_mesh(dict(zip(mesh.axis_names, mesh.devices.shape))),
                                  "parallel.microbatches": None, "parallel.pipeline_repeats": 1,
-                                 "data.document_mask": False, "data.batch_size": rows, "optim.grad_accum": 1}),
+                                 "data.document_mask": False, "data.batch_size": rows, "optim.grad_accum": 1,
+                                 # a GRPO run's batch counts its groups' completions: sampling needs only its model
+                                 "objective": "lm" if cfg.objective == "grpo" else cfg.objective}),
               mesh=mesh, model=model, recorded=recorded)  # fmt: skip
     with Checkpointer(checkpoint_dir(run_dir), async_save=False) as ckpt:
         step, state, extras = ckpt.restore_intact({"params": s.abstract["params"]}, warn=warn, part=True)
