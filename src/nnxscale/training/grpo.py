@@ -37,7 +37,7 @@ moves away from 1, clipped.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,12 +45,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nnxscale.layers import lora
 from nnxscale.layers.loss import CHUNK_BYTES, fewest_chunks, token_shards
 from nnxscale.models import hidden_and_weights
-from nnxscale.training.adapters import BASE, merge_params, model_params
-from nnxscale.training.config import GRPO_LOSS_NORMS
-from nnxscale.training.preference import REFERENCE, strided
+from nnxscale.training.adapters import model_params
+from nnxscale.training.config import GRPO_LOSS_NORMS, GrpoSettings
+from nnxscale.training.preference import on_reference, strided
 
 #: The loss normalizations of ``--loss-norm`` (see the module docstring); the first is the default.
 LOSS_NORMS = GRPO_LOSS_NORMS
@@ -143,16 +142,17 @@ def grpo_loss(model, inputs, targets, *, rngs=None, advantages, old=None, refere
     return loss, metrics
 
 
+def run_loss(settings: GrpoSettings):
+    """:func:`grpo_loss` with a run's ``--kl-beta``, ``--clip-eps``, ``--loss-norm`` and
+    ``--max-new-tokens``: the step gives it each batch's advantages (and old log-probabilities)."""
+    return functools.partial(grpo_loss, kl_beta=settings.kl_beta, clip_eps=settings.clip_eps, loss_norm=settings.loss_norm,
+                             max_new_tokens=settings.max_new_tokens)  # fmt: skip
+
+
 def reference_token_log_probs(graphdef, state, inputs, targets):
-    """The frozen reference's ``(B, T)`` per-token log-probabilities (no gradient): the
-    parameters the run started from (``state["reference"]``), or under LoRA the base with
-    the adapters off, as :func:`nnxscale.training.preference.reference_log_probs` says."""
-    if REFERENCE in state:
-        model = nnx.merge(graphdef, jax.lax.stop_gradient(state[REFERENCE]))
-        return token_log_probs(model, inputs, targets)[0]
-    with lora.disabled():
-        model = nnx.merge(graphdef, jax.lax.stop_gradient(merge_params(state[BASE], state["params"])))
-        return token_log_probs(model, inputs, targets)[0]
+    """The frozen reference's (:func:`nnxscale.training.preference.on_reference`) ``(B, T)``
+    per-token log-probabilities (no gradient)."""
+    return on_reference(graphdef, state, lambda model: token_log_probs(model, inputs, targets)[0])
 
 
 def policy_token_log_probs(graphdef, state, inputs, targets):
@@ -160,8 +160,3 @@ def policy_token_log_probs(graphdef, state, inputs, targets):
     ``old`` log-probabilities, taken before its first iteration."""
     model = nnx.merge(graphdef, jax.lax.stop_gradient(model_params(state)))
     return token_log_probs(model, inputs, targets)[0]
-
-
-def check_loss_norm(loss_norm: str) -> Optional[str]:
-    """``None`` where ``loss_norm`` is known, else the one-line reason."""
-    return None if loss_norm in LOSS_NORMS else f"--loss-norm must be one of {', '.join(LOSS_NORMS)}, got {loss_norm!r}"

@@ -57,7 +57,7 @@ from nnxscale.training.rundir import (
 from nnxscale.training.state import (
     Setup, describe_pipeline, init_state, load_init_params, pipeline_notes, run_order, saved_order, setup,
 )  # fmt: skip
-from nnxscale.training.step import make_eval_step, make_grpo_step, make_policy_log_probs, make_train_step, step_compiler_options
+from nnxscale.training.step import make_eval_step, make_policy_log_probs, make_train_step, step_compiler_options
 
 #: Training steps dispatched ahead of the host: enough to overlap host and device; XLA:CPU's
 #: in-process collectives deadlock with ~100 queued steps.
@@ -573,7 +573,7 @@ class _GrpoRun(_Run):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.step_fn, self.old_fn = make_grpo_step(self.s), make_policy_log_probs(self.s)
+        self.old_fn = make_policy_log_probs(self.s)  # the step is make_train_step's: it binds the batch's advantages
         self.batch, self.host = None, {}
         self.predicted = True  # the GRPO step's batch is not the planner's: no prediction
         self.rollouts_path = Path(self.cfg.run_dir) / "rollouts.jsonl"
@@ -640,10 +640,7 @@ class _GrpoRun(_Run):
         """The rollout the steps since the last one train on, as :meth:`rollout` kept it."""
         made = self.step - self.step % self.cfg.grpo.iterations
         arrays, record = rollout.kept(self.kept_dir, made)
-        old = arrays.pop("old")
-        batch = datalib.to_global(arrays, self.s.batch_sharding)
-        batch["old"] = datalib.to_global({"old": old}, self.s.batch_sharding)["old"]
-        return batch, record
+        return datalib.to_global(arrays, self.s.batch_sharding), record
 
 
 def _progress_info(record: dict) -> str:

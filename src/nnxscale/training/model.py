@@ -26,7 +26,7 @@ from nnxscale.models import (
     pretrained_family,
 )  # fmt: skip
 from nnxscale.training.config import ConfigError, TrainConfig, flag
-from nnxscale.training.grpo import grpo_loss
+from nnxscale.training.grpo import run_loss
 from nnxscale.training.preference import dpo_loss
 
 #: TrainConfig fields that set a family's config (see ``ModelFamily.run_options``).
@@ -225,8 +225,8 @@ def run_model(
     if cfg.objective == "dpo":
         objective = functools.partial(dpo_loss, beta=cfg.dpo_beta, separator=separator)
         ignored_targets = True
-    if cfg.objective == "grpo":  # the step binds each rollout's advantages (nnxscale.training.step.make_grpo_step)
-        objective, ignored_targets = grpo_loss, True
+    if cfg.objective == "grpo":  # the step binds each rollout's advantages (and old log-probabilities) from its batch
+        objective, ignored_targets = run_loss(cfg.grpo), True
     build = with_fp8(with_adapters(lambda rngs: family.build(config, rngs=rngs), spec), cfg.model.fp8)
     # DPO's reference, and GRPO's for its KL penalty: under LoRA the base itself (no copy)
     reference = cfg.objective == "dpo" or (cfg.objective == "grpo" and cfg.grpo.kl_beta > 0)

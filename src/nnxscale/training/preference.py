@@ -92,15 +92,18 @@ def dpo_loss(model, inputs, targets, *, rngs=None, reference, beta: float, separ
     return loss, metrics
 
 
-def reference_log_probs(graphdef, state, inputs, targets, *, separator: Optional[int] = None):
-    """The frozen reference's ``(B,)`` log-probabilities of a batch (no gradient flows).
+def on_reference(graphdef, state, fn):
+    """``fn(model)`` for the frozen reference model (no gradient flows into it).
 
     The reference is ``state["reference"]``, the parameters the run started from; in a LoRA
     run (no such entry) it is ``state["base"]`` with the adapters off.
     """
     if REFERENCE in state:
-        model = nnx.merge(graphdef, jax.lax.stop_gradient(state[REFERENCE]))
-        return sequence_log_probs(model, inputs, targets, separator=separator)[0]
+        return fn(nnx.merge(graphdef, jax.lax.stop_gradient(state[REFERENCE])))
     with lora.disabled():  # the adapters stay in the graph (its structure) but add nothing
-        model = nnx.merge(graphdef, jax.lax.stop_gradient(merge_params(state[BASE], state["params"])))
-        return sequence_log_probs(model, inputs, targets, separator=separator)[0]
+        return fn(nnx.merge(graphdef, jax.lax.stop_gradient(merge_params(state[BASE], state["params"]))))
+
+
+def reference_log_probs(graphdef, state, inputs, targets, *, separator: Optional[int] = None):
+    """The frozen reference's (:func:`on_reference`) ``(B,)`` log-probabilities of a batch."""
+    return on_reference(graphdef, state, lambda model: sequence_log_probs(model, inputs, targets, separator=separator)[0])

@@ -58,7 +58,9 @@ def loss_fn(graphdef, params, inputs, targets, key, loss: Callable, base=None):
 
 
 def make_train_step(setup: Setup, *, vote: bool = False):
-    """The jitted step: ``(state, batch) -> (state, metrics)``; donates the old state.
+    """The jitted step: ``(state, batch) -> (state, metrics)``; donates the old state. A
+    batch's entries beside ``inputs`` and ``targets`` (a GRPO rollout's ``advantages`` and
+    ``old`` log-probabilities, each ``(B, T)``) go to the objective as keyword arguments.
 
     ``vote``: the step takes a third argument, every process's stop request
     (:meth:`nnxscale.jobs.distributed.StopVote.ballot`), and ``metrics["stop"]`` is the largest:
@@ -68,6 +70,7 @@ def make_train_step(setup: Setup, *, vote: bool = False):
     graphdef, tx, schedule, objective = setup.graphdef, setup.tx, setup.schedule, setup.model.loss
     accum, separator, ignored = setup.cfg.optim.grad_accum, setup.model.separator, setup.model.ignored_targets
     replicas = replica_axes(setup) if accum > 1 else ()
+    reference_of = reference_step_log_probs(setup)
     grad_fn = jax.value_and_grad(lambda p, x, y, k, base=None: loss_fn(graphdef, p, x, y, k, objective, base), has_aux=True)
     if setup.pipeline is not None and setup.pipeline.one_f_one_b:  # the schedule computes the gradients itself
         grad_fn = functools.partial(pipeline_value_and_grad, objective, graphdef, pipeline=setup.pipeline, mesh=setup.mesh,
@@ -78,10 +81,12 @@ def make_train_step(setup: Setup, *, vote: bool = False):
         key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), state["step"])
         x, y = batch["inputs"], batch["targets"]  # (B, T) int32
         frozen = {} if base is None else {"base": base}
-        if setup.model.reference:  # --objective dpo (no micro-batches: they would split the pairs)
-            reference = reference_log_probs(graphdef, state, x, y, separator=separator)
-            dpo = functools.partial(objective, reference=reference)
-            (loss, extras), grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, x, y, key, dpo, base), has_aux=True)(params)
+        bound = {k: v for k, v in batch.items() if k not in ("inputs", "targets")}  # a GRPO rollout's advantages (and old)
+        if setup.model.reference:
+            bound["reference"] = reference_of(graphdef, state, x, y)
+        if bound:  # --objective dpo or grpo (no micro-batches: they would split the pairs, or the groups)
+            fn = functools.partial(objective, **bound)
+            (loss, extras), grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, x, y, key, fn, base), has_aux=True)(params)
         elif accum == 1:
             (loss, extras), grads = grad_fn(params, x, y, key, **frozen)
         else:
@@ -300,35 +305,12 @@ def skip_nonfinite(state, update: Callable, metrics):
     return kept, {**metrics, "skipped": jnp.where(ok, 0, 1).astype(jnp.int32)}
 
 
-def make_grpo_step(setup: Setup):
-    """The jitted GRPO step (``--objective grpo``): ``(state, batch) -> (state, metrics)``,
-    ``batch`` a rollout's ``inputs``, ``targets`` and per-token ``advantages`` (and ``old``
-    log-probabilities where a rollout trains more than one step), each ``(B, T)``; the
-    reference's log-probabilities are taken inside it where ``--kl-beta`` is positive.
-    Donates the old state."""
-    graphdef, tx, schedule, g = setup.graphdef, setup.tx, setup.schedule, setup.cfg.grpo
-    options = dict(kl_beta=g.kl_beta, clip_eps=g.clip_eps, loss_norm=g.loss_norm, max_new_tokens=g.max_new_tokens)
-
-    def step(state, batch):
-        params, base = state["params"], state.get(BASE)
-        key = jax.random.fold_in(jax.random.wrap_key_data(state["key"]), state["step"])
-        x, y = batch["inputs"], batch["targets"]
-        reference = grpo.reference_token_log_probs(graphdef, state, x, y) if g.kl_beta > 0 else None
-        loss = functools.partial(grpo.grpo_loss, advantages=batch["advantages"], old=batch.get("old"), reference=reference,
-                                 **options)  # fmt: skip
-        (value, extras), grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, x, y, key, loss, base), has_aux=True)(params)
-        grads = jax.lax.with_sharding_constraint(grads, setup.param_shardings)
-        metrics = {"loss": value, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]), **extras}
-
-        def update(params, opt_state):
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        return skip_nonfinite(state, update, metrics)
-
-    return DonatingStep(jax.jit(_under_rules(step, setup), in_shardings=(setup.state_shardings, setup.batch_sharding),
-                                out_shardings=(setup.state_shardings, None), donate_argnums=0,
-                                compiler_options=step_compiler_options(setup)))  # fmt: skip
+def reference_step_log_probs(setup: Setup) -> Callable:
+    """``(graphdef, state, inputs, targets) -> log-probabilities`` of the run's reference, as
+    its objective takes them: per row for DPO, per token for GRPO's KL penalty."""
+    if setup.cfg.objective == "grpo":
+        return grpo.reference_token_log_probs
+    return functools.partial(reference_log_probs, separator=setup.model.separator)
 
 
 def make_policy_log_probs(setup: Setup):
@@ -344,13 +326,14 @@ def make_policy_log_probs(setup: Setup):
 def make_eval_step(setup: Setup):
     """The jitted evaluation: ``(state, batch) -> loss`` (the train state: a LoRA run's frozen
     base and DPO's reference are in it)."""
-    graphdef, objective, separator = setup.graphdef, setup.model.loss, setup.model.separator
+    graphdef, objective = setup.graphdef, setup.model.loss
+    reference_of = reference_step_log_probs(setup)
 
     def evaluate(state, batch):
         x, y = batch["inputs"], batch["targets"]
         fn = objective
         if setup.model.reference:
-            fn = functools.partial(objective, reference=reference_log_probs(graphdef, state, x, y, separator=separator))
+            fn = functools.partial(objective, reference=reference_of(graphdef, state, x, y))
         return loss_fn(graphdef, state["params"], x, y, None, fn, state.get(BASE))[0]
 
     return jax.jit(_under_rules(evaluate, setup), in_shardings=(setup.state_shardings, setup.batch_sharding))
